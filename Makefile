@@ -1,0 +1,28 @@
+# Two commands for a new user: `make run` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## Run the gateway on 127.0.0.1:8080 in front of the built-in upstream simulator, data in ./data
+run: $(STAMP)
+	$(BIN)/codebuddy2api serve --host 127.0.0.1 --port 8080 --data-dir ./data
+
+## Install and run the whole test suite
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) data .pytest_cache

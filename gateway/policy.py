@@ -1,0 +1,32 @@
+"""The per-request policy snapshot: every knob a request obeys, frozen when it starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.settings import Settings, StreamMode
+
+
+@dataclass(frozen=True, slots=True)
+class StreamPolicy:
+    """What one generation request runs under. Taken once, never re-read mid-stream."""
+
+    mode: StreamMode
+    max_collect_bytes: int
+    tool_repair_attempts: int
+    keepalive_interval: float
+    connect_timeout: float
+    first_byte_timeout: float
+    idle_timeout: float
+
+    @classmethod
+    def snapshot(cls, settings: Settings) -> StreamPolicy:
+        return cls(
+            mode=settings.stream_mode,
+            max_collect_bytes=settings.max_collect_bytes,
+            tool_repair_attempts=settings.tool_repair_attempts,
+            keepalive_interval=settings.keepalive_interval,
+            connect_timeout=settings.connect_timeout,
+            first_byte_timeout=settings.first_byte_timeout,
+            idle_timeout=settings.idle_timeout,
+        )

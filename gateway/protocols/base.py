@@ -1,0 +1,94 @@
+"""What every protocol room provides, and the pieces they share.
+
+A room (``chat``, ``responses``, ``messages``) parses its request into a
+:class:`ParsedRequest` (the upstream chat body plus what the encoder and the validator
+need), encodes canonical events into its SSE frames, builds its JSON answer, and renders
+a :class:`~gateway.errors.GatewayError` in its own error shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+from pydantic import ValidationError
+
+from gateway.errors import GatewayError, invalid_request
+from gateway.stream.accumulator import ToolRules
+from gateway.stream.events import Completion, Event
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """A validated client request, translated for the upstream."""
+
+    protocol: str
+    model: str
+    stream: bool
+    upstream_body: dict[str, Any]  # the Chat Completions body, minus stream settings
+    rules: ToolRules = field(default_factory=ToolRules)
+    extra: dict[str, Any] = field(default_factory=dict)  # room-specific facts for its encoder
+
+
+class StreamEncoder(Protocol):
+    """Canonical events -> this protocol's SSE bytes, for one response."""
+
+    def start(self) -> bytes:
+        """The frames that open the stream (sent when the status line is committed)."""
+
+    def encode(self, event: Event) -> bytes:
+        """One event's frames (possibly none)."""
+
+
+class ProtocolRoom(Protocol):
+    name: str
+    #: True when a block must close before the next starts (realtime holds back).
+    sequential_blocks: bool
+
+    def parse(self, body: bytes, query: dict[str, str]) -> ParsedRequest: ...
+
+    def encoder(self, request: ParsedRequest, response_id: str) -> StreamEncoder: ...
+
+    def new_response_id(self) -> str: ...
+
+    def json_body(self, request: ParsedRequest, response_id: str, completion: Completion) -> dict: ...
+
+    def error_body(self, error: GatewayError) -> dict: ...
+
+
+def load_json_object(body: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a named 400."""
+    if not body.strip():
+        raise invalid_request("the request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise invalid_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(value, dict):
+        raise invalid_request("the request body must be a JSON object", code="invalid_json")
+    return value
+
+
+def validation_error(exc: ValidationError) -> GatewayError:
+    """A pydantic error as a 400 naming the first offending field."""
+    err = exc.errors()[0]
+    param = ".".join(str(p) for p in err["loc"]) or None
+    if err["type"] == "missing":
+        message = f"missing required parameter: {param!r}"
+        code = "missing_required_parameter"
+    else:
+        message = f"invalid value for {param!r}: {err['msg']}"
+        code = "invalid_type" if err["type"].endswith("_type") else "invalid_value"
+    return invalid_request(message, param=param, code=code)
+
+
+def sse(data: bytes, event: str | None = None) -> bytes:
+    """One SSE frame. ``data`` must be a single line (compact JSON is)."""
+    if event is None:
+        return b"data: " + data + b"\n\n"
+    return b"event: " + event.encode() + b"\ndata: " + data + b"\n\n"
+
+
+def dumps(value: Any) -> bytes:
+    return orjson.dumps(value)

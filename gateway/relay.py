@@ -1,0 +1,366 @@
+"""The one place that wires a generation request, and the only request-path code doing I/O.
+
+parse (protocol room) -> policy snapshot -> upstream producer task -> accumulator ->
+realtime scheduler | compatible collect-and-replay -> encoder -> ASGI send -> record.
+
+The upstream is read by a producer task into a small queue; the consumer waits on the
+queue with the keepalive interval as its timeout, so a silent upstream turns into native
+keepalive events, and a client disconnect cancels the consumer, which cancels the
+producer, which closes the upstream response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from gateway.errors import GatewayError
+from gateway.policy import StreamPolicy
+from gateway.protocols.base import ParsedRequest, ProtocolRoom, StreamEncoder
+from gateway.settings import LiveSettings, StreamMode
+from gateway.stream.accumulator import ChatSSEAccumulator
+from gateway.stream.compatible import replay
+from gateway.stream.events import KEEPALIVE, Completion, Error, Event
+from gateway.stream.realtime import RealtimeScheduler
+from gateway.upstream.client import ANSWERED, DONE, UpstreamClient, UpstreamItem, UpstreamTarget
+
+SSE_HEADERS = {
+    "content-type": "text/event-stream; charset=utf-8",
+    "cache-control": "no-cache",
+    "x-accel-buffering": "no",
+}
+
+
+class _End:
+    """The producer finished reading the upstream."""
+
+
+_END = _End()
+_TIMEOUT = object()
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What one generation request did; handed to the record sink exactly once."""
+
+    request_id: str
+    protocol: str
+    started_at: float
+    mode: str = ""
+    streamed: bool = False
+    model: str = ""
+    outcome: str = "error"  # success | error | cancelled | invalid
+    error_code: str | None = None
+    http_status: int = 200
+    finish_reason: str | None = None
+    ttfb_ms: float | None = None
+    duration_ms: float = 0.0
+    output_bytes: int = 0
+    tool_calls: int = 0
+    keepalives: int = 0
+    usage: dict[str, int] = field(default_factory=dict)
+    upstream_attempts: list[dict[str, Any]] = field(default_factory=list)
+
+
+RecordSink = Callable[[RequestRecord], None]
+
+
+class Relay:
+    """Serves generation requests for every protocol room."""
+
+    def __init__(
+        self,
+        live: LiveSettings,
+        upstream: UpstreamClient,
+        target: Callable[[], UpstreamTarget],
+        sink: RecordSink,
+    ) -> None:
+        self.live = live
+        self.upstream = upstream
+        self.target = target
+        self.sink = sink
+
+    async def handle(self, room: ProtocolRoom, request: Request) -> Response | GenerationResponse:
+        record = RequestRecord(
+            request_id="req_" + secrets.token_hex(12), protocol=room.name, started_at=time.time()
+        )
+        policy = StreamPolicy.snapshot(self.live.current)
+        record.mode = policy.mode.value
+        headers = {"x-request-id": record.request_id}
+        try:
+            parsed = room.parse(await request.body(), dict(request.query_params))
+        except GatewayError as err:
+            record.outcome = "invalid"
+            return self._error_response(room, err, record, headers)
+        record.model = parsed.model
+        record.streamed = parsed.stream
+        run = GenerationRun(self, room, parsed, policy, record)
+        if not parsed.stream:
+            try:
+                completion = await run.collect()
+            except GatewayError as err:
+                return self._error_response(room, err, record, headers)
+            except asyncio.CancelledError:
+                record.outcome = "cancelled"
+                self._finish(record)
+                raise
+            run.note_completion(completion)
+            record.outcome = "success"
+            self._finish(record)
+            body = room.json_body(parsed, run.response_id, completion)
+            return JSONResponse(body, headers=headers)
+        return GenerationResponse(run, headers, self)
+
+    def _error_response(
+        self, room: ProtocolRoom, err: GatewayError, record: RequestRecord, headers: dict[str, str]
+    ) -> Response:
+        if record.outcome != "invalid":
+            record.outcome = "error"
+        record.error_code = err.code
+        record.http_status = err.status
+        self._finish(record)
+        return error_response(room, err, headers)
+
+    def _finish(self, record: RequestRecord) -> None:
+        record.duration_ms = (time.time() - record.started_at) * 1000
+        self.sink(record)
+
+
+def error_response(room: ProtocolRoom, err: GatewayError, headers: dict[str, str] | None = None) -> Response:
+    """A protocol-shaped error with its real HTTP status (and Retry-After when known)."""
+    out = dict(headers or {})
+    if err.retry_after is not None:
+        out["retry-after"] = str(err.retry_after)
+    return JSONResponse(room.error_body(err), status_code=err.status, headers=out)
+
+
+class GenerationRun:
+    """One generation: the upstream producer and the mode-specific consumer."""
+
+    def __init__(
+        self, relay: Relay, room: ProtocolRoom, parsed: ParsedRequest, policy: StreamPolicy, record: RequestRecord
+    ) -> None:
+        self.relay = relay
+        self.room = room
+        self.parsed = parsed
+        self.policy = policy
+        self.record = record
+        self.response_id = room.new_response_id()
+        self.encoder: StreamEncoder = room.encoder(parsed, self.response_id)
+        self._queue: asyncio.Queue[UpstreamItem | _End | GatewayError] = asyncio.Queue(maxsize=64)
+        self._producer: asyncio.Task[None] | None = None
+
+    # -- the upstream leg --------------------------------------------------------------
+
+    async def _produce(self, target: UpstreamTarget) -> None:
+        started = time.monotonic()
+        attempt: dict[str, Any] = {"status": None}
+        self.record.upstream_attempts.append(attempt)
+        put = self._queue.put
+        try:
+            async for item in self.relay.upstream.stream_chat(target, self.parsed.upstream_body, self.policy):
+                if item is ANSWERED:
+                    attempt["status"] = 200
+                await put(item)
+            await put(_END)
+        except GatewayError as err:
+            attempt["error"] = err.code
+            await put(err)
+        except Exception as exc:  # a bug of ours: report it, never hang the consumer
+            await put(GatewayError("internal", "internal_error", f"internal error: {type(exc).__name__}"))
+        finally:
+            attempt["duration_ms"] = round((time.monotonic() - started) * 1000, 1)
+
+    def _start_upstream(self) -> None:
+        self._producer = asyncio.create_task(self._produce(self.relay.target()))
+
+    async def _stop_upstream(self) -> None:
+        if self._producer is not None and not self._producer.done():
+            self._producer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._producer
+
+    async def _next(self) -> UpstreamItem | _End | GatewayError | object:
+        if not self._queue.empty():
+            return self._queue.get_nowait()
+        try:
+            return await asyncio.wait_for(self._queue.get(), self.policy.keepalive_interval)
+        except TimeoutError:
+            return _TIMEOUT
+
+    # -- consumers ---------------------------------------------------------------------
+
+    def _accumulator(self) -> ChatSSEAccumulator:
+        return ChatSSEAccumulator(self.policy.max_collect_bytes, self.parsed.rules)
+
+    async def collect(self) -> Completion:
+        """Compatible/JSON path without a client stream: the whole validated answer."""
+        self._start_upstream()
+        acc = self._accumulator()
+        try:
+            while True:
+                item = await self._queue.get()
+                if isinstance(item, GatewayError):
+                    raise item
+                if item is _END:
+                    break
+                if item is DONE:
+                    acc.feed_done()
+                elif isinstance(item, dict):
+                    acc.feed(item)
+            return acc.seal()
+        finally:
+            self.record.output_bytes = acc.retained_bytes
+            await self._stop_upstream()
+
+    def note_completion(self, completion: Completion) -> None:
+        self.record.finish_reason = completion.finish_reason
+        self.record.tool_calls = len(completion.tool_calls)
+        if completion.usage:
+            u = completion.usage
+            self.record.usage = {
+                "prompt_tokens": u.prompt_tokens,
+                "completion_tokens": u.completion_tokens,
+                "reasoning_tokens": u.reasoning_tokens,
+                "cached_tokens": u.cached_tokens,
+            }
+
+    async def stream(self) -> AsyncIterator[bytes | GatewayError]:
+        """The client's stream: a GatewayError first means 'not committed, answer with a
+        status'; otherwise bytes, the first of which commit a 200."""
+        self._start_upstream()
+        acc = self._accumulator()
+        scheduler = RealtimeScheduler(self.room.sequential_blocks) if self.policy.mode is StreamMode.REALTIME else None
+        encode = self.encoder.encode
+        committed = False
+        try:
+            while True:
+                item = await self._next()
+                if item is _TIMEOUT:
+                    self.record.keepalives += 1
+                    out = encode(KEEPALIVE)
+                    if not committed:
+                        committed = True
+                        out = self.encoder.start() + out
+                    yield out
+                    continue
+                if isinstance(item, GatewayError):
+                    raise item
+                if item is ANSWERED:
+                    if not committed:
+                        committed = True
+                        yield self.encoder.start()
+                    continue
+                if item is _END:
+                    break
+                if item is DONE:
+                    acc.feed_done()
+                    continue
+                assert isinstance(item, dict)
+                pieces = acc.feed(item)
+                if scheduler is not None and pieces:
+                    events = scheduler.push(pieces)
+                    if events:
+                        yield self._encode_all(events)
+            completion = acc.seal()
+            self.note_completion(completion)
+            if scheduler is not None:
+                events = scheduler.finish(acc.sealed_slots, completion.finish_reason, completion.usage)
+            else:
+                events = replay(completion)
+            out = self._encode_all(events)
+            if not committed:
+                committed = True
+                out = self.encoder.start() + out
+            self.record.outcome = "success"
+            yield out
+        except GatewayError as err:
+            self.record.outcome = "error"
+            self.record.error_code = err.code
+            if committed:
+                yield encode(Error(err))
+            else:
+                self.record.http_status = err.status
+                yield err
+        finally:
+            self.record.output_bytes = acc.retained_bytes
+            await self._stop_upstream()
+
+    def _encode_all(self, events: list[Event]) -> bytes:
+        encode = self.encoder.encode
+        return b"".join([encode(e) for e in events])
+
+
+class GenerationResponse:
+    """ASGI response for a streamed generation.
+
+    Holds the status line until the run's first output: a GatewayError then becomes a
+    real HTTP error; bytes commit a 200 SSE stream. Races the stream against client
+    disconnect (as Starlette's StreamingResponse does) and records the request once.
+    """
+
+    def __init__(self, run: GenerationRun, headers: dict[str, str], relay: Relay) -> None:
+        self.run = run
+        self.headers = headers
+        self.relay = relay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        record = self.run.record
+        sender = asyncio.create_task(self._send_stream(send))
+        listener = asyncio.create_task(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({sender, listener}, return_when=asyncio.FIRST_COMPLETED)
+            if not sender.done():
+                record.outcome = "cancelled"
+                record.error_code = "client_disconnected"
+                sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sender
+        except asyncio.CancelledError:
+            record.outcome = "cancelled"
+            record.error_code = "client_disconnected"
+            sender.cancel()
+            raise
+        finally:
+            listener.cancel()
+            self.relay._finish(record)
+
+    async def _send_stream(self, send: Send) -> None:
+        record = self.run.record
+        started = False
+        async with contextlib.aclosing(self.run.stream()) as outputs:
+            async for out in outputs:
+                if isinstance(out, GatewayError):
+                    await error_response(self.run.room, out, self.headers)(
+                        {"type": "http"}, _no_receive, send
+                    )
+                    return
+                if not started:
+                    started = True
+                    record.ttfb_ms = round((time.time() - record.started_at) * 1000, 2)
+                    raw_headers = [(k.encode(), v.encode()) for k, v in (SSE_HEADERS | self.headers).items()]
+                    await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+        if started:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _no_receive() -> dict[str, Any]:
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

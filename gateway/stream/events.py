@@ -1,0 +1,116 @@
+"""Canonical stream events: what both modes emit and every protocol encoder consumes.
+
+A mode decides *when* an event is released; an encoder decides how it looks on the wire.
+Output is a sequence of *blocks* (reasoning, text, or one tool call), each opened by
+:class:`BlockStart`, fed by :class:`BlockDelta` and closed by :class:`BlockStop`.
+Block indexes are assigned in order of release, from 0, and never change. Encoders for
+protocols that cannot interleave blocks (Messages, Responses) are only ever given one
+open block at a time; the Chat encoder may see interleaved tool deltas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gateway.errors import GatewayError
+
+BlockKind = Literal["reasoning", "text", "tool"]
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter"]
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token usage as the upstream reported it (zeros where it did not)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    reasoning_tokens: int = 0
+    cached_tokens: int = 0
+
+    @classmethod
+    def from_upstream(cls, raw: dict) -> Usage:
+        prompt = int(raw.get("prompt_tokens") or 0)
+        completion = int(raw.get("completion_tokens") or 0)
+        details = raw.get("completion_tokens_details") or {}
+        prompt_details = raw.get("prompt_tokens_details") or {}
+        return cls(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=int(raw.get("total_tokens") or prompt + completion),
+            reasoning_tokens=int(details.get("reasoning_tokens") or 0),
+            cached_tokens=int(prompt_details.get("cached_tokens") or 0),
+        )
+
+
+@dataclass(slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(slots=True)
+class Completion:
+    """The whole validated answer: what compatible mode replays and JSON answers show."""
+
+    reasoning: str
+    text: str
+    tool_calls: list[ToolCall]
+    finish_reason: FinishReason
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStart:
+    index: int
+    kind: BlockKind
+    call_id: str | None = None
+    name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockDelta:
+    index: int
+    kind: BlockKind
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStop:
+    index: int
+    kind: BlockKind
+    content: str  # the block's whole content (text, reasoning, or tool arguments)
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    finish_reason: FinishReason
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    error: GatewayError
+
+
+@dataclass(frozen=True, slots=True)
+class Keepalive:
+    pass
+
+
+Event = BlockStart | BlockDelta | BlockStop | Finish | Error | Keepalive
+
+KEEPALIVE = Keepalive()
+
+
+@dataclass(slots=True)
+class BlockRecord:
+    """What an encoder remembers of a block it has emitted (for final objects)."""
+
+    index: int
+    kind: BlockKind
+    call_id: str | None = None
+    name: str | None = None
+    parts: list[str] = field(default_factory=list)

@@ -1,0 +1,183 @@
+"""Realtime mode: release output as soon as the client's protocol allows.
+
+:class:`RealtimeScheduler` turns the accumulator's pieces into canonical block events.
+Client-facing block indexes are assigned in order of release and never change. A tool
+call is released only once identified (id and name known); text never waits for it.
+
+``sequential=True`` is for protocols where a block must close before the next opens
+(Anthropic Messages, OpenAI Responses). There, while a tool block is open and its
+arguments are not yet a complete JSON object, anything else is held back in order; it
+is released as soon as the open tool's arguments complete, or at the terminal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.stream.accumulator import Piece, TextPiece, ToolArgs, ToolIdentified, ToolSlot
+from gateway.stream.events import (
+    BlockDelta,
+    BlockKind,
+    BlockStart,
+    BlockStop,
+    Event,
+    Finish,
+    Usage,
+)
+from gateway.stream.events import FinishReason
+
+
+@dataclass(slots=True)
+class _Block:
+    kind: BlockKind
+    slot: ToolSlot | None = None
+    index: int = -1  # assigned when started
+    parts: list[str] = field(default_factory=list)  # text blocks: everything so far
+    held: list[str] = field(default_factory=list)  # text of a held block, not yet sent
+
+
+class RealtimeScheduler:
+    """Pieces in, block events out; no I/O."""
+
+    def __init__(self, sequential: bool) -> None:
+        self.sequential = sequential
+        self._next_index = 0
+        self._open: list[_Block] = []  # started, not stopped (at most one when sequential)
+        self._held: list[_Block] = []  # sequential only: waiting for the open tool to finish
+        self._block_of_slot: dict[int, _Block] = {}
+
+    # -- input -------------------------------------------------------------------------
+
+    def push(self, pieces: list[Piece]) -> list[Event]:
+        out: list[Event] = []
+        for piece in pieces:
+            if isinstance(piece, TextPiece):
+                self._text(piece, out)
+            elif isinstance(piece, ToolIdentified):
+                self._tool_identified(piece.slot, out)
+            elif isinstance(piece, ToolArgs):
+                self._tool_args(piece.slot, out)
+        return out
+
+    def finish(self, sealed: list[ToolSlot], finish_reason: FinishReason, usage: Usage | None) -> list[Event]:
+        """Release slots identified only at the terminal, close everything, then Finish."""
+        out: list[Event] = []
+        for slot in sealed:
+            self._tool_identified(slot, out)
+        for block in list(self._open):
+            self._stop(block, out)
+        while self._held:
+            block = self._held.pop(0)
+            self._start(block, out)
+            self._stop(block, out)
+        out.append(Finish(finish_reason, usage))
+        return out
+
+    # -- cases -------------------------------------------------------------------------
+
+    def _text(self, piece: TextPiece, out: list[Event]) -> None:
+        if not self.sequential:
+            block = next((b for b in self._open if b.kind == piece.kind), None)
+            if block is None:
+                block = _Block(piece.kind)
+                self._start(block, out)
+            self._send(block, piece.text, out)
+            return
+        if self._held:
+            last = self._held[-1]
+            if last.kind != piece.kind:
+                last = _Block(piece.kind)
+                self._held.append(last)
+            last.held.append(piece.text)
+            return
+        active = self._open[0] if self._open else None
+        if active is not None and active.kind == piece.kind:
+            self._send(active, piece.text, out)
+            return
+        if active is not None and active.kind == "tool" and not self._tool_done(active):
+            self._held.append(_Block(piece.kind, held=[piece.text]))
+            return
+        if active is not None:
+            self._stop(active, out)
+        block = _Block(piece.kind)
+        self._start(block, out)
+        self._send(block, piece.text, out)
+
+    def _tool_identified(self, slot: ToolSlot, out: list[Event]) -> None:
+        block = _Block("tool", slot=slot)
+        self._block_of_slot[id(slot)] = block
+        if self.sequential:
+            active = self._open[0] if self._open else None
+            if self._held or (active is not None and active.kind == "tool" and not self._tool_done(active)):
+                self._held.append(block)
+                return
+            if active is not None:
+                self._stop(active, out)
+        self._start(block, out)
+        self._send_args(block, out)
+
+    def _tool_args(self, slot: ToolSlot, out: list[Event]) -> None:
+        block = self._block_of_slot.get(id(slot))
+        if block is None or block.index < 0:
+            return  # held: its arguments are taken from the slot when it starts
+        self._send_args(block, out)
+        if self.sequential and self._held and self._tool_done(block):
+            self._release_held(out)
+
+    def _release_held(self, out: list[Event]) -> None:
+        """The open tool finished: release held blocks until one must stay open."""
+        for block in list(self._open):
+            self._stop(block, out)
+        while self._held:
+            block = self._held.pop(0)
+            self._start(block, out)
+            if block.kind == "tool":
+                self._send_args(block, out)
+                if not self._tool_done(block):
+                    return
+            else:
+                for text in block.held:
+                    self._send(block, text, out)
+                block.held.clear()
+                if not self._held:
+                    return  # the newest text block stays open for more
+            self._stop(block, out)
+
+    # -- primitives --------------------------------------------------------------------
+
+    @staticmethod
+    def _tool_done(block: _Block) -> bool:
+        assert block.slot is not None
+        return block.slot.arguments_complete()
+
+    def _start(self, block: _Block, out: list[Event]) -> None:
+        block.index = self._next_index
+        self._next_index += 1
+        self._open.append(block)
+        slot = block.slot
+        out.append(
+            BlockStart(block.index, block.kind, slot.id if slot else None, slot.name if slot else None)
+        )
+
+    def _send(self, block: _Block, text: str, out: list[Event]) -> None:
+        block.parts.append(text)
+        out.append(BlockDelta(block.index, block.kind, text))
+
+    def _send_args(self, block: _Block, out: list[Event]) -> None:
+        assert block.slot is not None
+        text = block.slot.take_unreleased()
+        if text:
+            out.append(BlockDelta(block.index, "tool", text))
+
+    def _stop(self, block: _Block, out: list[Event]) -> None:
+        self._open.remove(block)
+        if block.kind == "tool":
+            assert block.slot is not None
+            self._send_args(block, out)
+            content = block.slot.arguments
+        else:
+            for text in block.held:
+                self._send(block, text, out)
+            block.held.clear()
+            content = "".join(block.parts)
+        out.append(BlockStop(block.index, block.kind, content))

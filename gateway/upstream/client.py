@@ -1,0 +1,158 @@
+"""The upstream leg: one pooled httpx client, SSE parsed with httpx-sse.
+
+The upstream is always asked for ``stream: true`` with ``include_usage``. Its failures
+are translated here, at the boundary, into :class:`~gateway.errors.GatewayError` with the
+most specific kind (so a 429 keeps its Retry-After, a 400 stays the client's fault).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+from httpx_sse import EventSource
+
+from gateway.errors import GatewayError
+from gateway.policy import StreamPolicy
+
+
+class Done:
+    """The upstream sent ``data: [DONE]``."""
+
+
+class Answered:
+    """The upstream answered 200 with its headers (the client's status may be committed)."""
+
+
+DONE = Done()
+ANSWERED = Answered()
+
+UpstreamItem = dict[str, Any] | Done | Answered
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamTarget:
+    """Where to send a request and with which credential."""
+
+    base_url: str
+    api_key: str | None = None
+
+    @property
+    def chat_url(self) -> str:
+        return self.base_url.rstrip("/") + "/chat/completions"
+
+
+def parse_retry_after(value: str | None) -> int | None:
+    """Seconds from a Retry-After header (delta-seconds or an HTTP date)."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return int(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0, int(when.timestamp() - time.time() + 0.999))
+
+
+def _upstream_message(body: bytes) -> str:
+    try:
+        data = orjson.loads(body)
+        message = data.get("error", {}).get("message") if isinstance(data, dict) else None
+        if isinstance(message, str):
+            return message[:500]
+    except (orjson.JSONDecodeError, AttributeError):
+        pass
+    return body[:200].decode("utf-8", "replace")
+
+
+def status_error(status: int, body: bytes, retry_after: int | None) -> GatewayError:
+    """An upstream HTTP error status as the error the client should see."""
+    detail = _upstream_message(body)
+    if status == 429:
+        return GatewayError(
+            "rate_limit", "upstream_rate_limited", f"the upstream is rate limiting: {detail}",
+            retry_after=retry_after if retry_after is not None else 1,
+        )
+    if status in (400, 413, 422):
+        return GatewayError("invalid_request", "upstream_rejected", f"the upstream rejected the request: {detail}")
+    if status == 404:
+        return GatewayError("not_found", "upstream_not_found", f"the upstream does not know this: {detail}")
+    if status in (401, 403):
+        return GatewayError("upstream", "upstream_auth_failed", f"the upstream refused the gateway's credential ({status})")
+    if status == 503:
+        return GatewayError("overloaded", "upstream_unavailable", f"the upstream is unavailable: {detail}", retry_after=retry_after)
+    if status in (408, 504):
+        return GatewayError("timeout", "upstream_timeout", f"the upstream timed out ({status})")
+    return GatewayError("upstream", "upstream_error", f"the upstream failed with HTTP {status}: {detail}")
+
+
+class UpstreamClient:
+    """Sends chat requests upstream and yields their parsed SSE chunks."""
+
+    def __init__(self, max_connections: int = 1000) -> None:
+        self._http = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=100),
+            timeout=httpx.Timeout(120.0),
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def stream_chat(
+        self, target: UpstreamTarget, body: dict[str, Any], policy: StreamPolicy
+    ) -> AsyncIterator[UpstreamItem]:
+        """Yield ANSWERED once the upstream says 200, then each chunk, then DONE if sent.
+
+        Raises GatewayError for every failure; the caller closes the generator to cancel.
+        """
+        payload = dict(body, stream=True, stream_options={"include_usage": True})
+        headers = {"accept": "text/event-stream"}
+        if target.api_key:
+            headers["authorization"] = f"Bearer {target.api_key}"
+        timeout = httpx.Timeout(policy.idle_timeout, connect=policy.connect_timeout)
+        request = self._http.build_request(
+            "POST", target.chat_url, content=orjson.dumps(payload), headers=headers, timeout=timeout
+        )
+        try:
+            async with asyncio.timeout(policy.first_byte_timeout):
+                response = await self._http.send(request, stream=True)
+        except TimeoutError:
+            raise GatewayError("timeout", "upstream_timeout", "the upstream did not answer in time") from None
+        except httpx.TimeoutException:
+            raise GatewayError("timeout", "upstream_timeout", "the upstream did not answer in time") from None
+        except httpx.HTTPError as exc:
+            raise GatewayError("upstream", "upstream_unreachable", f"cannot reach the upstream: {type(exc).__name__}") from None
+        try:
+            if response.status_code != 200:
+                content = await response.aread()
+                raise status_error(
+                    response.status_code, content, parse_retry_after(response.headers.get("retry-after"))
+                )
+            yield ANSWERED
+            async for event in EventSource(response).aiter_sse():
+                data = event.data
+                if not data:
+                    continue
+                if data == "[DONE]":
+                    yield DONE
+                    break
+                try:
+                    chunk = orjson.loads(data)
+                except orjson.JSONDecodeError:
+                    raise GatewayError("upstream", "upstream_bad_frame", "the upstream sent a frame that is not JSON") from None
+                if isinstance(chunk, dict):
+                    yield chunk
+        except httpx.TimeoutException:
+            raise GatewayError("timeout", "upstream_idle_timeout", "the upstream went silent mid-answer") from None
+        except httpx.HTTPError as exc:
+            raise GatewayError("upstream", "upstream_disconnected", f"the upstream connection broke: {type(exc).__name__}") from None
+        finally:
+            await response.aclose()

@@ -1,0 +1,117 @@
+"""Session-wide servers on free loopback ports: one simulator, one gateway per mode.
+
+They run on one background event loop in a thread, so tests can use the official
+synchronous SDK clients against real HTTP. Started once per session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.servers import bind_loopback, start_embedded, stop_embedded
+from gateway.settings import LiveSettings, Settings
+from gateway.upstream.simulator import create_simulator_app
+
+
+class ServerLoop:
+    """A background asyncio loop that hosts embedded uvicorn servers."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="servers", daemon=True)
+        self.thread.start()
+        self._servers: list[Any] = []
+
+    def run(self, coro: Any, timeout: float = 30) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def serve(self, app: Any) -> str:
+        sock = bind_loopback()
+        self._servers.append(self.run(start_embedded(app, sock)))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    def close(self) -> None:
+        for server in reversed(self._servers):
+            self.run(stop_embedded(*server))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@dataclass
+class Gateway:
+    url: str
+    app: Any
+
+    @property
+    def live(self) -> LiveSettings:
+        return self.app.state.live
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+
+@dataclass
+class Simulator:
+    url: str
+
+    def requests(self) -> list[dict[str, Any]]:
+        return httpx.get(self.url + "/_sim/requests").json()["requests"]
+
+    def clear(self) -> None:
+        httpx.delete(self.url + "/_sim/requests")
+
+    def stats(self) -> dict[str, Any]:
+        return httpx.get(self.url + "/_sim/stats").json()
+
+    def script(self, frames: list[Any], **extra: Any) -> str:
+        """Register frames; returns the model name that replays them."""
+        response = httpx.post(self.url + "/_sim/scripts", json={"frames": frames, **extra})
+        response.raise_for_status()
+        return "script:" + response.json()["id"]
+
+
+@pytest.fixture(scope="session")
+def server_loop() -> Iterator[ServerLoop]:
+    loop = ServerLoop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="session")
+def simulator(server_loop: ServerLoop) -> Simulator:
+    return Simulator(server_loop.serve(create_simulator_app()))
+
+
+def start_gateway(server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory, **overrides: Any) -> Gateway:
+    settings = Settings(
+        upstream_url=simulator.url + "/v1",
+        data_dir=tmp_path_factory.mktemp("data"),
+        keepalive_interval=overrides.pop("keepalive_interval", 0.5),
+        **overrides,
+    )
+    sources = {name: "default" for name in Settings.model_fields}
+    app = create_app(settings, sources)  # type: ignore[arg-type]
+    return Gateway(server_loop.serve(app), app)
+
+
+@pytest.fixture(scope="session")
+def gateways(server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Gateway]:
+    """One gateway per stream mode, both in front of the session simulator."""
+    return {
+        mode: start_gateway(server_loop, simulator, tmp_path_factory, stream_mode=mode)
+        for mode in ("compatible", "realtime")
+    }
+
+
+@pytest.fixture(params=["compatible", "realtime"])
+def gateway(request: pytest.FixtureRequest, gateways: dict[str, Gateway]) -> Gateway:
+    return gateways[request.param]
