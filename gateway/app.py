@@ -15,6 +15,7 @@ from gateway.protocols.base import ProtocolRoom
 from gateway.protocols.chat import ChatRoom
 from gateway.relay import Relay, RequestRecord
 from gateway.servers import bind_loopback, start_embedded, stop_embedded
+from gateway.store.db import Database
 from gateway.settings import LiveSettings, Settings, Source, load_settings
 from gateway.upstream.client import UpstreamClient, UpstreamTarget
 
@@ -41,6 +42,7 @@ def create_app(settings: Settings | None = None, sources: dict[str, Source] | No
     if settings is None:
         settings, sources = load_settings()
     live = LiveSettings(settings, sources or {})
+    db = Database(settings.data_dir / "codebuddy2api.sqlite3")
     upstream = UpstreamClient()
     targets: list[UpstreamTarget] = []
 
@@ -68,6 +70,7 @@ def create_app(settings: Settings | None = None, sources: dict[str, Source] | No
         finally:
             app.state.ready = False
             await upstream.aclose()
+            db.close()
             if simulator is not None:
                 await stop_embedded(*simulator)
 
@@ -88,6 +91,7 @@ def create_app(settings: Settings | None = None, sources: dict[str, Source] | No
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.live = live
+    app.state.db = db
     app.state.relay = relay
     app.state.ready = False
     return app

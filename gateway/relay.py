@@ -98,6 +98,8 @@ class Relay:
         headers = {"x-request-id": record.request_id}
         try:
             parsed = room.parse(await request.body(), dict(request.query_params))
+            if parsed.stream:
+                await room.resolve(parsed)
         except GatewayError as err:
             record.outcome = "invalid"
             return self._error_response(room, err, record, headers)
@@ -106,7 +108,9 @@ class Relay:
         run = GenerationRun(self, room, parsed, policy, record)
         if not parsed.stream:
             try:
+                await room.resolve(parsed)
                 completion = await run.collect()
+                await room.completed(parsed, run.response_id, completion, None)
             except GatewayError as err:
                 return self._error_response(room, err, record, headers)
             except asyncio.CancelledError:
@@ -283,6 +287,7 @@ class GenerationRun:
                 out = self.encoder.start() + out
             self.record.outcome = "success"
             yield out
+            await self.room.completed(self.parsed, self.response_id, completion, self.encoder)
         except GatewayError as err:
             self.record.outcome = "error"
             self.record.error_code = err.code

@@ -115,3 +115,10 @@ def gateways(server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: py
 @pytest.fixture(params=["compatible", "realtime"])
 def gateway(request: pytest.FixtureRequest, gateways: dict[str, Gateway]) -> Gateway:
     return gateways[request.param]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _quiet_logs() -> None:
+    from gateway.observability.logging import configure_logging
+
+    configure_logging("warning")

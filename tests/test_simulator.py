@@ -76,6 +76,15 @@ def finishes(cs: list[dict[str, Any]]) -> list[str]:
     return [ch["finish_reason"] for c in cs for ch in c["choices"] if ch["finish_reason"]]
 
 
+def arguments(client: httpx.Client, model: str) -> str:
+    return "".join(e["function"]["arguments"] for e in tool_entries(chunks(stream(client, model))))
+
+
+def post(client: httpx.Client, model: str, **extra: Any) -> httpx.Response:
+    """One non-streaming (unless overridden) chat completions request."""
+    return client.post("/v1/chat/completions", json={"model": model, "messages": MESSAGES, **extra})
+
+
 def test_models_and_health(client: httpx.Client) -> None:
     ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
     assert {"echo", "parallel_tools", "rate_limited", "drop"} <= set(ids)
@@ -86,7 +95,8 @@ def test_echo_stream_shape(client: httpx.Client) -> None:
     data = stream(client, "gpt-4o;chunk=3")
     assert data[-1] == "[DONE]"
     cs = chunks(data)
-    assert all(c["object"] == "chat.completion.chunk" and c["model"] == "gpt-4o;chunk=3" for c in cs)
+    assert all(c["object"] == "chat.completion.chunk" for c in cs)
+    assert all(c["model"] == "gpt-4o;chunk=3" for c in cs)
     assert len({c["id"] for c in cs}) == 1 and all(isinstance(c["created"], int) for c in cs)
     assert cs[0]["choices"][0]["delta"]["role"] == "assistant"
     assert all(len(ch["delta"].get("content", "")) <= 3 for c in cs for ch in c["choices"])
@@ -96,7 +106,8 @@ def test_echo_stream_shape(client: httpx.Client) -> None:
 
 
 def test_echo_handles_content_parts(client: httpx.Client) -> None:
-    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    content = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    parts = [{"role": "user", "content": content}]
     assert text_of(chunks(stream(client, "echo", messages=parts))) == "You said: ab"
 
 
@@ -125,8 +136,10 @@ def test_single_tool_uses_declared_name(client: httpx.Client) -> None:
     entries = tool_entries(chunks(stream(client, "tool", tools=TOOLS)))
     assert entries[0] == {"index": 0, "id": "call_sim_0", "type": "function",
                           "function": {"name": "lookup", "arguments": ""}}
-    assert all(set(e) == {"index", "function"} and set(e["function"]) == {"arguments"} for e in entries[1:])
-    assert json.loads("".join(e["function"]["arguments"] for e in entries)) == {"city": "Paris", "unit": "celsius"}
+    assert all(set(e) == {"index", "function"} for e in entries[1:])
+    assert all(set(e["function"]) == {"arguments"} for e in entries[1:])
+    args = "".join(e["function"]["arguments"] for e in entries)
+    assert json.loads(args) == {"city": "Paris", "unit": "celsius"}
     assert tool_entries(chunks(stream(client, "tool")))[0]["function"]["name"] == "get_weather"
 
 
@@ -171,19 +184,21 @@ def test_identity_change_and_undeclared(client: httpx.Client) -> None:
 
 
 def test_malformed_arguments(client: httpx.Client) -> None:
-    args = "".join(e["function"]["arguments"] for e in tool_entries(chunks(stream(client, "invalid_json"))))
     with pytest.raises(ValueError):
-        json.loads(args)
-    fenced = "".join(e["function"]["arguments"] for e in tool_entries(chunks(stream(client, "fenced_json"))))
+        json.loads(arguments(client, "invalid_json"))
+    fenced = arguments(client, "fenced_json")
     assert fenced.startswith("```json\n") and fenced.endswith("\n```")
-    empty = chunks(stream(client, "empty_tool_array"))
-    assert all(c["choices"][0]["delta"].get("tool_calls") == [] for c in empty if c["choices"][0]["delta"].get("content"))
+    deltas = [c["choices"][0]["delta"] for c in chunks(stream(client, "empty_tool_array"))]
+    assert all(d["tool_calls"] == [] for d in deltas if d.get("content"))
 
 
 @pytest.mark.parametrize(
     ("model", "finish", "has_text"),
-    [("content_filter", "content_filter", False), ("content_filter_partial", "content_filter", True),
-     ("length", "length", True)],
+    [
+        ("content_filter", "content_filter", False),
+        ("content_filter_partial", "content_filter", True),
+        ("length", "length", True),
+    ],
 )
 def test_finish_reasons(client: httpx.Client, model: str, finish: str, has_text: bool) -> None:
     data = stream(client, model)
@@ -211,7 +226,7 @@ def test_drop_is_a_client_side_error(client: httpx.Client) -> None:
             received.extend(e.data for e in source.iter_sse())
     assert received and "[DONE]" not in received
     with pytest.raises(httpx.RemoteProtocolError):
-        client.post("/v1/chat/completions", json={**body, "stream": False})
+        post(client, "drop")
 
 
 @pytest.mark.parametrize(
@@ -220,7 +235,7 @@ def test_drop_is_a_client_side_error(client: httpx.Client) -> None:
      ("http_error", 500), ("http_error;status=418", 418)],
 )
 def test_http_errors(client: httpx.Client, model: str, status: int) -> None:
-    resp = client.post("/v1/chat/completions", json={"model": model, "messages": MESSAGES, "stream": True})
+    resp = post(client, model, stream=True)
     assert resp.status_code == status
     assert set(resp.json()["error"]) >= {"message", "type", "code"}
     assert ("retry-after" in resp.headers) is (status == 429)
@@ -229,17 +244,20 @@ def test_http_errors(client: httpx.Client, model: str, status: int) -> None:
 
 
 def test_retry_after_option(client: httpx.Client) -> None:
-    resp = client.post("/v1/chat/completions", json={"model": "rate_limited;retry_after=2", "messages": []})
+    resp = post(client, "rate_limited;retry_after=2")
     assert resp.status_code == 429 and resp.headers["retry-after"] == "2"
 
 
-@pytest.mark.parametrize("model", ["text", "reasoning", "parallel_tools", "missing_index", "late_name",
-                                   "identity_change", "content_filter", "gpt-4o"])
+@pytest.mark.parametrize(
+    "model",
+    ["text", "reasoning", "parallel_tools", "missing_index", "late_name", "identity_change",
+     "content_filter", "gpt-4o"],
+)
 def test_non_stream_matches_stream(client: httpx.Client, model: str) -> None:
     usage = {"stream_options": {"include_usage": True}}
     streamed = stream(client, model, tools=TOOLS, **usage)
     expected = assemble_completion([json.loads(d) for d in streamed if d != "[DONE]"], model)
-    resp = client.post("/v1/chat/completions", json={"model": model, "messages": MESSAGES, "tools": TOOLS})
+    resp = post(client, model, tools=TOOLS)
     got = resp.json()
     assert resp.status_code == 200 and got["object"] == "chat.completion"
     assert got["choices"] == expected["choices"] and got["usage"] == expected["usage"]
@@ -250,7 +268,7 @@ def test_non_stream_matches_stream(client: httpx.Client, model: str) -> None:
 
 
 def test_non_stream_error_frame_is_http_error(client: httpx.Client) -> None:
-    resp = client.post("/v1/chat/completions", json={"model": "error_frame", "messages": MESSAGES})
+    resp = post(client, "error_frame")
     assert resp.status_code == 500 and resp.json()["error"]["message"] == "upstream exploded"
 
 
@@ -284,7 +302,7 @@ def test_timing_options_and_flush(client: httpx.Client) -> None:
 
 def test_script_round_trip(client: httpx.Client) -> None:
     frames = [
-        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "hi"}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]},
         {"_op": "sleep", "seconds": 0.01},
         {"_op": "raw", "data": "not json at all"},
         {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
@@ -296,17 +314,19 @@ def test_script_round_trip(client: httpx.Client) -> None:
     first = json.loads(data[0])
     assert first["model"] == f"script:{script_id}" and first["choices"] == frames[0]["choices"]
     assert first["object"] == "chat.completion.chunk" and first["id"]
-    plain = client.post("/v1/chat/completions", json={"model": f"script:{script_id}", "messages": []}).json()
+    plain = post(client, f"script:{script_id}").json()
     assert plain["choices"][0]["message"]["content"] == "hi" and "usage" not in plain
-    failing = client.post("/_sim/scripts", json={"frames": [{"error": {"message": "x"}}], "status": 400,
-                                                 "headers": {"x-sim": "1"}}).json()["id"]
-    resp = client.post("/v1/chat/completions", json={"model": f"script:{failing}", "messages": []})
-    assert resp.status_code == 400 and resp.headers["x-sim"] == "1" and resp.json() == {"error": {"message": "x"}}
-    assert client.post("/v1/chat/completions", json={"model": "script:nope", "messages": []}).status_code == 404
+    spec = {"frames": [{"error": {"message": "x"}}], "status": 400, "headers": {"x-sim": "1"}}
+    failing = client.post("/_sim/scripts", json=spec).json()["id"]
+    resp = post(client, f"script:{failing}", stream=True)
+    assert resp.status_code == 400 and resp.headers["x-sim"] == "1"
+    assert resp.json() == {"error": {"message": "x"}}
+    assert post(client, "script:nope").status_code == 404
 
 
 def test_script_drop_and_validation(client: httpx.Client) -> None:
-    frames = [{"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]}, {"_op": "drop"}]
+    chunk = {"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]}
+    frames = [chunk, {"_op": "drop"}]
     script_id = client.post("/_sim/scripts", json={"frames": frames}).json()["id"]
     with pytest.raises(httpx.RemoteProtocolError):
         stream(client, f"script:{script_id}")
@@ -317,7 +337,7 @@ def test_request_log(client: httpx.Client) -> None:
     assert client.delete("/_sim/requests").status_code == 200
     client.post("/v1/chat/completions", json={"model": "echo", "messages": MESSAGES},
                 headers={"Authorization": "Bearer sk-secret"})
-    client.post("/v1/chat/completions", json={"model": "echo", "messages": MESSAGES})
+    post(client, "echo")
     log = client.get("/_sim/requests")
     assert "sk-secret" not in log.text
     entries = log.json()["requests"]
@@ -331,7 +351,7 @@ def test_request_log(client: httpx.Client) -> None:
 
 def test_bad_requests(client: httpx.Client) -> None:
     assert client.post("/v1/chat/completions", content=b"{nope").status_code == 400
-    resp = client.post("/v1/chat/completions", json={"model": "text;chunk=abc", "messages": []})
+    resp = post(client, "text;chunk=abc")
     assert resp.status_code == 400 and "chunk=abc" in resp.json()["error"]["message"]
 
 
@@ -354,7 +374,7 @@ def test_stats_count_cancelled_stream(client: httpx.Client) -> None:
         events = source.iter_sse()  # keep a reference: a collected iterator closes the response
         next(events)
         assert client.get("/_sim/stats").json()["open_streams"] == 1
-    after = wait_for(client, lambda s: s["cancelled"] > before["cancelled"] and s["open_streams"] == 0)
+    after = wait_for(client, lambda s: s["cancelled"] > before["cancelled"])
     assert after["cancelled"] == before["cancelled"] + 1 and after["open_streams"] == 0
     assert after["completed"] == done["completed"]
     assert after["last_cancel_at"] is not None and after["last_cancel_at"] <= time.monotonic()

@@ -48,6 +48,14 @@ class ProtocolRoom(Protocol):
 
     def parse(self, body: bytes, query: dict[str, str]) -> ParsedRequest: ...
 
+    async def resolve(self, request: ParsedRequest) -> None:
+        """Complete the request with stored state (e.g. previous_response_id); may raise."""
+
+    async def completed(
+        self, request: ParsedRequest, response_id: str, completion: Completion, encoder: StreamEncoder | None
+    ) -> None:
+        """Called once after a successful answer (streamed: after the last frame)."""
+
     def encoder(self, request: ParsedRequest, response_id: str) -> StreamEncoder: ...
 
     def new_response_id(self) -> str: ...

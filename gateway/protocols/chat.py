@@ -134,6 +134,12 @@ class ChatRoom:
     def new_response_id(self) -> str:
         return "chatcmpl-" + secrets.token_hex(12)
 
+    async def resolve(self, request: ParsedRequest) -> None:
+        return None
+
+    async def completed(self, request: ParsedRequest, response_id: str, completion: Completion, encoder: object) -> None:
+        return None
+
     def encoder(self, request: ParsedRequest, response_id: str) -> ChatEncoder:
         return ChatEncoder(response_id, request.model, request.extra.get("include_usage", False))
 

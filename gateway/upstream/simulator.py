@@ -50,9 +50,6 @@ class SimulatedDrop(Exception):
     """Raised inside a body iterator so uvicorn aborts the connection mid-response."""
 
 
-# --------------------------------------------------------------------------- options
-
-
 def _flag(raw: str) -> bool:
     return raw.strip().lower() in {"1", "true", "yes", "on"}
 
@@ -63,8 +60,7 @@ _OPTION_TYPES: dict[str, Callable[[str], Any]] = {
     "size": int, "status": int, "retry_after": int,
 }
 _SCENARIO_DEFAULTS: dict[str, dict[str, Any]] = {
-    "slow_first_byte": {"ttfb": 2.0},
-    "large": {"chunk": 256},
+    "slow_first_byte": {"ttfb": 2.0}, "large": {"chunk": 256},
 }
 _CHOICES = {"usage": {"separate", "last", "none"}, "finish_chunk": {"own", "last"}}
 
@@ -108,9 +104,6 @@ def parse_model(model: str) -> Options:
     return Options(scenario=scenario or "echo", **values)
 
 
-# --------------------------------------------------------------------------- request helpers
-
-
 def _text_of(content: Any) -> str:
     """Flatten string or list-of-parts message content to plain text."""
     if isinstance(content, str):
@@ -148,9 +141,6 @@ def _tool_names(body: Mapping[str, Any]) -> tuple[str, str]:
 def _wants_usage(body: Mapping[str, Any]) -> bool:
     opts = body.get("stream_options")
     return isinstance(opts, dict) and opts.get("include_usage") is True
-
-
-# --------------------------------------------------------------------------- scenarios
 
 
 @dataclass(frozen=True)
@@ -281,7 +271,7 @@ SCENARIOS: dict[str, Callable[[Ctx], Reply]] = {
     "reasoning": lambda c: Reply(_content(c, REASONING, "reasoning_content") + _content(c, TEXT)),
     "reasoning_field": lambda c: Reply(_content(c, REASONING, "reasoning") + _content(c, TEXT)),
     "tool": lambda c: Reply(_call(c, 0), "tool_calls"),
-    "text_then_tool": lambda c: Reply(_content(c, "Let me check that. ") + _call(c, 0), "tool_calls"),
+    "text_then_tool": lambda c: Reply(_content(c, "Let me check. ") + _call(c, 0), "tool_calls"),
     "parallel_tools": lambda c: Reply(_call(c, 0) + _call(c, 1), "tool_calls"),
     "interleaved_tools": _interleaved,
     "missing_index": _missing_index,
@@ -308,12 +298,9 @@ _ERRORS: dict[str, tuple[int, str, str, str]] = {
     "http_error": (500, "server_error", "internal_error", "The simulated upstream failed."),
     "server_error": (500, "server_error", "internal_error", "The simulated upstream failed."),
     "rate_limited": (429, "requests", "rate_limit_exceeded", "Rate limit reached for requests."),
-    "unauthorized": (401, "invalid_request_error", "invalid_api_key", "Incorrect API key provided."),
+    "unauthorized": (401, "invalid_request_error", "invalid_api_key", "Incorrect API key."),
     "unavailable": (503, "server_error", "service_unavailable", "The upstream is overloaded."),
 }
-
-
-# --------------------------------------------------------------------------- plans
 
 
 @dataclass
@@ -354,9 +341,8 @@ def _usage(body: Mapping[str, Any], deltas: list[Delta]) -> dict[str, Any]:
         for tc in d.get("tool_calls") or []:
             text += len((tc.get("function") or {}).get("arguments") or "")
     completion = (text + reasoning) // 4 + 1
-    usage: dict[str, Any] = {
-        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-    }
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                             "total_tokens": prompt + completion}
     if reasoning:
         usage["completion_tokens_details"] = {"reasoning_tokens": reasoning // 4 + 1}
     return usage
@@ -395,8 +381,8 @@ def _script_plan(opts: Options, scripts: Mapping[str, ScriptSpec]) -> Plan:
     script_id = opts.scenario.removeprefix("script:")
     spec = scripts.get(script_id)
     if spec is None:
-        body = error_body(f"unknown script {script_id!r}", "invalid_request_error", "script_not_found")
-        return Plan(404, {}, [body], opts)
+        message = f"unknown script {script_id!r}"
+        return Plan(404, {}, [error_body(message, "invalid_request_error", "not_found")], opts)
     frames = copy.deepcopy(spec.frames)
     if spec.status != 200:
         frames = frames[:1] or [error_body("scripted error", "server_error", None)]
@@ -427,9 +413,6 @@ def build_frames(
 
 def scenario_names() -> list[str]:
     return [*SCENARIOS, *_ERRORS]
-
-
-# --------------------------------------------------------------------------- assembly
 
 
 def _as_chunk(frame: Frame) -> Frame | None:
@@ -497,9 +480,6 @@ def assemble_completion(frames: Iterable[Frame], model: str) -> dict[str, Any]:
     if usage:
         result["usage"] = usage
     return result
-
-
-# --------------------------------------------------------------------------- serving
 
 
 @dataclass
@@ -633,8 +613,8 @@ def _bad_request(message: str) -> JSONResponse:
 
 def _with_usage(body: dict[str, Any]) -> dict[str, Any]:
     """Non-streaming responses always report usage, as real upstreams do."""
-    stream_options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
-    return {**body, "stream_options": {**stream_options, "include_usage": True}}
+    extra = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+    return {**body, "stream_options": {**extra, "include_usage": True}}
 
 
 async def _non_stream(plan: Plan, stamp: Stamp, stats: Stats) -> Response:
@@ -679,7 +659,8 @@ async def chat_completions(request: Request) -> Response:
 
 async def list_models(request: Request) -> Response:
     _log_request(request, None)
-    data = [{"id": n, "object": "model", "created": 0, "owned_by": "simulator"} for n in scenario_names()]
+    data = [{"id": n, "object": "model", "created": 0, "owned_by": "simulator"}
+            for n in scenario_names()]
     return JSONResponse({"object": "list", "data": data})
 
 
@@ -688,15 +669,12 @@ async def register_script(request: Request) -> Response:
     frames = payload.get("frames") if isinstance(payload, dict) else None
     if not isinstance(frames, list) or not all(isinstance(f, dict) for f in frames):
         return _bad_request("'frames' must be a list of objects")
-    headers = payload.get("headers") or {}
-    if not isinstance(headers, dict):
-        return _bad_request("'headers' must be an object")
-    try:
-        status = int(payload.get("status", 200))
-    except (TypeError, ValueError):
-        return _bad_request("'status' must be an integer")
+    headers, status = payload.get("headers") or {}, payload.get("status", 200)
+    if not isinstance(headers, dict) or not isinstance(status, int):
+        return _bad_request("'headers' must be an object and 'status' an integer")
     script_id = uuid.uuid4().hex[:12]
-    _sim(request).scripts[script_id] = ScriptSpec(frames, status, {str(k): str(v) for k, v in headers.items()})
+    plain = {str(k): str(v) for k, v in headers.items()}
+    _sim(request).scripts[script_id] = ScriptSpec(frames, status, plain)
     return JSONResponse({"id": script_id})
 
 
@@ -716,6 +694,21 @@ async def healthz(request: Request) -> Response:
     return JSONResponse({"ok": True})
 
 
+class _HideDeliberateDrops(logging.Filter):
+    """Drops are the scenario, not a bug: keep uvicorn from logging their tracebacks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, SimulatedDrop)
+
+
+def _quiet_deliberate_drops() -> None:
+    """Idempotently attach the drop filter to uvicorn's error logger (whoever runs the app)."""
+    error_logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _HideDeliberateDrops) for f in error_logger.filters):
+        error_logger.addFilter(_HideDeliberateDrops())
+
+
 def create_simulator_app() -> Starlette:
     """Build a fresh simulator app with its own isolated state."""
     app = Starlette(routes=[
@@ -727,23 +720,13 @@ def create_simulator_app() -> Starlette:
         Route("/healthz", healthz, methods=["GET"]),
     ])
     app.state.sim = SimState()
+    _quiet_deliberate_drops()
     return app
-
-
-class _HideDeliberateDrops(logging.Filter):
-    """Drops are the scenario, not a bug: keep uvicorn from logging their tracebacks."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        return not isinstance(exc, SimulatedDrop)
 
 
 def make_simulator_server(host: str = "127.0.0.1", port: int = 0) -> uvicorn.Server:
     """A configured (not yet started) uvicorn server; port 0 picks a free port."""
     config = uvicorn.Config(create_simulator_app(), host=host, port=port, log_level="warning")
-    error_logger = logging.getLogger("uvicorn.error")
-    if not any(isinstance(f, _HideDeliberateDrops) for f in error_logger.filters):
-        error_logger.addFilter(_HideDeliberateDrops())
     return uvicorn.Server(config)
 
 
