@@ -80,12 +80,15 @@ class SettingsError(ValueError):
     """A value that failed validation, with a one-line message naming where it came from."""
 
 
-def _describe_error(exc: ValidationError, cli_keys: set[str]) -> str:
+def _describe_error(exc: ValidationError, cli_keys: set[str], saved: bool = False) -> str:
     err = exc.errors()[0]
     field = str(err["loc"][0]) if err["loc"] else "?"
-    where = (
-        f"--{field.replace('_', '-')}" if field in cli_keys else f"{ENV_PREFIX}{field.upper()}"
-    )
+    if saved:
+        where = field
+    elif field in cli_keys:
+        where = f"--{field.replace('_', '-')}"
+    else:
+        where = f"{ENV_PREFIX}{field.upper()}"
     allowed = ""
     annotation = Settings.model_fields[field].annotation if field in Settings.model_fields else None
     if isinstance(annotation, type) and issubclass(annotation, StrEnum):
@@ -150,7 +153,7 @@ class LiveSettings:
             try:
                 new = Settings.model_validate(merged)
             except ValidationError as exc:
-                raise SettingsError(_describe_error(exc, set())) from None
+                raise SettingsError(_describe_error(exc, set(), saved=True)) from None
             self._current = new
             for k in changes:
                 self.sources[k] = "saved"

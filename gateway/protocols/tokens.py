@@ -1,0 +1,67 @@
+"""Token estimates for requests the gateway translated, with the o200k_base BPE.
+
+The upstream's own tokenizer is unknown, so the Messages room estimates with OpenAI's
+o200k_base (``bpe-openai`` ships its tables inside the wheel: no download). It counts
+what the upstream will actually read: every message's text (system, user, assistant,
+tool), assistant reasoning and tool-call names/arguments, and the JSON of the tool
+schemas — never base64 image payloads, which count a flat :data:`IMAGE_TOKENS` each.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import bpe_openai
+import orjson
+
+#: Per message: role and separators, as OpenAI's chat format spends them.
+MESSAGE_OVERHEAD = 3
+#: Once per request: the assistant reply's priming.
+REPLY_PRIMING = 3
+#: One image, whatever its size (its pixels are unknown to the gateway).
+IMAGE_TOKENS = 1600
+
+
+@lru_cache(maxsize=1)
+def _encoding() -> Any:
+    return bpe_openai.get_encoding("o200k_base")
+
+
+def count_text(text: str) -> int:
+    """Tokens of one string (special-token text counted as ordinary text)."""
+    if not text:
+        return 0
+    return len(_encoding().encode_ordinary(text))
+
+
+def _content_tokens(content: Any) -> int:
+    if isinstance(content, str):
+        return count_text(content)
+    total = 0
+    if isinstance(content, list):
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            if part.get("type") == "image_url":
+                total += IMAGE_TOKENS
+            elif isinstance(part.get("text"), str):
+                total += count_text(part["text"])
+    return total
+
+
+def count_chat_tokens(body: dict[str, Any]) -> int:
+    """Estimated prompt tokens of an upstream Chat Completions body."""
+    total = REPLY_PRIMING
+    for message in body.get("messages") or ():
+        total += MESSAGE_OVERHEAD + count_text(str(message.get("role", "")))
+        total += _content_tokens(message.get("content"))
+        reasoning = message.get("reasoning_content")
+        if isinstance(reasoning, str):
+            total += count_text(reasoning)
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") or {}
+            total += count_text(function.get("name") or "") + count_text(function.get("arguments") or "")
+    for tool in body.get("tools") or ():
+        total += count_text(orjson.dumps(tool).decode())
+    return total

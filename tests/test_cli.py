@@ -1,0 +1,104 @@
+"""Flags and environment variables -> settings, their sources, and the process itself."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from gateway.settings import LiveSettings, SettingsError, StreamMode, load_settings
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", *args], capture_output=True, text=True, timeout=30,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_invalid_flag_value_exits_with_one_line() -> None:
+    result = run_cli("serve", "--stream-mode", "fast")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert "--stream-mode" in lines[0] and "compatible" in lines[0] and "realtime" in lines[0]
+
+
+def test_invalid_env_value_exits_with_one_line() -> None:
+    result = run_cli("serve", env={"CODEBUDDY2API_STREAM_MODE": "fast"})
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert "CODEBUDDY2API_STREAM_MODE" in lines[0] and "compatible, realtime" in lines[0]
+
+
+def test_invalid_number_names_the_flag() -> None:
+    result = run_cli("serve", "--max-collect-bytes", "-5")
+    assert result.returncode == 2
+    assert "--max-collect-bytes" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_precedence_cli_over_env_over_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CODEBUDDY2API_STREAM_MODE", "realtime")
+    monkeypatch.setenv("CODEBUDDY2API_KEEPALIVE_INTERVAL", "3")
+    settings, sources = load_settings({"keepalive_interval": "1.5"})
+    assert settings.stream_mode is StreamMode.REALTIME and sources["stream_mode"] == "env"
+    assert settings.keepalive_interval == 1.5 and sources["keepalive_interval"] == "cli"
+    assert settings.max_collect_bytes == 8 * 1024 * 1024 and sources["max_collect_bytes"] == "default"
+
+
+def test_live_settings_refuse_locked_values_and_apply_saved(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CODEBUDDY2API_STREAM_MODE", "realtime")
+    settings, sources = load_settings({"port": "9999"})
+    live = LiveSettings(settings, sources)
+    with pytest.raises(SettingsError, match="stream_mode is set by env"):
+        live.update(stream_mode="compatible")
+    with pytest.raises(SettingsError, match="port is set by cli"):
+        live.update(port=1)
+    with pytest.raises(SettingsError, match="tool_repair_attempts"):
+        live.update(tool_repair_attempts=-1)
+    live.update(max_collect_bytes=1234)
+    assert live.current.max_collect_bytes == 1234 and live.sources["max_collect_bytes"] == "saved"
+    assert live.revision == 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_runs_on_the_builtin_simulator(tmp_path: Path) -> None:
+    """What `make run` does: no upstream configured, the built-in simulator answers."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CODEBUDDY2API_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--data-dir", str(tmp_path / "data"),
+         "--stream-mode", "realtime"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", _strict_response_validation=True)
+        with client.chat.completions.stream(model="any-model", messages=[{"role": "user", "content": "ping"}]) as stream:
+            text = stream.get_final_completion().choices[0].message.content
+        assert text == "You said: ping"
+        assert (tmp_path / "data" / "codebuddy2api.sqlite3").stat().st_mode & 0o777 == 0o600
+    finally:
+        proc.terminate()
+        proc.wait(10)

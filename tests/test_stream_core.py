@@ -1,0 +1,233 @@
+"""The accumulator and the realtime scheduler as plain classes, fed one input at a time."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.errors import GatewayError
+from gateway.stream.accumulator import ChatSSEAccumulator, ToolRules
+from gateway.stream.compatible import replay
+from gateway.stream.events import BlockDelta, BlockStart, BlockStop, Finish
+from gateway.stream.realtime import RealtimeScheduler
+
+
+def chunk(delta: dict, finish: str | None = None) -> dict:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+def tool(index: int | None = None, id: str | None = None, name: str | None = None, args: str | None = None) -> dict:
+    delta: dict = {"function": {}}
+    if index is not None:
+        delta["index"] = index
+    if id is not None:
+        delta["id"] = id
+    if name is not None:
+        delta["function"]["name"] = name
+    if args is not None:
+        delta["function"]["arguments"] = args
+    return chunk({"tool_calls": [delta]})
+
+
+def run(chunks: list[dict], sequential: bool, rules: ToolRules | None = None) -> list:
+    acc = ChatSSEAccumulator(rules=rules)
+    scheduler = RealtimeScheduler(sequential)
+    events = []
+    for c in chunks:
+        events += scheduler.push(acc.feed(c))
+    completion = acc.seal()
+    events += scheduler.finish(acc.sealed_slots, completion.finish_reason, completion.usage)
+    return events
+
+
+def check_sequential(events: list) -> None:
+    """Never two blocks open; indexes 0,1,2... in order of start; deltas only to the open one."""
+    open_block = None
+    next_index = 0
+    for e in events:
+        if isinstance(e, BlockStart):
+            assert open_block is None, f"block {e.index} started while {open_block} open"
+            assert e.index == next_index
+            open_block, next_index = e.index, next_index + 1
+        elif isinstance(e, BlockDelta):
+            assert e.index == open_block
+        elif isinstance(e, BlockStop):
+            assert e.index == open_block
+            open_block = None
+    assert open_block is None
+
+
+def test_text_is_not_held_back_by_a_tool_waiting_for_its_name() -> None:
+    acc = ChatSSEAccumulator()
+    scheduler = RealtimeScheduler(sequential=False)
+    assert scheduler.push(acc.feed(tool(0, id="call_1", args='{"a"'))) == []
+    events = scheduler.push(acc.feed(chunk({"content": "meanwhile"})))
+    assert [type(e) for e in events] == [BlockStart, BlockDelta]
+    assert events[1].text == "meanwhile"
+    events = scheduler.push(acc.feed(tool(0, name="lookup", args=": 1}")))
+    assert events[0] == BlockStart(1, "tool", "call_1", "lookup")
+    assert "".join(e.text for e in events if isinstance(e, BlockDelta)) == '{"a": 1}'
+
+
+def test_interleaved_tools_are_serialized_for_sequential_protocols() -> None:
+    chunks = [
+        tool(0, "c0", "a", '{"x": '),
+        tool(1, "c1", "b", '{"y": '),
+        tool(0, args="1}"),
+        tool(1, args="2}"),
+        chunk({}, "tool_calls"),
+    ]
+    events = run(chunks, sequential=True)
+    check_sequential(events)
+    stops = [e for e in events if isinstance(e, BlockStop)]
+    assert [(s.index, json.loads(s.content)) for s in stops] == [(0, {"x": 1}), (1, {"y": 2})]
+    # the first call streamed live; the second waited until the first's JSON completed
+    starts = [i for i, e in enumerate(events) if isinstance(e, BlockStart)]
+    first_stop = next(i for i, e in enumerate(events) if isinstance(e, BlockStop))
+    assert starts[1] > first_stop
+
+
+def test_text_after_an_unfinished_tool_waits_then_gets_its_own_block() -> None:
+    chunks = [
+        chunk({"content": "before "}),
+        tool(0, "c0", "a", '{"x": '),
+        chunk({"content": "during"}),
+        tool(0, args="1}"),
+        chunk({"content": " after"}),
+        chunk({}, "tool_calls"),
+    ]
+    events = run(chunks, sequential=True)
+    check_sequential(events)
+    stops = [(e.kind, e.content) for e in events if isinstance(e, BlockStop)]
+    assert stops == [("text", "before "), ("tool", '{"x": 1}'), ("text", "during after")]
+
+
+@pytest.mark.parametrize("sequential", [True, False])
+def test_repeated_identity_is_not_concatenated(sequential: bool) -> None:
+    chunks = [tool(0, "c0", "a", '{"x"'), tool(0, "c0", "a", ": 1}"), chunk({}, "stop")]
+    events = run(chunks, sequential)
+    assert [e for e in events if isinstance(e, BlockStart)] == [BlockStart(0, "tool", "c0", "a")]
+    assert events[-1] == Finish("tool_calls", None)  # a stop with tools is a tool_calls finish
+
+
+def test_missing_index_keys_by_id_then_continues_last() -> None:
+    chunks = [
+        chunk({"tool_calls": [{"id": "c0", "function": {"name": "a", "arguments": '{"x"'}}]}),
+        chunk({"tool_calls": [{"function": {"arguments": ": 1}"}}]}),
+        chunk({"tool_calls": [{"id": "c1", "function": {"name": "b", "arguments": "{}"}}]}),
+        chunk({}, "tool_calls"),
+    ]
+    completion_events = run(chunks, sequential=False)
+    stops = [(e.index, e.content) for e in completion_events if isinstance(e, BlockStop)]
+    assert stops == [(0, '{"x": 1}'), (1, "{}")]
+
+
+def test_identity_change_is_rejected() -> None:
+    acc = ChatSSEAccumulator()
+    acc.feed(tool(0, "c0", "a", "{"))
+    with pytest.raises(GatewayError) as err:
+        acc.feed(tool(0, "other", args="}"))
+    assert err.value.code == "tool_identity_changed"
+
+
+def test_name_without_id_gets_an_id_at_the_terminal() -> None:
+    events = run([tool(0, name="a", args="{}"), chunk({}, "tool_calls")], sequential=True)
+    start = next(e for e in events if isinstance(e, BlockStart))
+    assert start.name == "a" and start.call_id and start.call_id.startswith("call_")
+
+
+@pytest.mark.parametrize(
+    ("rules", "chunks", "message"),
+    [
+        (ToolRules(declared=frozenset({"a"})), [tool(0, "c", "b", "{}")], "undeclared"),
+        (ToolRules(choice="none"), [tool(0, "c", "a", "{}")], "tool_choice is none"),
+        (ToolRules(choice="required"), [chunk({"content": "x"})], "requires a tool call"),
+        (ToolRules(choice="a"), [tool(0, "c", "b", "{}")], "names 'a'"),
+        (ToolRules(parallel=False), [tool(0, "c", "a", "{}"), tool(1, "d", "a", "{}")], "parallel"),
+        (ToolRules(), [tool(0, "c", "a", "[1]")], "not a JSON object"),
+        (ToolRules(), [tool(0, "c", "a", "{}"), tool(1, "c", "b", "{}")], "share one id"),
+    ],
+)
+def test_terminal_validation(rules: ToolRules, chunks: list[dict], message: str) -> None:
+    acc = ChatSSEAccumulator(rules=rules)
+    for c in [*chunks, chunk({}, "stop")]:
+        acc.feed(c)
+    with pytest.raises(GatewayError, match=message) as err:
+        acc.seal()
+    assert err.value.code == "tool_call_invalid"
+
+
+def test_terminal_outcomes() -> None:
+    empty = ChatSSEAccumulator()
+    empty.feed(chunk({}, "stop"))
+    with pytest.raises(GatewayError, match="without any output"):
+        empty.seal()
+    refused = ChatSSEAccumulator()
+    refused.feed(chunk({}, "content_filter"))
+    assert refused.seal().finish_reason == "content_filter"
+    unfinished = ChatSSEAccumulator()
+    unfinished.feed(chunk({"content": "x"}))
+    with pytest.raises(GatewayError, match="finish_reason"):
+        unfinished.seal()
+
+
+def test_budget_counts_utf8_bytes_of_everything_retained() -> None:
+    acc = ChatSSEAccumulator(max_collect_bytes=10)
+    acc.feed(chunk({"content": "ééé"}))  # 6 bytes
+    acc.feed(chunk({"reasoning_content": "ab"}))  # 8
+    with pytest.raises(GatewayError) as err:
+        acc.feed(tool(0, "c", "a", "{}{}"))  # 12
+    assert err.value.code == "response_too_large"
+
+
+def test_upstream_error_frame() -> None:
+    with pytest.raises(GatewayError, match="boom") as err:
+        ChatSSEAccumulator().feed({"error": {"message": "boom"}})
+    assert err.value.code == "upstream_error"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    pieces=st.lists(
+        st.one_of(
+            st.tuples(st.just("text"), st.text(min_size=1, max_size=5)),
+            st.tuples(st.just("reasoning"), st.text(min_size=1, max_size=5)),
+            st.tuples(st.sampled_from([0, 1, 2]), st.sampled_from(['{"k": ', '"v"', "}", "1"])),
+        ),
+        max_size=30,
+    )
+)
+def test_sequential_release_never_overlaps_and_loses_nothing(pieces: list[tuple]) -> None:
+    acc = ChatSSEAccumulator()
+    scheduler = RealtimeScheduler(sequential=True)
+    events = []
+    started: set[int] = set()
+    for kind, value in pieces:
+        if kind in ("text", "reasoning"):
+            key = "content" if kind == "text" else "reasoning_content"
+            events += scheduler.push(acc.feed(chunk({key: value})))
+        else:
+            first = kind not in started
+            started.add(kind)
+            events += scheduler.push(acc.feed(tool(kind, f"c{kind}" if first else None, f"t{kind}" if first else None, value)))
+    events += scheduler.finish([], "stop", None)
+    check_sequential(events)
+    texts = "".join(e.content for e in events if isinstance(e, BlockStop) and e.kind == "text")
+    assert texts == acc.text
+    tool_args = {e.index: e.content for e in events if isinstance(e, BlockStop) and e.kind == "tool"}
+    assert sorted(tool_args.values()) == sorted(s.arguments for s in acc.slots)
+    for e in events:  # each block's deltas add up to its final content
+        if isinstance(e, BlockStop):
+            assert "".join(d.text for d in events if isinstance(d, BlockDelta) and d.index == e.index) == e.content
+
+
+def test_replay_orders_reasoning_text_tools() -> None:
+    acc = ChatSSEAccumulator()
+    for c in [tool(0, "c", "a", "{}"), chunk({"content": "t"}), chunk({"reasoning_content": "r"}), chunk({}, "tool_calls")]:
+        acc.feed(c)
+    events = replay(acc.seal())
+    check_sequential(events)
+    assert [e.kind for e in events if isinstance(e, BlockStart)] == ["reasoning", "text", "tool"]
