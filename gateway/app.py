@@ -22,18 +22,24 @@ from gateway.upstream.client import UpstreamClient, UpstreamTarget
 log = structlog.get_logger("gateway")
 
 
-def _log_record(record: RequestRecord) -> None:
-    log.info(
-        "request",
-        request_id=record.request_id,
-        protocol=record.protocol,
-        mode=record.mode,
-        streamed=record.streamed,
-        outcome=record.outcome,
-        error_code=record.error_code,
-        status=record.http_status,
-        duration_ms=round(record.duration_ms, 1),
-    )
+class LogObserver:
+    """Logs one line per finished request (the audit store and metrics join later)."""
+
+    def on_start(self, record: RequestRecord) -> None:
+        pass
+
+    def on_finish(self, record: RequestRecord) -> None:
+        log.info(
+            "request",
+            request_id=record.request_id,
+            protocol=record.protocol,
+            mode=record.mode,
+            streamed=record.streamed,
+            outcome=record.outcome,
+            error_code=record.error_code,
+            status=record.http_status,
+            duration_ms=round(record.duration_ms, 1),
+        )
 
 
 def create_app(settings: Settings | None = None, sources: dict[str, Source] | None = None) -> Starlette:
@@ -49,7 +55,7 @@ def create_app(settings: Settings | None = None, sources: dict[str, Source] | No
     def current_target() -> UpstreamTarget:
         return targets[0]
 
-    relay = Relay(live, upstream, current_target, _log_record)
+    relay = Relay(live, upstream, current_target, LogObserver())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

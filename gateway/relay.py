@@ -17,7 +17,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -57,21 +57,32 @@ class RequestRecord:
     started_at: float
     mode: str = ""
     streamed: bool = False
-    model: str = ""
-    outcome: str = "error"  # success | error | cancelled | invalid
+    model: str = ""  # as the client asked
+    upstream_model: str = ""  # as sent upstream
+    outcome: str = "error"  # success | error | cancelled | invalid | refused
     error_code: str | None = None
     http_status: int = 200
     finish_reason: str | None = None
-    ttfb_ms: float | None = None
+    ttfb_ms: float | None = None  # first byte sent to the client
     duration_ms: float = 0.0
+    ended_at: float = 0.0
     output_bytes: int = 0
     tool_calls: int = 0
     keepalives: int = 0
+    budget_exceeded: bool = False
+    client_key_fingerprint: str | None = None
     usage: dict[str, int] = field(default_factory=dict)
-    upstream_attempts: list[dict[str, Any]] = field(default_factory=list)
+    upstream_attempts: list[dict[str, Any]] = field(default_factory=list)  # fingerprint, status, ms
+    repairs: list[dict[str, Any]] = field(default_factory=list)  # kind, outcome, usage
+    bodies: dict[str, Any] | None = None  # only with --audit-bodies
 
 
-RecordSink = Callable[[RequestRecord], None]
+class RequestObserver(Protocol):
+    """Told when a generation request starts and, exactly once, when it ends."""
+
+    def on_start(self, record: RequestRecord) -> None: ...
+
+    def on_finish(self, record: RequestRecord) -> None: ...
 
 
 class Relay:
@@ -82,12 +93,12 @@ class Relay:
         live: LiveSettings,
         upstream: UpstreamClient,
         target: Callable[[], UpstreamTarget],
-        sink: RecordSink,
+        observer: RequestObserver,
     ) -> None:
         self.live = live
         self.upstream = upstream
         self.target = target
-        self.sink = sink
+        self.observer = observer
 
     async def handle(self, room: ProtocolRoom, request: Request) -> Response | GenerationResponse:
         record = RequestRecord(
@@ -95,6 +106,7 @@ class Relay:
         )
         policy = StreamPolicy.snapshot(self.live.current)
         record.mode = policy.mode.value
+        self.observer.on_start(record)
         headers = {"x-request-id": record.request_id}
         try:
             parsed = room.parse(await request.body(), dict(request.query_params))
@@ -104,6 +116,7 @@ class Relay:
             record.outcome = "invalid"
             return self._error_response(room, err, record, headers)
         record.model = parsed.model
+        record.upstream_model = str(parsed.upstream_body.get("model", parsed.model))
         record.streamed = parsed.stream
         run = GenerationRun(self, room, parsed, policy, record)
         if not parsed.stream:
@@ -135,8 +148,11 @@ class Relay:
         return error_response(room, err, headers)
 
     def _finish(self, record: RequestRecord) -> None:
-        record.duration_ms = (time.time() - record.started_at) * 1000
-        self.sink(record)
+        record.ended_at = time.time()
+        record.duration_ms = (record.ended_at - record.started_at) * 1000
+        if record.error_code == "response_too_large":
+            record.budget_exceeded = True
+        self.observer.on_finish(record)
 
 
 def error_response(room: ProtocolRoom, err: GatewayError, headers: dict[str, str] | None = None) -> Response:
