@@ -31,6 +31,7 @@ from gateway.stream.accumulator import ChatSSEAccumulator
 from gateway.stream.compatible import replay
 from gateway.stream.events import KEEPALIVE, Completion, Error, Event
 from gateway.stream.realtime import RealtimeScheduler
+from gateway.stream.repair import REPAIRABLE_CODES, regeneration_body, repair_slots_locally, tool_schemas
 from gateway.upstream.client import ANSWERED, DONE, UpstreamClient, UpstreamItem, UpstreamTarget
 
 SSE_HEADERS = {
@@ -107,7 +108,7 @@ class Relay:
         policy = StreamPolicy.snapshot(self.live.current)
         record.mode = policy.mode.value
         self.observer.on_start(record)
-        headers = {"x-request-id": record.request_id}
+        headers = {"x-request-id": record.request_id, "x-codebuddy2api-stream-mode": policy.mode.value}
         try:
             parsed = room.parse(await request.body(), dict(request.query_params))
             if parsed.stream:
@@ -128,6 +129,7 @@ class Relay:
                 return self._error_response(room, err, record, headers)
             except asyncio.CancelledError:
                 record.outcome = "cancelled"
+                record.error_code = "client_disconnected"
                 self._finish(record)
                 raise
             run.note_completion(completion)
@@ -176,32 +178,38 @@ class GenerationRun:
         self.record = record
         self.response_id = room.new_response_id()
         self.encoder: StreamEncoder = room.encoder(parsed, self.response_id)
+        self.committed = False
+        self.completion: Completion | None = None
+        self._retained = 0  # output bytes over every attempt (the budget spans them all)
         self._queue: asyncio.Queue[UpstreamItem | _End | GatewayError] = asyncio.Queue(maxsize=64)
         self._producer: asyncio.Task[None] | None = None
 
     # -- the upstream leg --------------------------------------------------------------
 
-    async def _produce(self, target: UpstreamTarget) -> None:
+    async def _produce(self, target: UpstreamTarget, body: dict[str, Any]) -> None:
         started = time.monotonic()
         attempt: dict[str, Any] = {"status": None}
         self.record.upstream_attempts.append(attempt)
         put = self._queue.put
         try:
-            async for item in self.relay.upstream.stream_chat(target, self.parsed.upstream_body, self.policy):
+            async for item in self.relay.upstream.stream_chat(target, body, self.policy):
                 if item is ANSWERED:
                     attempt["status"] = 200
                 await put(item)
             await put(_END)
         except GatewayError as err:
             attempt["error"] = err.code
+            if err.kind in ("rate_limit", "upstream", "overloaded", "timeout"):
+                attempt.setdefault("status", None)
             await put(err)
         except Exception as exc:  # a bug of ours: report it, never hang the consumer
             await put(GatewayError("internal", "internal_error", f"internal error: {type(exc).__name__}"))
         finally:
             attempt["duration_ms"] = round((time.monotonic() - started) * 1000, 1)
 
-    def _start_upstream(self) -> None:
-        self._producer = asyncio.create_task(self._produce(self.relay.target()))
+    def _start_upstream(self, body: dict[str, Any]) -> None:
+        self._queue = asyncio.Queue(maxsize=64)
+        self._producer = asyncio.create_task(self._produce(self.relay.target(), body))
 
     async def _stop_upstream(self) -> None:
         if self._producer is not None and not self._producer.done():
@@ -209,38 +217,112 @@ class GenerationRun:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._producer
 
-    async def _next(self) -> UpstreamItem | _End | GatewayError | object:
+    async def _next(self, keepalives: bool) -> UpstreamItem | _End | GatewayError | object:
         if not self._queue.empty():
             return self._queue.get_nowait()
+        if not keepalives:
+            return await self._queue.get()
         try:
             return await asyncio.wait_for(self._queue.get(), self.policy.keepalive_interval)
         except TimeoutError:
             return _TIMEOUT
 
-    # -- consumers ---------------------------------------------------------------------
+    # -- reading one upstream answer ---------------------------------------------------
 
-    def _accumulator(self) -> ChatSSEAccumulator:
-        return ChatSSEAccumulator(self.policy.max_collect_bytes, self.parsed.rules)
+    def _commit(self, out: bytes = b"") -> bytes:
+        """Prefix the protocol's opening frames the first time anything is sent."""
+        if self.committed:
+            return out
+        self.committed = True
+        return self.encoder.start() + out
 
-    async def collect(self) -> Completion:
-        """Compatible/JSON path without a client stream: the whole validated answer."""
-        self._start_upstream()
-        acc = self._accumulator()
+    async def _read_answer(
+        self, body: dict[str, Any], scheduler: RealtimeScheduler | None, keepalives: bool
+    ) -> AsyncIterator[bytes]:
+        """Run one upstream request into a fresh accumulator (``self.acc``), yielding
+        what the client may see meanwhile: opening frames, keepalives, realtime events."""
+        acc = self.acc = ChatSSEAccumulator(self.policy.max_collect_bytes, self.parsed.rules)
+        acc.retained_bytes = self._retained
+        self._start_upstream(body)
         try:
             while True:
-                item = await self._queue.get()
-                if isinstance(item, GatewayError):
+                item = await self._next(keepalives)
+                if item is _TIMEOUT:
+                    self.record.keepalives += 1
+                    yield self._commit(self.encoder.encode(KEEPALIVE))
+                elif isinstance(item, GatewayError):
                     raise item
-                if item is _END:
-                    break
-                if item is DONE:
+                elif item is ANSWERED:
+                    if keepalives and not self.committed:
+                        yield self._commit()
+                elif item is _END:
+                    return
+                elif item is DONE:
                     acc.feed_done()
-                elif isinstance(item, dict):
-                    acc.feed(item)
-            return acc.seal()
+                else:
+                    pieces = acc.feed(item)  # type: ignore[arg-type]
+                    if scheduler is not None and pieces:
+                        events = scheduler.push(pieces)
+                        if events:
+                            yield self._encode_all(events)
         finally:
+            self._retained = acc.retained_bytes
             self.record.output_bytes = acc.retained_bytes
             await self._stop_upstream()
+
+    async def _answer_with_repair(self, keepalives: bool) -> AsyncIterator[bytes]:
+        """Compatible mode: collect, validate, repair locally, regenerate within the bound.
+
+        Sets ``self.completion``; yields only opening frames and keepalives. Once repair is
+        involved, every attempt is recorded (kind, outcome, reason, usage) for the audit.
+        """
+        body = self.parsed.upstream_body
+        attempt = 0
+        while True:
+            async for out in self._read_answer(body, None, keepalives):
+                yield out
+            kind = "original" if attempt == 0 else "regenerate"
+            usage = self._usage_dict(self.acc)
+            try:
+                self.completion = self.acc.seal()
+                if attempt:
+                    self.record.repairs.append({"kind": kind, "attempt": attempt, "outcome": "valid", "usage": usage})
+                return
+            except GatewayError as err:
+                if err.code not in REPAIRABLE_CODES:
+                    raise
+                error = err
+            if error.code == "tool_call_invalid" and repair_slots_locally(self.acc.slots, tool_schemas(body)):
+                with contextlib.suppress(GatewayError):
+                    self.completion = self.acc.seal()
+                    self.record.repairs.append(
+                        {"kind": "local", "attempt": attempt, "outcome": "repaired", "reason": error.message, "usage": usage}
+                    )
+                    return
+            self.record.repairs.append(
+                {"kind": kind, "attempt": attempt, "outcome": "invalid", "reason": error.message, "usage": usage}
+            )
+            if attempt >= self.policy.tool_repair_attempts:
+                raise GatewayError(
+                    error.kind, error.code,
+                    f"{error.message} (still invalid after {attempt} regeneration attempt(s))",
+                )
+            attempt += 1
+            body = regeneration_body(self.parsed.upstream_body, error)
+
+    @staticmethod
+    def _usage_dict(acc: ChatSSEAccumulator) -> dict[str, int]:
+        u = acc.usage
+        return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens} if u else {}
+
+    # -- consumers ---------------------------------------------------------------------
+
+    async def collect(self) -> Completion:
+        """The JSON path: the whole validated (and if need be repaired) answer."""
+        async for _ in self._answer_with_repair(keepalives=False):
+            pass
+        assert self.completion is not None
+        return self.completion
 
     def note_completion(self, completion: Completion) -> None:
         self.record.finish_reason = completion.finish_reason
@@ -257,64 +339,31 @@ class GenerationRun:
     async def stream(self) -> AsyncIterator[bytes | GatewayError]:
         """The client's stream: a GatewayError first means 'not committed, answer with a
         status'; otherwise bytes, the first of which commit a 200."""
-        self._start_upstream()
-        acc = self._accumulator()
-        scheduler = RealtimeScheduler(self.room.sequential_blocks) if self.policy.mode is StreamMode.REALTIME else None
-        encode = self.encoder.encode
-        committed = False
         try:
-            while True:
-                item = await self._next()
-                if item is _TIMEOUT:
-                    self.record.keepalives += 1
-                    out = encode(KEEPALIVE)
-                    if not committed:
-                        committed = True
-                        out = self.encoder.start() + out
+            if self.policy.mode is StreamMode.REALTIME:
+                scheduler = RealtimeScheduler(self.room.sequential_blocks)
+                async for out in self._read_answer(self.parsed.upstream_body, scheduler, keepalives=True):
                     yield out
-                    continue
-                if isinstance(item, GatewayError):
-                    raise item
-                if item is ANSWERED:
-                    if not committed:
-                        committed = True
-                        yield self.encoder.start()
-                    continue
-                if item is _END:
-                    break
-                if item is DONE:
-                    acc.feed_done()
-                    continue
-                assert isinstance(item, dict)
-                pieces = acc.feed(item)
-                if scheduler is not None and pieces:
-                    events = scheduler.push(pieces)
-                    if events:
-                        yield self._encode_all(events)
-            completion = acc.seal()
-            self.note_completion(completion)
-            if scheduler is not None:
-                events = scheduler.finish(acc.sealed_slots, completion.finish_reason, completion.usage)
+                completion = self.acc.seal()
+                events = scheduler.finish(self.acc.sealed_slots, completion.finish_reason, completion.usage)
             else:
+                async for out in self._answer_with_repair(keepalives=True):
+                    yield out
+                assert self.completion is not None
+                completion = self.completion
                 events = replay(completion)
-            out = self._encode_all(events)
-            if not committed:
-                committed = True
-                out = self.encoder.start() + out
+            self.note_completion(completion)
             self.record.outcome = "success"
-            yield out
+            yield self._commit(self._encode_all(events))
             await self.room.completed(self.parsed, self.response_id, completion, self.encoder)
         except GatewayError as err:
             self.record.outcome = "error"
             self.record.error_code = err.code
-            if committed:
-                yield encode(Error(err))
+            if self.committed:
+                yield self.encoder.encode(Error(err))
             else:
                 self.record.http_status = err.status
                 yield err
-        finally:
-            self.record.output_bytes = acc.retained_bytes
-            await self._stop_upstream()
 
     def _encode_all(self, events: list[Event]) -> bytes:
         encode = self.encoder.encode

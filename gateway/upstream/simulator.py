@@ -29,6 +29,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from gateway.stream.repair import REPAIR_MARKER
+
 Frame = dict[str, Any]
 Delta = dict[str, Any]
 
@@ -57,7 +59,7 @@ def _flag(raw: str) -> bool:
 _OPTION_TYPES: dict[str, Callable[[str], Any]] = {
     "chunk": int, "delay": float, "ttfb": float, "first_chunk_delay": float,
     "usage": str, "done": _flag, "finish_chunk": str, "unstable_id": _flag,
-    "size": int, "status": int, "retry_after": int,
+    "size": int, "status": int, "retry_after": int, "repairable": _flag,
 }
 _SCENARIO_DEFAULTS: dict[str, dict[str, Any]] = {
     "slow_first_byte": {"ttfb": 2.0}, "large": {"chunk": 256},
@@ -81,6 +83,7 @@ class Options:
     size: int = 100_000
     status: int | None = None
     retry_after: int | None = None
+    repairable: bool = False  # answer like `tool` once the gateway asks for a repair
 
 
 def parse_model(model: str) -> Options:
@@ -398,9 +401,17 @@ def build_plan(
         return _script_plan(opts, scripts or {})
     if opts.scenario in _ERRORS:
         return _error_plan(opts)
+    if opts.repairable and _asks_for_repair(request_body):
+        opts = dataclasses.replace(opts, scenario="tool")
     ctx = Ctx(opts, request_body, _tool_names(request_body))
     reply = SCENARIOS.get(opts.scenario, _echo)(ctx)
     return Plan(200, {}, _frames(reply, ctx), opts)
+
+
+def _asks_for_repair(body: Mapping[str, Any]) -> bool:
+    """A model that listens: the gateway's repair note is the last message."""
+    messages = _messages(body)
+    return bool(messages) and REPAIR_MARKER in _text_of(messages[-1].get("content"))
 
 
 def build_frames(
