@@ -19,7 +19,16 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
 from gateway.errors import GatewayError, invalid_request
 from gateway.protocols.base import load_json_object, validation_error
@@ -30,7 +39,14 @@ JOIN = "\n\n"
 #: Prefix of a tool message made from a ``tool_result`` with ``is_error: true``.
 ERROR_PREFIX = "Error: "
 #: Effort names the upstream understands (OpenAI ``reasoning_effort``).
-EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+EFFORTS = {
+    "minimal": "low",
+    "low": "low",
+    "medium": "medium",
+    "high": "high",
+    "xhigh": "high",
+    "max": "high",
+}
 #: ``thinking.budget_tokens`` at or below these map to low / medium; above -> high.
 BUDGET_LOW = 4096
 BUDGET_MEDIUM = 16384
@@ -39,7 +55,7 @@ BUDGET_MEDIUM = 16384
 class _Message(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["user", "assistant", "system"]
-    content: StrictStr | list[Any]
+    content: Any  # str | list of blocks, checked by hand so errors name the field plainly
 
 
 class _Body(BaseModel):
@@ -79,6 +95,9 @@ class Translation:
 
 
 def _bad(message: str, param: str, code: str = "invalid_request") -> GatewayError:
+    """A named 400; the message names the field (Anthropic's error body has no ``param``)."""
+    if param not in message:
+        message = f"{param}: {message}"
     return invalid_request(message, param=param, code=code)
 
 
@@ -116,7 +135,11 @@ def _text_blocks(content: Any, param: str) -> str:
     for i, block in enumerate(content):
         kind = _block_type(block, f"{param}.{i}")
         if kind != "text":
-            raise _bad(f"{param}.{i} must be a text block, not {kind!r}", f"{param}.{i}.type", "invalid_value")
+            raise _bad(
+                f"{param}.{i} must be a text block, not {kind!r}",
+                f"{param}.{i}.type",
+                "invalid_value",
+            )
         texts.append(_str_field(block, "text", f"{param}.{i}"))
     return JOIN.join(texts)
 
@@ -168,7 +191,11 @@ def _tool_result(block: dict[str, Any], param: str, images: list[dict[str, Any]]
                 raise _unsupported(kind, where)
         text = JOIN.join(texts)
     else:
-        raise _bad(f"{param}.content must be a string or a list of blocks", f"{param}.content", "invalid_type")
+        raise _bad(
+            f"{param}.content must be a string or a list of blocks",
+            f"{param}.content",
+            "invalid_type",
+        )
     is_error = block.get("is_error", False)
     if not isinstance(is_error, bool):
         raise _bad(f"{param}.is_error must be a boolean", f"{param}.is_error", "invalid_type")
@@ -220,17 +247,22 @@ def _assistant_turn(content: str | list[Any], param: str) -> dict[str, Any]:
             tool_input = block.get("input", {})
             if not isinstance(tool_input, dict):
                 raise _bad(f"{where}.input must be an object", f"{where}.input", "invalid_type")
-            calls.append({
-                "id": _str_field(block, "id", where),
-                "type": "function",
-                "function": {
-                    "name": _str_field(block, "name", where),
-                    "arguments": orjson.dumps(tool_input).decode(),
-                },
-            })
+            calls.append(
+                {
+                    "id": _str_field(block, "id", where),
+                    "type": "function",
+                    "function": {
+                        "name": _str_field(block, "name", where),
+                        "arguments": orjson.dumps(tool_input).decode(),
+                    },
+                }
+            )
         else:
             raise _unsupported(kind, where)
-    message: dict[str, Any] = {"role": "assistant", "content": JOIN.join(texts) if texts or not calls else None}
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": JOIN.join(texts) if texts or not calls else None,
+    }
     if reasoning:
         message["reasoning_content"] = JOIN.join(reasoning)
     if calls:
@@ -247,6 +279,8 @@ def _messages(body: _Body, raw: dict[str, Any]) -> list[dict[str, Any]]:
             out.append({"role": "system", "content": text})
     for i, message in enumerate(body.messages):
         param = f"messages.{i}.content"
+        if not isinstance(message.content, (str, list)):
+            raise _bad("must be a string or a list of content blocks", param, "invalid_type")
         if message.role == "system":
             out.append({"role": "system", "content": _text_blocks(message.content, param)})
         elif message.role == "user":
@@ -273,7 +307,11 @@ def _tools(tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]
             raise _bad(f"{param}.name must not be empty", f"{param}.name", "invalid_value")
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
-            raise _bad(f"{param}.input_schema must be a JSON schema object", f"{param}.input_schema", "invalid_type")
+            raise _bad(
+                f"{param}.input_schema must be a JSON schema object",
+                f"{param}.input_schema",
+                "invalid_type",
+            )
         function: dict[str, Any] = {"name": name}
         description = tool.get("description")
         if description is not None:
@@ -289,8 +327,11 @@ def _tool_choice(choice: dict[str, Any] | None, declared: frozenset[str]) -> tup
         return None, "auto", True
     disable = choice.get("disable_parallel_tool_use", False)
     if not isinstance(disable, bool):
-        raise _bad("tool_choice.disable_parallel_tool_use must be a boolean",
-                   "tool_choice.disable_parallel_tool_use", "invalid_type")
+        raise _bad(
+            "tool_choice.disable_parallel_tool_use must be a boolean",
+            "tool_choice.disable_parallel_tool_use",
+            "invalid_type",
+        )
     kind = choice.get("type")
     if kind == "auto":
         return "auto", "auto", not disable
@@ -301,27 +342,47 @@ def _tool_choice(choice: dict[str, Any] | None, declared: frozenset[str]) -> tup
     if kind == "tool":
         name = choice.get("name")
         if not isinstance(name, str) or not name:
-            raise _bad("tool_choice.name is required for type 'tool'", "tool_choice.name", "missing_required_parameter")
+            raise _bad(
+                "tool_choice.name is required for type 'tool'",
+                "tool_choice.name",
+                "missing_required_parameter",
+            )
         if name not in declared:
-            raise _bad(f"tool_choice names undeclared tool {name!r}", "tool_choice.name", "invalid_value")
+            raise _bad(
+                f"tool_choice names undeclared tool {name!r}", "tool_choice.name", "invalid_value"
+            )
         return {"type": "function", "function": {"name": name}}, name, not disable
-    raise _bad("tool_choice.type must be 'auto', 'any', 'tool' or 'none'", "tool_choice.type", "invalid_value")
+    raise _bad(
+        "tool_choice.type must be 'auto', 'any', 'tool' or 'none'",
+        "tool_choice.type",
+        "invalid_value",
+    )
 
 
-def reasoning_effort(thinking: dict[str, Any] | None, output_config: dict[str, Any] | None) -> str | None:
+def reasoning_effort(
+    thinking: dict[str, Any] | None, output_config: dict[str, Any] | None
+) -> str | None:
     """``thinking`` + ``output_config.effort`` -> ``reasoning_effort`` (None = upstream default)."""
     kind = None
     if thinking is not None:
         kind = thinking.get("type")
         if kind not in ("enabled", "adaptive", "disabled"):
-            raise _bad("thinking.type must be 'enabled', 'adaptive' or 'disabled'", "thinking.type", "invalid_value")
+            raise _bad(
+                "thinking.type must be 'enabled', 'adaptive' or 'disabled'",
+                "thinking.type",
+                "invalid_value",
+            )
     effort = (output_config or {}).get("effort")
     if effort is not None and not isinstance(effort, str):
         raise _bad("output_config.effort must be a string", "output_config.effort", "invalid_type")
     if kind == "enabled":
         budget = thinking.get("budget_tokens") if thinking else None
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise _bad("thinking.budget_tokens must be a positive integer", "thinking.budget_tokens", "invalid_type")
+            raise _bad(
+                "thinking.budget_tokens must be a positive integer",
+                "thinking.budget_tokens",
+                "invalid_type",
+            )
     if kind == "disabled":
         return None
     if effort is not None:
@@ -365,5 +426,7 @@ def translate(body: bytes, *, count_only: bool = False) -> Translation:
     effort = reasoning_effort(parsed.thinking, parsed.output_config)
     if effort is not None:
         upstream["reasoning_effort"] = effort
-    rules = ToolRules(declared=declared, choice=rule_choice if functions else "auto", parallel=parallel)
+    rules = ToolRules(
+        declared=declared, choice=rule_choice if functions else "auto", parallel=parallel
+    )
     return Translation(parsed.model, parsed.stream, upstream, rules, dropped)

@@ -61,7 +61,9 @@ def count_chat_tokens(body: dict[str, Any]) -> int:
             total += count_text(reasoning)
         for call in message.get("tool_calls") or ():
             function = call.get("function") or {}
-            total += count_text(function.get("name") or "") + count_text(function.get("arguments") or "")
+            total += count_text(function.get("name") or "") + count_text(
+                function.get("arguments") or ""
+            )
     for tool in body.get("tools") or ():
         total += count_text(orjson.dumps(tool).decode())
     return total

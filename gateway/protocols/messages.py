@@ -1,0 +1,248 @@
+"""Anthropic Messages: the room (parse, stream encoder, JSON answer, errors) and count_tokens.
+
+Wire contracts the anthropic SDK's stream accumulator enforces (see
+docs/protocols/messages.md): every frame has an ``event:`` line (frames without one are
+dropped silently); ``message_start`` comes first; ``content_block_start`` *appends*, so
+block indexes are exactly 0, 1, 2... in order of start, and a block is closed before the
+next opens (``sequential_blocks``); tool input streams as ``input_json_delta``;
+``message_delta`` carries ``stop_reason`` and ``usage``; ``message_stop`` comes last; the
+keepalive is the native ``ping``; a mid-stream failure is ``event: error`` and ends the
+stream (no ``message_stop`` after it).
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.errors import GatewayError
+from gateway.protocols.base import ParsedRequest, dumps, sse
+from gateway.protocols.messages_translate import translate
+from gateway.protocols.tokens import count_chat_tokens, count_text
+from gateway.stream.accumulator import parse_arguments
+from gateway.stream.events import (
+    BlockDelta,
+    BlockStart,
+    BlockStop,
+    Completion,
+    Error,
+    Event,
+    Finish,
+    Keepalive,
+    Usage,
+)
+
+ERROR_TYPES = {
+    "invalid_request": "invalid_request_error",
+    "authentication": "authentication_error",
+    "permission": "permission_error",
+    "not_found": "not_found_error",
+    "rate_limit": "rate_limit_error",
+    "upstream": "api_error",
+    "timeout": "api_error",
+    "overloaded": "overloaded_error",
+    "internal": "api_error",
+}
+
+STOP_REASONS = {
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "content_filter": "refusal",
+}
+
+#: Anthropic's thinking blocks carry a signature; this gateway does not sign (the
+#: upstream's reasoning is replayed as plain ``reasoning_content``), so it is empty.
+SIGNATURE = ""
+
+PING = sse(b'{"type":"ping"}', "ping")
+_BLOCK_SHAPES: dict[str, tuple[str, str]] = {  # kind -> (delta type, delta field)
+    "reasoning": ("thinking_delta", "thinking"),
+    "text": ("text_delta", "text"),
+    "tool": ("input_json_delta", "partial_json"),
+}
+
+
+def error_json(error: GatewayError) -> dict[str, Any]:
+    """The Anthropic error shape (HTTP body and ``event: error`` data alike). The shape has
+    no code field, so the gateway's error code leads the message (``tool_call_invalid: ...``)."""
+    return {
+        "type": "error",
+        "error": {"type": ERROR_TYPES.get(error.kind, "api_error"), "message": f"{error.code}: {error.message}"},
+    }
+
+
+def usage_json(usage: Usage | None, estimate_in: int, estimate_out: int) -> dict[str, Any]:
+    """Anthropic usage from the upstream's numbers; tokenizer estimates where it gave none.
+
+    Anthropic's ``input_tokens`` excludes cache reads, which it reports separately.
+    """
+    if usage is None or (usage.prompt_tokens == 0 and usage.completion_tokens == 0):
+        return {"input_tokens": estimate_in, "output_tokens": estimate_out}
+    out: dict[str, Any] = {
+        "input_tokens": max(0, usage.prompt_tokens - usage.cached_tokens),
+        "output_tokens": usage.completion_tokens,
+    }
+    if usage.cached_tokens:
+        out["cache_read_input_tokens"] = usage.cached_tokens
+    if usage.reasoning_tokens:
+        out["output_tokens_details"] = {
+            "thinking_tokens": min(usage.reasoning_tokens, usage.completion_tokens)
+        }
+    return out
+
+
+class MessagesRoom:
+    """The ``/v1/messages`` protocol room."""
+
+    name = "messages"
+    sequential_blocks = True
+
+    def parse(self, body: bytes, query: dict[str, str]) -> ParsedRequest:
+        # ``?beta=true`` (Claude Code, SDK beta client) changes nothing here.
+        t = translate(body)
+        return ParsedRequest(
+            protocol=self.name,
+            model=t.model,
+            stream=t.stream,
+            upstream_body=t.body,
+            rules=t.rules,
+            extra={"input_tokens": count_chat_tokens(t.body), "dropped_tools": t.dropped_tools},
+        )
+
+    def new_response_id(self) -> str:
+        return "msg_" + secrets.token_hex(12)
+
+    async def resolve(self, request: ParsedRequest) -> None:
+        return None
+
+    async def completed(
+        self, request: ParsedRequest, response_id: str, completion: Completion, encoder: object
+    ) -> None:
+        return None
+
+    def encoder(self, request: ParsedRequest, response_id: str) -> MessagesEncoder:
+        return MessagesEncoder(response_id, request.model, request.extra.get("input_tokens", 0))
+
+    def json_body(self, request: ParsedRequest, response_id: str, completion: Completion) -> dict:
+        content: list[dict[str, Any]] = []
+        if completion.reasoning:
+            content.append(
+                {"type": "thinking", "thinking": completion.reasoning, "signature": SIGNATURE}
+            )
+        if completion.text:
+            content.append({"type": "text", "text": completion.text})
+        for call in completion.tool_calls:
+            content.append(
+                {
+                    "type": "tool_use",
+                    "id": call.id,
+                    "name": call.name,
+                    "input": parse_arguments(call.arguments) or {},
+                }
+            )
+        estimate_out = (
+            count_text(completion.reasoning)
+            + count_text(completion.text)
+            + sum(count_text(c.arguments) for c in completion.tool_calls)
+        )
+        return {
+            "id": response_id,
+            "type": "message",
+            "role": "assistant",
+            "model": request.model,
+            "content": content,
+            "stop_reason": STOP_REASONS[completion.finish_reason],
+            "stop_sequence": None,
+            "usage": usage_json(
+                completion.usage, request.extra.get("input_tokens", 0), estimate_out
+            ),
+        }
+
+    def error_body(self, error: GatewayError) -> dict:
+        return error_json(error)
+
+
+class MessagesEncoder:
+    """Canonical events -> Messages SSE frames; one id; nothing after a terminal frame."""
+
+    def __init__(self, response_id: str, model: str, input_tokens: int) -> None:
+        self.response_id = response_id
+        self.model = model
+        self.input_tokens = input_tokens
+        self._output_estimate = 0
+        self._ended = False
+
+    def start(self) -> bytes:
+        message = {
+            "id": self.response_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
+        }
+        return sse(dumps({"type": "message_start", "message": message}), "message_start")
+
+    def encode(self, event: Event) -> bytes:
+        if self._ended:
+            return b""
+        if isinstance(event, BlockDelta):
+            delta_type, key = _BLOCK_SHAPES[event.kind]
+            if not event.text:
+                return b""
+            data = {
+                "type": "content_block_delta",
+                "index": event.index,
+                "delta": {"type": delta_type, key: event.text},
+            }
+            return sse(dumps(data), "content_block_delta")
+        if isinstance(event, BlockStart):
+            block: dict[str, Any]
+            if event.kind == "reasoning":
+                block = {"type": "thinking", "thinking": "", "signature": SIGNATURE}
+            elif event.kind == "text":
+                block = {"type": "text", "text": ""}
+            else:
+                block = {"type": "tool_use", "id": event.call_id, "name": event.name, "input": {}}
+            data = {"type": "content_block_start", "index": event.index, "content_block": block}
+            return sse(dumps(data), "content_block_start")
+        if isinstance(event, BlockStop):
+            self._output_estimate += count_text(event.content)
+            return sse(
+                dumps({"type": "content_block_stop", "index": event.index}), "content_block_stop"
+            )
+        if isinstance(event, Finish):
+            self._ended = True
+            delta = {
+                "type": "message_delta",
+                "delta": {"stop_reason": STOP_REASONS[event.finish_reason], "stop_sequence": None},
+                "usage": usage_json(event.usage, self.input_tokens, self._output_estimate),
+            }
+            return sse(dumps(delta), "message_delta") + sse(
+                b'{"type":"message_stop"}', "message_stop"
+            )
+        if isinstance(event, Keepalive):
+            return PING
+        if isinstance(event, Error):
+            self._ended = True
+            return sse(dumps(error_json(event.error)), "error")
+        return b""
+
+
+async def count_tokens_endpoint(request: Request) -> Response:
+    """``POST /v1/messages/count_tokens``: the translated request's o200k_base count.
+
+    Same validation and translation as ``/v1/messages`` (``max_tokens`` optional, as in
+    Anthropic's API); nothing is sent upstream.
+    """
+    try:
+        t = translate(await request.body(), count_only=True)
+    except GatewayError as err:
+        return JSONResponse(error_json(err), status_code=err.status)
+    return JSONResponse({"input_tokens": count_chat_tokens(t.body)})
