@@ -78,10 +78,21 @@ def load_json_object(body: bytes) -> dict[str, Any]:
     return value
 
 
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "literal"})
+
+
+def _is_union_tag(segment: object) -> bool:
+    """Pydantic puts the tried union member in the error path (``input.str``); clients
+    should see the field they sent, not our type names."""
+    if not isinstance(segment, str):
+        return False
+    return segment.lower() in _UNION_TAGS or "[" in segment or segment.startswith(("function-", "lax-", "json-"))
+
+
 def validation_error(exc: ValidationError) -> GatewayError:
     """A pydantic error as a 400 naming the first offending field."""
     err = exc.errors()[0]
-    param = ".".join(str(p) for p in err["loc"]) or None
+    param = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p)) or None
     if err["type"] == "missing":
         message = f"missing required parameter: {param!r}"
         code = "missing_required_parameter"

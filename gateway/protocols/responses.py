@@ -1,0 +1,497 @@
+"""OpenAI Responses: the room (parse, stored-state hooks), the stream encoder, JSON
+answers, errors, and the ``GET /v1/responses/{id}`` endpoint.
+
+Wire contracts (see docs/protocols/responses.md): ``sequence_number`` on every event,
+contiguous from 0 (also on ``error`` and ``response.failed``); ``response.created`` then
+``response.in_progress``; every delta belongs to an item announced by
+``response.output_item.added`` and every added item gets ``response.output_item.done``;
+one response id for the whole stream; the terminal event carries the full output, built
+from exactly what was streamed; no ``[DONE]``. Keepalive is a repeated
+``response.in_progress``. Streamed and JSON answers are built by the same item helpers.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+import structlog
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.errors import GatewayError, invalid_request
+from gateway.protocols.base import ParsedRequest, dumps, load_json_object, sse
+from gateway.protocols.chat import error_json
+from gateway.protocols.responses_translate import ToolMap, seal_reasoning, translate
+from gateway.store.db import Database
+from gateway.store.responses import ResponseStore
+from gateway.stream.events import (
+    BlockDelta,
+    BlockStart,
+    BlockStop,
+    Completion,
+    Error,
+    Event,
+    Finish,
+    Keepalive,
+    Usage,
+)
+
+log = structlog.get_logger("gateway.responses")
+
+_TRUNCATION = ("auto", "disabled")
+
+
+# -- the Response object and its items (shared by stream and JSON) -----------------------
+
+
+def usage_object(usage: Usage | None) -> dict[str, Any]:
+    u = usage or Usage()
+    return {
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
+        "total_tokens": u.total_tokens,
+    }
+
+
+def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = (
+        []
+        if text is None
+        else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    )
+    return {
+        "id": item_id,
+        "type": "message",
+        "status": status,
+        "role": "assistant",
+        "content": content,
+    }
+
+
+def function_call_item(
+    item_id: str, call_id: str, client_name: tuple[str, str | None], arguments: str, status: str
+) -> dict[str, Any]:
+    name, namespace = client_name
+    item: dict[str, Any] = {
+        "id": item_id,
+        "type": "function_call",
+        "status": status,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+    }
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item
+
+
+def reasoning_item(item_id: str, text: str | None, envelope: bool) -> dict[str, Any]:
+    item: dict[str, Any] = {"id": item_id, "type": "reasoning", "summary": []}
+    if text is not None:
+        item["summary"] = [{"type": "summary_text", "text": text}]
+        if envelope:
+            item["encrypted_content"] = seal_reasoning(text)
+    return item
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(16)
+
+
+def _client_name(tool_map: ToolMap, upstream: str | None) -> tuple[str, str | None]:
+    return tool_map.client.get(upstream or "", (upstream or "", None))
+
+
+def response_object(
+    echo: dict[str, Any],
+    response_id: str,
+    created_at: int,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None = None,
+    incomplete_reason: str | None = None,
+    error: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The Response object; ``echo`` holds the request fields it repeats."""
+    body: dict[str, Any] = {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
+        "background": False,
+        "error": error,
+        "incomplete_details": {"reason": incomplete_reason} if incomplete_reason else None,
+        **echo,
+        "output": output,
+        "usage": usage,
+    }
+    if status in ("completed", "incomplete", "failed"):
+        body["completed_at"] = int(time.time()) if status == "completed" else None
+    return body
+
+
+def _echo(raw: dict[str, Any], body: Any) -> dict[str, Any]:
+    tools = []
+    for tool in body.tools or []:
+        if tool.get("type") == "namespace" and not isinstance(tool.get("description"), str):
+            tool = {**tool, "description": ""}  # required by the SDK's NamespaceTool model
+        tools.append(tool)
+    reasoning = None
+    if body.reasoning is not None:
+        reasoning = {k: body.reasoning.get(k) for k in ("effort", "summary")}
+    truncation = raw.get("truncation")
+    return {
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "metadata": body.metadata or {},
+        "model": body.model,
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "previous_response_id": body.previous_response_id,
+        "prompt_cache_key": raw.get("prompt_cache_key")
+        if isinstance(raw.get("prompt_cache_key"), str)
+        else None,
+        "reasoning": reasoning,
+        "store": body.store is not False,
+        "temperature": body.temperature,
+        "text": body.text if body.text is not None else {"format": {"type": "text"}},
+        "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
+        "tools": tools,
+        "top_p": body.top_p,
+        "truncation": truncation if truncation in _TRUNCATION else "disabled",
+        "user": body.user,
+    }
+
+
+def _terminal(finish_reason: str) -> tuple[str, str | None]:
+    if finish_reason == "length":
+        return "incomplete", "max_output_tokens"
+    if finish_reason == "content_filter":
+        return "incomplete", "content_filter"
+    return "completed", None
+
+
+def _failed_error(error: GatewayError) -> dict[str, Any]:
+    """``response.error``: its ``code`` must be one of the spec's literals."""
+    code = "rate_limit_exceeded" if error.kind == "rate_limit" else "server_error"
+    return {"code": code, "message": f"{error.message} ({error.code})"}
+
+
+# -- the stream encoder -------------------------------------------------------------------
+
+
+class ResponsesEncoder:
+    """Canonical events -> Responses SSE events; one response id, one sequence counter."""
+
+    def __init__(self, request: ParsedRequest, response_id: str) -> None:
+        self.echo: dict[str, Any] = request.extra["echo"]
+        self.tool_map: ToolMap = request.extra["tool_map"]
+        self.envelope: bool = request.extra["envelope"]
+        self.response_id = response_id
+        self.created_at = int(time.time())
+        self._seq = 0
+        self._items: dict[
+            int, dict[str, Any]
+        ] = {}  # output index -> item (in progress, then final)
+        self._parts: dict[int, list[str]] = {}
+        self._done: list[int] = []
+        self._open: int | None = None
+        self.final: dict[str, Any] | None = None
+
+    # -- framing ---------------------------------------------------------------------
+
+    def _event(self, kind: str, payload: dict[str, Any]) -> bytes:
+        data = {"type": kind, **payload, "sequence_number": self._seq}
+        self._seq += 1
+        return sse(dumps(data), event=kind)
+
+    def _snapshot(self, status: str, **kwargs: Any) -> dict[str, Any]:
+        output = [self._items[i] for i in self._done] if status != "in_progress" else []
+        return response_object(
+            self.echo, self.response_id, self.created_at, status, output, **kwargs
+        )
+
+    def start(self) -> bytes:
+        return self._event(
+            "response.created", {"response": self._snapshot("in_progress")}
+        ) + self._event("response.in_progress", {"response": self._snapshot("in_progress")})
+
+    # -- events ----------------------------------------------------------------------
+
+    def encode(self, event: Event) -> bytes:
+        if self.final is not None:
+            return b""
+        if isinstance(event, BlockDelta):
+            return self._delta(event.index, event.text)
+        if isinstance(event, BlockStart):
+            return self._start(event)
+        if isinstance(event, BlockStop):
+            return self._stop(event.index, event.content, "completed")
+        if isinstance(event, Keepalive):
+            return self._event("response.in_progress", {"response": self._snapshot("in_progress")})
+        if isinstance(event, Finish):
+            out = self._close_open("completed")
+            status, reason = _terminal(event.finish_reason)
+            self.final = self._snapshot(
+                status, usage=usage_object(event.usage), incomplete_reason=reason
+            )
+            kind = "response.completed" if status == "completed" else "response.incomplete"
+            return out + self._event(kind, {"response": self.final})
+        if isinstance(event, Error):
+            err = event.error
+            out = self._close_open("incomplete")
+            out += self._event("error", {"code": err.code, "message": err.message, "param": None})
+            self.final = self._snapshot("failed", error=_failed_error(err))
+            return out + self._event("response.failed", {"response": self.final})
+        return b""
+
+    def _start(self, event: BlockStart) -> bytes:
+        out = self._close_open("completed")
+        index = event.index
+        self._open = index
+        self._parts[index] = []
+        where = {"output_index": index}
+        if event.kind == "text":
+            item = message_item(_new_id("msg_"), None, "in_progress")
+            self._items[index] = item
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            return (
+                out
+                + self._event("response.output_item.added", {**where, "item": item})
+                + self._event(
+                    "response.content_part.added",
+                    {"item_id": item["id"], **where, "content_index": 0, "part": part},
+                )
+            )
+        if event.kind == "reasoning":
+            item = reasoning_item(_new_id("rs_"), None, False)
+            self._items[index] = item
+            part = {"type": "summary_text", "text": ""}
+            return (
+                out
+                + self._event("response.output_item.added", {**where, "item": item})
+                + self._event(
+                    "response.reasoning_summary_part.added",
+                    {"item_id": item["id"], **where, "summary_index": 0, "part": part},
+                )
+            )
+        name = _client_name(self.tool_map, event.name)
+        item = function_call_item(
+            _new_id("fc_"), event.call_id or _new_id("call_"), name, "", "in_progress"
+        )
+        self._items[index] = item
+        return out + self._event("response.output_item.added", {**where, "item": item})
+
+    def _delta(self, index: int, text: str) -> bytes:
+        if not text or index not in self._items:
+            return b""
+        self._parts[index].append(text)
+        item = self._items[index]
+        where = {"item_id": item["id"], "output_index": index}
+        if item["type"] == "message":
+            return self._event(
+                "response.output_text.delta",
+                {**where, "content_index": 0, "delta": text, "logprobs": []},
+            )
+        if item["type"] == "reasoning":
+            return self._event(
+                "response.reasoning_summary_text.delta",
+                {**where, "summary_index": 0, "delta": text},
+            )
+        return self._event("response.function_call_arguments.delta", {**where, "delta": text})
+
+    def _close_open(self, status: str) -> bytes:
+        if self._open is None:
+            return b""
+        return self._stop(self._open, "".join(self._parts[self._open]), status)
+
+    def _stop(self, index: int, content: str, status: str) -> bytes:
+        if index not in self._items or index in self._done:
+            return b""
+        out = b""
+        sent = "".join(self._parts[index])
+        if content != sent and content.startswith(sent):
+            out += self._delta(index, content[len(sent) :])  # keep deltas and final in agreement
+        text = "".join(self._parts[index])
+        item = self._items[index]
+        where = {"item_id": item["id"], "output_index": index}
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            out += self._event(
+                "response.output_text.done",
+                {**where, "content_index": 0, "text": text, "logprobs": []},
+            )
+            out += self._event(
+                "response.content_part.done", {**where, "content_index": 0, "part": part}
+            )
+            final = message_item(item["id"], text, status)
+        elif item["type"] == "reasoning":
+            part = {"type": "summary_text", "text": text}
+            out += self._event(
+                "response.reasoning_summary_text.done", {**where, "summary_index": 0, "text": text}
+            )
+            out += self._event(
+                "response.reasoning_summary_part.done", {**where, "summary_index": 0, "part": part}
+            )
+            final = reasoning_item(item["id"], text, self.envelope)
+        else:
+            out += self._event(
+                "response.function_call_arguments.done", {**where, "arguments": text}
+            )
+            final = {**item, "arguments": text, "status": status}
+        self._items[index] = final
+        self._done.append(index)
+        if self._open == index:
+            self._open = None
+        return out + self._event(
+            "response.output_item.done", {"output_index": index, "item": final}
+        )
+
+
+# -- the room -----------------------------------------------------------------------------
+
+
+def _assistant_message(completion: Completion) -> dict[str, Any]:
+    """The chat message this answer adds to the conversation (for previous_response_id)."""
+    message: dict[str, Any] = {"role": "assistant", "content": completion.text or None}
+    if completion.reasoning:
+        message["reasoning_content"] = completion.reasoning
+    if completion.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in completion.tool_calls
+        ]
+    return message
+
+
+class ResponsesRoom:
+    """The ``/v1/responses`` protocol room."""
+
+    name = "responses"
+    sequential_blocks = True
+
+    def __init__(self, db: Database) -> None:
+        self.store = ResponseStore(db)
+
+    def parse(self, body: bytes, query: dict[str, str]) -> ParsedRequest:
+        raw = load_json_object(body)
+        t = translate(raw)
+        return ParsedRequest(
+            protocol=self.name,
+            model=t.body.model,
+            stream=t.body.stream,
+            upstream_body=t.upstream,
+            rules=t.rules,
+            extra={
+                "echo": _echo(raw, t.body),
+                "tool_map": t.tool_map,
+                "envelope": t.include_reasoning_envelope,
+                "store": t.body.store is not False,
+                "previous_response_id": t.body.previous_response_id,
+                "instructions_count": t.instructions_count,
+                "history": t.input_messages,
+                "dropped_tools": t.dropped_tools,
+            },
+        )
+
+    def new_response_id(self) -> str:
+        return _new_id("resp_")
+
+    async def resolve(self, request: ParsedRequest) -> None:
+        """Prepend a stored response's conversation (input, then output)."""
+        previous = request.extra.get("previous_response_id")
+        if not previous or request.extra.get("resolved"):
+            return
+        record = await self.store.load(previous)
+        if record is None:
+            raise invalid_request(
+                f"previous response {previous!r} was not found"
+                " (it may have been sent with store: false)",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        prior = list(record.get("history") or []) + list(record.get("output") or [])
+        at = request.extra["instructions_count"]
+        messages = request.upstream_body["messages"]
+        request.upstream_body["messages"] = messages[:at] + prior + messages[at:]
+        request.extra["history"] = prior + request.extra["history"]
+        request.extra["resolved"] = True
+
+    async def completed(
+        self, request: ParsedRequest, response_id: str, completion: Completion, encoder: object
+    ) -> None:
+        if isinstance(encoder, ResponsesEncoder) and encoder.final is not None:
+            final = encoder.final
+        else:
+            final = self._build(request, response_id, completion)
+            request.extra["final"] = final
+        if not request.extra.get("store"):
+            return
+        record = {
+            "response": final,
+            "history": request.extra["history"],
+            "output": [_assistant_message(completion)],
+        }
+        try:
+            await self.store.save(response_id, record)
+        except Exception:  # the answer was delivered; a failed save must not turn it into an error
+            log.exception("response_store_failed", response_id=response_id)
+
+    def encoder(self, request: ParsedRequest, response_id: str) -> ResponsesEncoder:
+        return ResponsesEncoder(request, response_id)
+
+    def json_body(self, request: ParsedRequest, response_id: str, completion: Completion) -> dict:
+        final = request.extra.get("final")
+        return final if final is not None else self._build(request, response_id, completion)
+
+    def _build(
+        self, request: ParsedRequest, response_id: str, completion: Completion
+    ) -> dict[str, Any]:
+        """The JSON answer: reasoning item, message item, function_call items."""
+        output: list[dict[str, Any]] = []
+        if completion.reasoning:
+            output.append(
+                reasoning_item(_new_id("rs_"), completion.reasoning, request.extra["envelope"])
+            )
+        if completion.text:
+            output.append(message_item(_new_id("msg_"), completion.text, "completed"))
+        tool_map: ToolMap = request.extra["tool_map"]
+        for call in completion.tool_calls:
+            name = _client_name(tool_map, call.name)
+            output.append(
+                function_call_item(_new_id("fc_"), call.id, name, call.arguments, "completed")
+            )
+        status, reason = _terminal(completion.finish_reason)
+        return response_object(
+            request.extra["echo"],
+            response_id,
+            int(time.time()),
+            status,
+            output,
+            usage=usage_object(completion.usage),
+            incomplete_reason=reason,
+        )
+
+    def error_body(self, error: GatewayError) -> dict:
+        return error_json(error)
+
+    def retrieve_endpoint(self):  # type: ignore[no-untyped-def]
+        """``GET /v1/responses/{response_id}``: a stored response, or an OpenAI 404."""
+
+        async def retrieve(request: Request) -> Response:
+            response_id = request.path_params["response_id"]
+            record = await self.store.load(response_id)
+            if record is None or not isinstance(record.get("response"), dict):
+                err = GatewayError(
+                    "not_found",
+                    "response_not_found",
+                    f"No response found with id '{response_id}'.",
+                    param="response_id",
+                )
+                return JSONResponse(error_json(err), status_code=404)
+            return JSONResponse(record["response"])
+
+        return retrieve

@@ -1,0 +1,580 @@
+"""OpenAI Responses request -> upstream Chat Completions body.
+
+Pure translation with named 400s (no I/O): ``instructions``/``input`` items become chat
+messages, function and namespace tools become chat function tools (namespaced ones under
+a flattened upstream name, mapped back when the model calls them), hosted tools the
+upstream cannot run are dropped, and the sampling/format keys are renamed. Every key's
+decision is listed in docs/protocols/responses.md.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
+
+from gateway.errors import GatewayError, invalid_request
+from gateway.protocols.base import validation_error
+from gateway.stream.accumulator import ToolRules
+
+#: Joins a namespace and a tool name into one upstream function name (``ns__tool``).
+NAMESPACE_SEP = "__"
+
+#: Tool types that only OpenAI's own servers can run; dropped before the upstream.
+HOSTED_TOOL_TYPES = frozenset(
+    {
+        "web_search",
+        "web_search_preview",
+        "web_search_2025_08_26",
+        "web_search_preview_2025_03_11",
+        "file_search",
+        "code_interpreter",
+        "image_generation",
+        "computer_use_preview",
+        "computer",
+        "local_shell",
+        "shell",
+        "mcp",
+        "custom",
+        "apply_patch",
+        "tool_search",
+    }
+)
+
+#: Prefix of the opaque ``encrypted_content`` the gateway emits on reasoning items.
+_ENVELOPE_PREFIX = "cb2a1."
+_ENVELOPE_KEY = secrets.token_bytes(
+    32
+)  # per process: envelopes from before a restart fall back to summary text
+
+
+def seal_reasoning(text: str) -> str:
+    """An opaque, signed carrier for reasoning text (not secret: the summary shows it)."""
+    payload = base64.urlsafe_b64encode(orjson.dumps({"r": text})).decode()
+    mac = hmac.new(_ENVELOPE_KEY, payload.encode(), hashlib.sha256).hexdigest()[:32]
+    return f"{_ENVELOPE_PREFIX}{payload}.{mac}"
+
+
+def open_reasoning(value: object) -> str | None:
+    """The reasoning text of an envelope this process sealed, else None."""
+    if not isinstance(value, str) or not value.startswith(_ENVELOPE_PREFIX):
+        return None
+    payload, _, mac = value[len(_ENVELOPE_PREFIX) :].rpartition(".")
+    expected = hmac.new(_ENVELOPE_KEY, payload.encode(), hashlib.sha256).hexdigest()[:32]
+    if not payload or not hmac.compare_digest(mac, expected):
+        return None
+    try:
+        text = orjson.loads(base64.urlsafe_b64decode(payload.encode()))["r"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return text if isinstance(text, str) else None
+
+
+class _ResponsesBody(BaseModel):
+    """The keys the gateway must understand; the rest is accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+    model: StrictStr = Field(min_length=1)
+    input: StrictStr | list[Any] | None = None
+    instructions: StrictStr | None = None
+    stream: StrictBool = False
+    store: StrictBool | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    max_output_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: StrictFloat | StrictInt | None = None
+    top_p: StrictFloat | StrictInt | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[StrictStr] | None = None
+    previous_response_id: StrictStr | None = None
+    metadata: dict[str, StrictStr] | None = None
+    user: StrictStr | None = None
+
+
+#: Keys that would change the answer's meaning and that the gateway cannot honour.
+_REFUSED_KEYS = {
+    "prompt": "stored prompt templates live on OpenAI's servers; send the text as input",
+    "conversation": "no Conversations API here; use previous_response_id or send the items",
+}
+
+_UNION_FIELDS = frozenset({"input", "tool_choice", "temperature", "top_p"})
+
+
+@dataclass(slots=True)
+class ToolMap:
+    """Upstream function name -> what the client declared (name, namespace)."""
+
+    client: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    flat: dict[tuple[str | None, str], str] = field(default_factory=dict)
+
+    def add(self, name: str, namespace: str | None, param: str) -> str:
+        upstream = f"{namespace}{NAMESPACE_SEP}{name}" if namespace else name
+        if upstream in self.client:
+            raise invalid_request(
+                f"tool name {upstream!r} is declared twice (namespaced tools become "
+                f"'<namespace>{NAMESPACE_SEP}<name>' upstream)",
+                param=param,
+                code="duplicate_tool_name",
+            )
+        self.client[upstream] = (name, namespace)
+        self.flat[(namespace, name)] = upstream
+        return upstream
+
+    def upstream_name(self, name: str, namespace: str | None) -> str:
+        known = self.flat.get((namespace, name))
+        if known is not None:
+            return known
+        return f"{namespace}{NAMESPACE_SEP}{name}" if namespace else name
+
+
+@dataclass(slots=True)
+class Translation:
+    """What :func:`translate` produces for the room."""
+
+    body: _ResponsesBody
+    raw: dict[str, Any]
+    upstream: dict[str, Any]
+    instructions_count: int  # leading system messages that come from ``instructions``
+    input_messages: list[dict[str, Any]]
+    rules: ToolRules
+    tool_map: ToolMap
+    dropped_tools: list[str]
+    include_reasoning_envelope: bool
+
+
+def parse_body(raw: dict[str, Any]) -> _ResponsesBody:
+    try:
+        body = _ResponsesBody.model_validate(raw)
+    except ValidationError as exc:
+        err = validation_error(exc)
+        # base.validation_error keeps pydantic's union-member tag in the path
+        # ("input.str"); name the field itself for union-typed keys.
+        if err.param and err.param.split(".")[0] in _UNION_FIELDS:
+            err.param = err.param.split(".")[0]
+        raise err from None
+    for key, why in _REFUSED_KEYS.items():
+        if raw.get(key) is not None:
+            raise invalid_request(
+                f"{key!r} is not supported by this gateway: {why}",
+                param=key,
+                code=f"{key}_not_supported",
+            )
+    if body.input is None and body.previous_response_id is None:
+        raise invalid_request(
+            "missing required parameter: 'input'", param="input", code="missing_required_parameter"
+        )
+    return body
+
+
+def translate(raw: dict[str, Any]) -> Translation:
+    body = parse_body(raw)
+    tool_map = ToolMap()
+    tools, dropped = _tools(body.tools or [], tool_map)
+    rules, choice = _tool_choice(body, tool_map, dropped)
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    messages = _input_messages(body.input, tool_map)
+    upstream: dict[str, Any] = {"model": body.model, "messages": system + messages}
+    if tools:
+        upstream["tools"] = tools
+        if choice is not None:
+            upstream["tool_choice"] = choice
+        if body.parallel_tool_calls is not None:
+            upstream["parallel_tool_calls"] = body.parallel_tool_calls
+    if body.max_output_tokens is not None:
+        upstream["max_tokens"] = body.max_output_tokens
+    for key in ("temperature", "top_p", "user"):
+        value = getattr(body, key)
+        if value is not None:
+            upstream[key] = value
+    response_format = _response_format(body.text)
+    if response_format is not None:
+        upstream["response_format"] = response_format
+    effort = (body.reasoning or {}).get("effort")
+    if effort is not None:
+        if not isinstance(effort, str):
+            raise invalid_request(
+                "reasoning.effort must be a string", param="reasoning.effort", code="invalid_type"
+            )
+        upstream["reasoning_effort"] = effort
+    return Translation(
+        body=body,
+        raw=raw,
+        upstream=upstream,
+        instructions_count=len(system),
+        input_messages=messages,
+        rules=rules,
+        tool_map=tool_map,
+        dropped_tools=dropped,
+        include_reasoning_envelope="reasoning.encrypted_content" in (body.include or []),
+    )
+
+
+# -- tools -----------------------------------------------------------------------------
+
+
+def _function_tool(
+    tool: dict[str, Any], namespace: str | None, tool_map: ToolMap, param: str
+) -> dict[str, Any]:
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        raise invalid_request(
+            "a function tool needs a non-empty 'name'", param=f"{param}.name", code="invalid_value"
+        )
+    parameters = tool.get("parameters")
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict):
+        raise invalid_request(
+            "tool parameters must be a JSON schema object", param=f"{param}.parameters"
+        )
+    function: dict[str, Any] = {
+        "name": tool_map.add(name, namespace, param),
+        "parameters": parameters,
+    }
+    description = tool.get("description")
+    if isinstance(description, str) and description:
+        function["description"] = description
+    if tool.get("strict") is True:
+        function["strict"] = True
+    return {"type": "function", "function": function}
+
+
+def _tools(
+    tools: list[dict[str, Any]], tool_map: ToolMap
+) -> tuple[list[dict[str, Any]], list[str]]:
+    out: list[dict[str, Any]] = []
+    dropped: list[str] = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type")
+        param = f"tools[{i}]"
+        if kind == "function":
+            out.append(_function_tool(tool, None, tool_map, param))
+        elif kind == "namespace":
+            namespace = tool.get("name")
+            inner = tool.get("tools")
+            if not isinstance(namespace, str) or not namespace:
+                raise invalid_request(
+                    "a namespace tool needs a 'name'", param=f"{param}.name", code="invalid_value"
+                )
+            if not isinstance(inner, list):
+                raise invalid_request(
+                    "a namespace tool needs a 'tools' list", param=f"{param}.tools"
+                )
+            for j, nested in enumerate(inner):
+                if not isinstance(nested, dict):
+                    raise invalid_request("tools must be objects", param=f"{param}.tools[{j}]")
+                if nested.get("type") == "function":
+                    out.append(_function_tool(nested, namespace, tool_map, f"{param}.tools[{j}]"))
+                else:
+                    dropped.append(f"{namespace}.{nested.get('name') or nested.get('type')}")
+        elif isinstance(kind, str) and kind in HOSTED_TOOL_TYPES:
+            dropped.append(kind)
+        else:
+            raise invalid_request(
+                f"unsupported tool type {kind!r}",
+                param=f"{param}.type",
+                code="unsupported_tool_type",
+            )
+    return out, dropped
+
+
+def _tool_choice(
+    body: _ResponsesBody, tool_map: ToolMap, dropped: list[str]
+) -> tuple[ToolRules, Any]:
+    declared = frozenset(tool_map.client)
+    parallel = body.parallel_tool_calls is not False
+    choice = body.tool_choice
+    if choice is None:
+        return ToolRules(declared=declared, choice="auto", parallel=parallel), None
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise invalid_request(
+                "tool_choice must be 'auto', 'none', 'required' or a function object",
+                param="tool_choice",
+            )
+        if choice == "required" and not declared:
+            raise invalid_request(
+                "tool_choice 'required' needs at least one function tool"
+                " (hosted tools are not available here)",
+                param="tool_choice",
+                code="unsupported_tool_choice",
+            )
+        return ToolRules(declared=declared, choice=choice, parallel=parallel), choice
+    kind = choice.get("type")
+    if kind == "function":
+        name = choice.get("name")
+        namespace = choice.get("namespace")
+        if not isinstance(name, str) or not name:
+            raise invalid_request("tool_choice.name is required", param="tool_choice.name")
+        upstream = tool_map.upstream_name(name, namespace if isinstance(namespace, str) else None)
+        if upstream not in declared:
+            raise invalid_request(
+                f"tool_choice names undeclared tool {name!r}", param="tool_choice.name"
+            )
+        rules = ToolRules(declared=declared, choice=upstream, parallel=parallel)
+        return rules, {"type": "function", "function": {"name": upstream}}
+    raise invalid_request(
+        f"tool_choice of type {kind!r} is not supported by this gateway"
+        " (only function tools run upstream)",
+        param="tool_choice",
+        code="unsupported_tool_choice",
+    )
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise invalid_request("text.format must be an object", param="text.format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        name, schema = fmt.get("name"), fmt.get("schema")
+        if not isinstance(name, str) or not name:
+            raise invalid_request(
+                "text.format.name is required for json_schema", param="text.format.name"
+            )
+        if not isinstance(schema, dict):
+            raise invalid_request(
+                "text.format.schema must be an object", param="text.format.schema"
+            )
+        spec: dict[str, Any] = {"name": name, "schema": schema}
+        if isinstance(fmt.get("strict"), bool):
+            spec["strict"] = fmt["strict"]
+        if isinstance(fmt.get("description"), str):
+            spec["description"] = fmt["description"]
+        return {"type": "json_schema", "json_schema": spec}
+    raise invalid_request(f"unsupported text.format type {kind!r}", param="text.format.type")
+
+
+# -- input items -----------------------------------------------------------------------
+
+
+def _refuse(message: str, param: str, code: str) -> GatewayError:
+    return invalid_request(message, param=param, code=code)
+
+
+def _image_part(part: dict[str, Any], param: str) -> dict[str, Any]:
+    if part.get("file_id"):
+        raise _refuse(
+            "input_image with file_id is not supported (no Files API here); send image_url",
+            f"{param}.file_id",
+            "file_id_not_supported",
+        )
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise invalid_request("input_image needs an image_url", param=f"{param}.image_url")
+    image: dict[str, Any] = {"url": url}
+    if isinstance(part.get("detail"), str):
+        image["detail"] = part["detail"]
+    return {"type": "image_url", "image_url": image}
+
+
+def _content_parts(content: list[Any], param: str) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        where = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise invalid_request("content parts must be objects", param=where)
+        kind = part.get("type")
+        if kind in ("input_text", "output_text", "text"):
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise invalid_request(
+                    "a text part needs a string 'text'", param=f"{where}.text", code="invalid_type"
+                )
+            parts.append({"type": "text", "text": text})
+        elif kind == "refusal":
+            parts.append({"type": "text", "text": str(part.get("refusal") or "")})
+        elif kind == "input_image":
+            parts.append(_image_part(part, where))
+        elif kind == "input_file":
+            raise _refuse(
+                "input_file parts are not supported by this gateway",
+                where,
+                "input_file_not_supported",
+            )
+        else:
+            raise _refuse(
+                f"unsupported content part type {kind!r}",
+                f"{where}.type",
+                "unsupported_content_part",
+            )
+    return parts
+
+
+def _flatten(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Text-only content becomes one string (parts joined by newlines); images keep a list."""
+    if all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return parts
+
+
+class _Builder:
+    """Accumulates chat messages from input items, merging tool calls into assistant turns."""
+
+    def __init__(self, tool_map: ToolMap) -> None:
+        self.tool_map = tool_map
+        self.messages: list[dict[str, Any]] = []
+        self.reasoning: list[str] = []  # waiting for the next assistant message
+        self.images: list[dict[str, Any]] = []  # tool-output images, sent after the tool messages
+
+    def _flush_images(self) -> None:
+        if self.images:
+            intro = {"type": "text", "text": "Images returned by the tool calls above:"}
+            self.messages.append({"role": "user", "content": [intro, *self.images]})
+            self.images = []
+
+    def _assistant(self, merge: bool) -> dict[str, Any]:
+        last = self.messages[-1] if self.messages else None
+        if merge and last is not None and last["role"] == "assistant" and not self.reasoning:
+            return last
+        message: dict[str, Any] = {"role": "assistant", "content": None}
+        if self.reasoning:
+            message["reasoning_content"] = "\n".join(self.reasoning)
+            self.reasoning = []
+        self.messages.append(message)
+        return message
+
+    def message(self, item: dict[str, Any], param: str) -> None:
+        self._flush_images()
+        role = item.get("role")
+        if role not in ("user", "assistant", "system", "developer"):
+            raise invalid_request(
+                "role must be 'user', 'assistant', 'system' or 'developer'",
+                param=f"{param}.role",
+                code="invalid_value",
+            )
+        content = item.get("content")
+        if isinstance(content, str):
+            value: str | list[dict[str, Any]] = content
+        elif isinstance(content, list):
+            value = _flatten(_content_parts(content, f"{param}.content"))
+        else:
+            raise invalid_request(
+                "content must be a string or a list of parts",
+                param=f"{param}.content",
+                code="invalid_type",
+            )
+        if role == "assistant":
+            text = value if isinstance(value, str) else "".join(p.get("text", "") for p in value)
+            last = self.messages[-1] if self.messages else None
+            if (
+                last
+                and last["role"] == "assistant"
+                and "tool_calls" not in last
+                and not self.reasoning
+            ):
+                last["content"] = (last["content"] or "") + text  # one turn split into items
+                return
+            self._assistant(merge=False)["content"] = text
+            return
+        self.messages.append({"role": "system" if role == "developer" else role, "content": value})
+
+    def function_call(self, item: dict[str, Any], param: str) -> None:
+        self._flush_images()
+        call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "")
+        if not isinstance(call_id, str) or not call_id:
+            raise invalid_request("function_call needs a call_id", param=f"{param}.call_id")
+        if not isinstance(name, str) or not name:
+            raise invalid_request("function_call needs a name", param=f"{param}.name")
+        if not isinstance(arguments, str):
+            raise invalid_request(
+                "function_call arguments must be a string",
+                param=f"{param}.arguments",
+                code="invalid_type",
+            )
+        namespace = item.get("namespace") if isinstance(item.get("namespace"), str) else None
+        message = self._assistant(merge=True)
+        message.setdefault("tool_calls", []).append(
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {
+                    "name": self.tool_map.upstream_name(name, namespace),
+                    "arguments": arguments,
+                },
+            }
+        )
+
+    def function_call_output(self, item: dict[str, Any], param: str) -> None:
+        call_id, output = item.get("call_id"), item.get("output")
+        if not isinstance(call_id, str) or not call_id:
+            raise invalid_request("function_call_output needs a call_id", param=f"{param}.call_id")
+        if isinstance(output, str):
+            text = output
+        elif isinstance(output, list):
+            parts = _content_parts(output, f"{param}.output")
+            text = "\n".join(p["text"] for p in parts if p["type"] == "text")
+            self.images.extend(p for p in parts if p["type"] != "text")
+        else:
+            raise invalid_request(
+                "output must be a string or a list of parts",
+                param=f"{param}.output",
+                code="invalid_type",
+            )
+        self.messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
+
+    def reasoning_item(self, item: dict[str, Any]) -> None:
+        text = open_reasoning(item.get("encrypted_content"))
+        if text is None:
+            pieces = [p.get("text") for p in (item.get("content") or []) if isinstance(p, dict)]
+            if not any(isinstance(p, str) and p for p in pieces):
+                pieces = [p.get("text") for p in (item.get("summary") or []) if isinstance(p, dict)]
+            text = "\n".join(p for p in pieces if isinstance(p, str) and p)
+        if text:
+            self.reasoning.append(text)
+
+
+def _input_messages(value: str | list[Any] | None, tool_map: ToolMap) -> list[dict[str, Any]]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    builder = _Builder(tool_map)
+    for i, item in enumerate(value):
+        param = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise invalid_request("input items must be objects", param=param, code="invalid_type")
+        kind = item.get("type", "message")
+        if kind == "message":
+            builder.message(item, param)
+        elif kind == "function_call":
+            builder.function_call(item, param)
+        elif kind == "function_call_output":
+            builder.function_call_output(item, param)
+        elif kind == "reasoning":
+            builder.reasoning_item(item)
+        elif kind == "item_reference":
+            raise _refuse(
+                "item_reference is not supported: send the referenced items themselves",
+                param,
+                "item_reference_not_supported",
+            )
+        else:
+            raise _refuse(
+                f"unsupported input item type {kind!r}", f"{param}.type", "unsupported_input_item"
+            )
+    builder._flush_images()
+    return builder.messages
