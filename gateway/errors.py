@@ -47,6 +47,7 @@ class GatewayError(Exception):
         param: str | None = None,
         status: int | None = None,
         retry_after: int | None = None,
+        upstream_status: int | None = None,
     ) -> None:
         super().__init__(message)
         self.kind: ErrorKind = kind
@@ -55,6 +56,7 @@ class GatewayError(Exception):
         self.param = param
         self.status = status if status is not None else STATUS_BY_KIND[kind]
         self.retry_after = retry_after
+        self.upstream_status = upstream_status  # the upstream's HTTP status, when it gave one
 
     def __repr__(self) -> str:
         return f"GatewayError({self.kind!r}, {self.code!r}, {self.message!r})"

@@ -18,6 +18,7 @@ class StreamPolicy:
     connect_timeout: float
     first_byte_timeout: float
     idle_timeout: float
+    failover_max: int
 
     @classmethod
     def snapshot(cls, settings: Settings) -> StreamPolicy:
@@ -29,4 +30,5 @@ class StreamPolicy:
             connect_timeout=settings.connect_timeout,
             first_byte_timeout=settings.first_byte_timeout,
             idle_timeout=settings.idle_timeout,
+            failover_max=settings.failover_max,
         )

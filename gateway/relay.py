@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,7 +33,8 @@ from gateway.stream.compatible import replay
 from gateway.stream.events import KEEPALIVE, Completion, Error, Event
 from gateway.stream.realtime import RealtimeScheduler
 from gateway.stream.repair import REPAIRABLE_CODES, regeneration_body, repair_slots_locally, tool_schemas
-from gateway.upstream.client import ANSWERED, DONE, UpstreamClient, UpstreamItem, UpstreamTarget
+from gateway.upstream.client import ANSWERED, DONE, UpstreamClient, UpstreamItem
+from gateway.upstream.pool import UpstreamPool, fingerprint
 
 SSE_HEADERS = {
     "content-type": "text/event-stream; charset=utf-8",
@@ -89,60 +91,68 @@ class RequestObserver(Protocol):
 class Relay:
     """Serves generation requests for every protocol room."""
 
-    def __init__(
-        self,
-        live: LiveSettings,
-        upstream: UpstreamClient,
-        target: Callable[[], UpstreamTarget],
-        observer: RequestObserver,
-    ) -> None:
+    def __init__(self, live: LiveSettings, upstream: UpstreamClient, observer: RequestObserver) -> None:
         self.live = live
         self.upstream = upstream
-        self.target = target
         self.observer = observer
+        self.pool: UpstreamPool = UpstreamPool([])  # replaced at start-up (app lifespan)
+        self._capacity_holders: set[str] = set()
+
+    @property
+    def in_flight(self) -> int:
+        """Generation requests holding a capacity slot right now."""
+        return len(self._capacity_holders)
 
     async def handle(self, room: ProtocolRoom, request: Request) -> Response | GenerationResponse:
         record = RequestRecord(
             request_id="req_" + secrets.token_hex(12), protocol=room.name, started_at=time.time()
         )
-        policy = StreamPolicy.snapshot(self.live.current)
+        settings = self.live.current
+        policy = StreamPolicy.snapshot(settings)
         record.mode = policy.mode.value
         self.observer.on_start(record)
         headers = {"x-request-id": record.request_id, "x-codebuddy2api-stream-mode": policy.mode.value}
         try:
+            record.client_key_fingerprint = check_client_key(request, settings.api_key)
             parsed = room.parse(await request.body(), dict(request.query_params))
-            if parsed.stream:
-                await room.resolve(parsed)
+            record.model = parsed.model
+            record.upstream_model = str(parsed.upstream_body.get("model", parsed.model))
+            record.streamed = parsed.stream
+            await room.resolve(parsed)
         except GatewayError as err:
-            record.outcome = "invalid"
+            record.outcome = "refused" if err.kind == "authentication" else "invalid"
             return self._error_response(room, err, record, headers)
-        record.model = parsed.model
-        record.upstream_model = str(parsed.upstream_body.get("model", parsed.model))
-        record.streamed = parsed.stream
-        run = GenerationRun(self, room, parsed, policy, record)
-        if not parsed.stream:
-            try:
-                await room.resolve(parsed)
-                completion = await run.collect()
-                await room.completed(parsed, run.response_id, completion, None)
-            except GatewayError as err:
-                return self._error_response(room, err, record, headers)
-            except asyncio.CancelledError:
-                record.outcome = "cancelled"
-                record.error_code = "client_disconnected"
-                self._finish(record)
-                raise
-            run.note_completion(completion)
-            record.outcome = "success"
+        if self.in_flight >= settings.max_concurrent:
+            record.outcome = "refused"
+            err = GatewayError(
+                "overloaded", "capacity_exceeded",
+                f"the gateway is at its limit of {settings.max_concurrent} concurrent requests", retry_after=1,
+            )
+            return self._error_response(room, err, record, headers)
+        self._capacity_holders.add(record.request_id)
+        session = request.headers.get(settings.session_header) if settings.session_header else None
+        run = GenerationRun(self, room, parsed, policy, record, session)
+        if parsed.stream:
+            return GenerationResponse(run, headers, self)
+        try:
+            completion = await run.collect()
+            await room.completed(parsed, run.response_id, completion, None)
+        except GatewayError as err:
+            return self._error_response(room, err, record, headers)
+        except asyncio.CancelledError:
+            record.outcome = "cancelled"
+            record.error_code = "client_disconnected"
             self._finish(record)
-            body = room.json_body(parsed, run.response_id, completion)
-            return JSONResponse(body, headers=headers)
-        return GenerationResponse(run, headers, self)
+            raise
+        run.note_completion(completion)
+        record.outcome = "success"
+        self._finish(record)
+        return JSONResponse(room.json_body(parsed, run.response_id, completion), headers=headers)
 
     def _error_response(
         self, room: ProtocolRoom, err: GatewayError, record: RequestRecord, headers: dict[str, str]
     ) -> Response:
-        if record.outcome != "invalid":
+        if record.outcome not in ("invalid", "refused"):
             record.outcome = "error"
         record.error_code = err.code
         record.http_status = err.status
@@ -150,11 +160,30 @@ class Relay:
         return error_response(room, err, headers)
 
     def _finish(self, record: RequestRecord) -> None:
+        """The single exit of every generation request: frees its slot, reports it once."""
+        self._capacity_holders.discard(record.request_id)
         record.ended_at = time.time()
         record.duration_ms = (record.ended_at - record.started_at) * 1000
         if record.error_code == "response_too_large":
             record.budget_exceeded = True
         self.observer.on_finish(record)
+
+
+def check_client_key(request: Request, keys: list[Any]) -> str | None:
+    """With client keys configured, the request must present one (``Authorization:
+    Bearer`` or ``x-api-key``), compared in constant time. Returns its fingerprint."""
+    if not keys:
+        return None
+    presented = request.headers.get("x-api-key") or ""
+    auth = request.headers.get("authorization") or ""
+    if not presented and auth[:7].lower() == "bearer ":
+        presented = auth[7:].strip()
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(presented.encode(), key.get_secret_value().encode())
+    if not presented or not matched:
+        raise GatewayError("authentication", "invalid_api_key", "a valid API key is required (Authorization: Bearer or x-api-key)")
+    return fingerprint(presented)
 
 
 def error_response(room: ProtocolRoom, err: GatewayError, headers: dict[str, str] | None = None) -> Response:
@@ -169,9 +198,16 @@ class GenerationRun:
     """One generation: the upstream producer and the mode-specific consumer."""
 
     def __init__(
-        self, relay: Relay, room: ProtocolRoom, parsed: ParsedRequest, policy: StreamPolicy, record: RequestRecord
+        self,
+        relay: Relay,
+        room: ProtocolRoom,
+        parsed: ParsedRequest,
+        policy: StreamPolicy,
+        record: RequestRecord,
+        session: str | None = None,
     ) -> None:
         self.relay = relay
+        self.session = session
         self.room = room
         self.parsed = parsed
         self.policy = policy
@@ -186,30 +222,69 @@ class GenerationRun:
 
     # -- the upstream leg --------------------------------------------------------------
 
-    async def _produce(self, target: UpstreamTarget, body: dict[str, Any]) -> None:
-        started = time.monotonic()
-        attempt: dict[str, Any] = {"status": None}
-        self.record.upstream_attempts.append(attempt)
+    async def _produce(self, body: dict[str, Any]) -> None:
+        """Read one upstream answer into the queue, failing over to another credential
+        while the upstream has not yet answered 200 (so no content reached the client)."""
         put = self._queue.put
+        pool = self.relay.pool
+        model = str(body.get("model", ""))
+        tried: set[str] = set()
+        last_error: GatewayError | None = None
         try:
-            async for item in self.relay.upstream.stream_chat(target, body, self.policy):
-                if item is ANSWERED:
-                    attempt["status"] = 200
-                await put(item)
-            await put(_END)
-        except GatewayError as err:
-            attempt["error"] = err.code
-            if err.kind in ("rate_limit", "upstream", "overloaded", "timeout"):
-                attempt.setdefault("status", None)
-            await put(err)
+            for attempt_no in range(1 + self.policy.failover_max):
+                try:
+                    lease = pool.acquire(model, tried, self.session)
+                except GatewayError as err:
+                    # after a failed attempt, the client hears what the upstream said, unless
+                    # every credential now cools down: then when to come back
+                    await put(last_error if last_error is not None and err.kind != "rate_limit" else err)
+                    return
+                credential = lease.credential
+                tried.add(credential.id)
+                upstream_body = dict(body, model=credential.upstream.upstream_model(model))
+                self.record.upstream_model = upstream_body["model"]
+                attempt: dict[str, Any] = {
+                    "credential": credential.fingerprint, "upstream": credential.upstream.name, "status": None,
+                }
+                self.record.upstream_attempts.append(attempt)
+                started = time.monotonic()
+                answered = False
+                try:
+                    async for item in self.relay.upstream.stream_chat(credential, upstream_body, self.policy):
+                        if item is ANSWERED:
+                            answered = True
+                            attempt["status"] = 200
+                        await put(item)
+                    await put(_END)
+                    return
+                except GatewayError as err:
+                    attempt["status"] = err.upstream_status
+                    attempt["error"] = err.code
+                    retry = not answered and pool.report_failure(credential, model, err)
+                    if not retry:
+                        await put(err)
+                        return
+                    last_error = err
+                finally:
+                    lease.release()
+                    attempt["duration_ms"] = round((time.monotonic() - started) * 1000, 1)
+            await put(self._after_failover(model, tried, last_error))
         except Exception as exc:  # a bug of ours: report it, never hang the consumer
             await put(GatewayError("internal", "internal_error", f"internal error: {type(exc).__name__}"))
-        finally:
-            attempt["duration_ms"] = round((time.monotonic() - started) * 1000, 1)
+
+    def _after_failover(self, model: str, tried: set[str], last_error: GatewayError | None) -> GatewayError:
+        """Failover is used up: when every credential now cools down, say when to retry."""
+        assert last_error is not None
+        try:
+            self.relay.pool.acquire(model, tried).release()
+        except GatewayError as err:
+            if err.kind == "rate_limit":
+                return err
+        return last_error
 
     def _start_upstream(self, body: dict[str, Any]) -> None:
         self._queue = asyncio.Queue(maxsize=64)
-        self._producer = asyncio.create_task(self._produce(self.relay.target(), body))
+        self._producer = asyncio.create_task(self._produce(body))
 
     async def _stop_upstream(self) -> None:
         if self._producer is not None and not self._producer.done():

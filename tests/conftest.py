@@ -93,7 +93,7 @@ def simulator(server_loop: ServerLoop) -> Simulator:
 
 def start_gateway(server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory, **overrides: Any) -> Gateway:
     settings = Settings(
-        upstream_url=simulator.url + "/v1",
+        upstream_url=overrides.pop("upstream_url", [simulator.url + "/v1"]),
         data_dir=tmp_path_factory.mktemp("data"),
         keepalive_interval=overrides.pop("keepalive_interval", 0.5),
         **overrides,

@@ -49,6 +49,23 @@ MIGRATIONS: list[tuple[int, str]] = [
         );
         """,
     ),
+    (
+        3,
+        """
+        CREATE TABLE credential_state (
+            credential_id TEXT PRIMARY KEY,
+            state TEXT NOT NULL,
+            updated_at REAL NOT NULL
+        );
+        CREATE TABLE credentials (
+            credential_id TEXT PRIMARY KEY,
+            upstream TEXT NOT NULL,
+            base_url TEXT NOT NULL,
+            api_key TEXT,
+            created_at REAL NOT NULL
+        );
+        """,
+    ),
 ]
 
 

@@ -11,7 +11,6 @@ import asyncio
 import email.utils
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -20,6 +19,7 @@ from httpx_sse import EventSource
 
 from gateway.errors import GatewayError
 from gateway.policy import StreamPolicy
+from gateway.upstream.pool import Credential
 
 
 class Done:
@@ -34,18 +34,6 @@ DONE = Done()
 ANSWERED = Answered()
 
 UpstreamItem = dict[str, Any] | Done | Answered
-
-
-@dataclass(frozen=True, slots=True)
-class UpstreamTarget:
-    """Where to send a request and with which credential."""
-
-    base_url: str
-    api_key: str | None = None
-
-    @property
-    def chat_url(self) -> str:
-        return self.base_url.rstrip("/") + "/chat/completions"
 
 
 def parse_retry_after(value: str | None) -> int | None:
@@ -75,7 +63,12 @@ def _upstream_message(body: bytes) -> str:
 
 def status_error(status: int, body: bytes, retry_after: int | None) -> GatewayError:
     """An upstream HTTP error status as the error the client should see."""
-    detail = _upstream_message(body)
+    error = _status_error(status, _upstream_message(body), retry_after)
+    error.upstream_status = status
+    return error
+
+
+def _status_error(status: int, detail: str, retry_after: int | None) -> GatewayError:
     if status == 429:
         return GatewayError(
             "rate_limit", "upstream_rate_limited", f"the upstream is rate limiting: {detail}",
@@ -107,19 +100,20 @@ class UpstreamClient:
         await self._http.aclose()
 
     async def stream_chat(
-        self, target: UpstreamTarget, body: dict[str, Any], policy: StreamPolicy
+        self, credential: Credential, body: dict[str, Any], policy: StreamPolicy
     ) -> AsyncIterator[UpstreamItem]:
         """Yield ANSWERED once the upstream says 200, then each chunk, then DONE if sent.
 
         Raises GatewayError for every failure; the caller closes the generator to cancel.
         """
         payload = dict(body, stream=True, stream_options={"include_usage": True})
-        headers = {"accept": "text/event-stream"}
-        if target.api_key:
-            headers["authorization"] = f"Bearer {target.api_key}"
+        upstream = credential.upstream
+        headers = {**upstream.headers, "accept": "text/event-stream"}
+        if credential.api_key:
+            headers["authorization"] = f"Bearer {credential.api_key}"
         timeout = httpx.Timeout(policy.idle_timeout, connect=policy.connect_timeout)
         request = self._http.build_request(
-            "POST", target.chat_url, content=orjson.dumps(payload), headers=headers, timeout=timeout
+            "POST", upstream.base_url.rstrip("/") + "/chat/completions", content=orjson.dumps(payload), headers=headers, timeout=timeout
         )
         try:
             async with asyncio.timeout(policy.first_byte_timeout):

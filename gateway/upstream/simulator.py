@@ -30,6 +30,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway.stream.repair import REPAIR_MARKER
+from gateway.upstream.pool import fingerprint
 
 Frame = dict[str, Any]
 Delta = dict[str, Any]
@@ -529,6 +530,7 @@ class SimState:
     """The app's only mutable state (kept on ``app.state.sim``)."""
 
     scripts: dict[str, ScriptSpec] = field(default_factory=dict)
+    fault_model: str | None = None  # when set, every chat request is served as this model
     requests: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=REQUEST_LOG_SIZE))
     stats: Stats = field(default_factory=Stats)
 
@@ -612,8 +614,11 @@ async def _json_body(request: Request) -> Any:
 
 def _log_request(request: Request, body: Any) -> None:
     """Record what the gateway forwarded; never the Authorization value itself."""
+    auth = request.headers.get("authorization", "")
     _sim(request).requests.append({
-        "body": body, "has_authorization": "authorization" in request.headers,
+        "body": body, "has_authorization": bool(auth),
+        "key_fingerprint": fingerprint(auth[7:]) if auth.lower().startswith("bearer ") else None,
+        "headers": {k: v for k, v in request.headers.items() if k.startswith("x-")},
         "path": request.url.path, "at": time.monotonic(),
     })
 
@@ -650,7 +655,7 @@ async def chat_completions(request: Request) -> Response:
     _log_request(request, body)
     if not isinstance(body, dict):
         return _bad_request("request body must be a JSON object")
-    model = str(body.get("model") or "echo")
+    model = _sim(request).fault_model or str(body.get("model") or "echo")
     stream = body.get("stream") is True
     try:
         plan = build_plan(model, body if stream else _with_usage(body), _sim(request).scripts)
@@ -666,6 +671,21 @@ async def chat_completions(request: Request) -> Response:
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **plan.headers}
     body_iter = _tracked(_sim(request).stats, _sse(plan, stamp))
     return ClosingStreamingResponse(body_iter, media_type="text/event-stream", headers=headers)
+
+
+async def fault(request: Request) -> Response:
+    """``POST {"model": "server_error"}`` makes this instance fail every chat request the
+    way that scenario does (to test failover between instances); ``DELETE`` heals it."""
+    state = _sim(request)
+    if request.method == "DELETE":
+        state.fault_model = None
+    else:
+        payload = await _json_body(request)
+        model = payload.get("model") if isinstance(payload, dict) else None
+        if not isinstance(model, str) or not model:
+            return _bad_request("'model' must be a scenario string")
+        state.fault_model = model
+    return JSONResponse({"fault_model": state.fault_model})
 
 
 async def list_models(request: Request) -> Response:
@@ -728,6 +748,7 @@ def create_simulator_app() -> Starlette:
         Route("/_sim/scripts", register_script, methods=["POST"]),
         Route("/_sim/requests", recorded_requests, methods=["GET", "DELETE"]),
         Route("/_sim/stats", stats, methods=["GET"]),
+        Route("/_sim/fault", fault, methods=["POST", "DELETE"]),
         Route("/healthz", healthz, methods=["GET"]),
     ])
     app.state.sim = SimState()

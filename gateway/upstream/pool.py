@@ -1,0 +1,248 @@
+"""The upstream pool: which credential serves a request, and what each failure teaches.
+
+Upstreams (base URL, extra headers, model allow-list and rename map) hold credentials.
+Selection is round-robin over credentials that are enabled, not cooling down for the
+model, under their in-flight cap and allowed to serve the model; optional stickiness
+keeps one conversation on one credential while it stays healthy. Failures before the
+first client byte are reported back here: 401/403 disables a credential until an admin
+re-enables it, 429 cools it down (per credential and model) for Retry-After seconds,
+5xx and connect errors cool it down briefly. State changes are persisted through a
+:class:`CredentialStateStore` so they survive a restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from gateway.errors import GatewayError
+
+ANY_MODEL = "*"
+#: How long a credential is tried last after a 5xx or a connect failure (seconds). It is
+#: a penalty, not a cooldown: with nothing healthier left it is still used.
+SERVER_ERROR_COOLDOWN = 5.0
+#: Cooldown after a 429 that carried no Retry-After (seconds).
+DEFAULT_RATE_LIMIT_COOLDOWN = 30.0
+
+
+def fingerprint(secret: str | None) -> str:
+    """A stable, non-reversible name for a secret: safe for logs, audit and the WebUI."""
+    if not secret:
+        return "none"
+    return "fp_" + hashlib.sha256(secret.encode()).hexdigest()[:12]
+
+
+@dataclass(slots=True)
+class Upstream:
+    name: str
+    base_url: str
+    headers: dict[str, str] = field(default_factory=dict)
+    models: frozenset[str] | None = None  # allow-list; None = every model
+    model_map: dict[str, str] = field(default_factory=dict)  # client model -> upstream model
+
+    def allows(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+    def upstream_model(self, model: str) -> str:
+        return self.model_map.get(model, model)
+
+
+@dataclass(slots=True)
+class Credential:
+    upstream: Upstream
+    api_key: str | None
+    id: str = ""
+    disabled: bool = False
+    disabled_reason: str | None = None
+    cooldowns: dict[str, float] = field(default_factory=dict)  # model or ANY_MODEL -> until (epoch)
+    penalty_until: float = 0.0  # after a 5xx or connect error: tried last, not refused
+    in_flight: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            self.id = self.fingerprint + "@" + self.upstream.name
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.api_key)
+
+    def cooling_until(self, model: str, now: float) -> float:
+        until = max(self.cooldowns.get(model, 0.0), self.cooldowns.get(ANY_MODEL, 0.0))
+        return until if until > now else 0.0
+
+    def public(self, now: float | None = None) -> dict[str, Any]:
+        """What the admin API may show: never the key."""
+        now = time.time() if now is None else now
+        return {
+            "id": self.id,
+            "upstream": self.upstream.name,
+            "base_url": self.upstream.base_url,
+            "fingerprint": self.fingerprint,
+            "disabled": self.disabled,
+            "disabled_reason": self.disabled_reason,
+            "cooldowns": {m: round(u - now, 1) for m, u in self.cooldowns.items() if u > now},
+            "in_flight": self.in_flight,
+        }
+
+
+class CredentialStateStore(Protocol):
+    def load(self) -> dict[str, dict[str, Any]]: ...
+
+    def save(self, credential_id: str, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(slots=True)
+class Lease:
+    """A credential held for one upstream attempt; released exactly once."""
+
+    credential: Credential
+    pool: UpstreamPool
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.credential.in_flight -= 1
+
+
+class UpstreamPool:
+    """Credential selection and health, shared by every request of one process."""
+
+    def __init__(
+        self,
+        credentials: Iterable[Credential],
+        store: CredentialStateStore | None = None,
+        max_in_flight_per_credential: int = 0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.credentials = list(credentials)
+        self.store = store
+        self.max_in_flight = max_in_flight_per_credential
+        self.clock = clock
+        self._turn = itertools.count()
+        self._sticky: dict[str, str] = {}
+        if store is not None:
+            self._restore(store.load())
+
+    def _restore(self, saved: dict[str, dict[str, Any]]) -> None:
+        for credential in self.credentials:
+            state = saved.get(credential.id)
+            if state:
+                credential.disabled = bool(state.get("disabled"))
+                credential.disabled_reason = state.get("disabled_reason")
+                credential.cooldowns = {k: float(v) for k, v in (state.get("cooldowns") or {}).items()}
+
+    def _persist(self, credential: Credential) -> None:
+        if self.store is not None:
+            now = self.clock()
+            self.store.save(
+                credential.id,
+                {
+                    "disabled": credential.disabled,
+                    "disabled_reason": credential.disabled_reason,
+                    "cooldowns": {m: u for m, u in credential.cooldowns.items() if u > now},
+                },
+            )
+
+    def add(self, credential: Credential) -> None:
+        self.credentials.append(credential)
+        self._persist(credential)
+
+    def get(self, credential_id: str) -> Credential:
+        for credential in self.credentials:
+            if credential.id == credential_id:
+                return credential
+        raise KeyError(credential_id)
+
+    # -- choosing ----------------------------------------------------------------------
+
+    def acquire(self, model: str, exclude: set[str] = frozenset(), session: str | None = None) -> Lease:  # type: ignore[assignment]
+        """The next usable credential for ``model``, or the error the client should see."""
+        now = self.clock()
+        allowed = [c for c in self.credentials if c.upstream.allows(model)]
+        if not allowed:
+            raise GatewayError("not_found", "model_not_available", f"no upstream serves model {model!r}")
+        usable = [
+            c for c in allowed
+            if not c.disabled and not c.cooling_until(model, now) and c.id not in exclude
+            and (not self.max_in_flight or c.in_flight < self.max_in_flight)
+        ]
+        if not usable:
+            raise self._exhausted(allowed, model, now, exclude)
+        healthy = [c for c in usable if c.penalty_until <= now] or usable
+        chosen = None
+        if session is not None and session in self._sticky:
+            chosen = next((c for c in healthy if c.id == self._sticky[session]), None)
+        if chosen is None:
+            start = next(self._turn)
+            chosen = healthy[start % len(healthy)]
+        if session is not None:
+            self._sticky[session] = chosen.id
+        chosen.in_flight += 1
+        return Lease(chosen, self)
+
+    def _exhausted(self, allowed: list[Credential], model: str, now: float, exclude: set[str]) -> GatewayError:
+        enabled = [c for c in allowed if not c.disabled]
+        if not enabled:
+            return GatewayError("overloaded", "no_upstream_available", "every upstream credential is disabled")
+        cooling = [c.cooling_until(model, now) for c in enabled]
+        if all(cooling):
+            wait = max(1, int(min(cooling) - now + 0.999))
+            return GatewayError(
+                "rate_limit", "upstream_rate_limited",
+                f"every upstream credential is cooling down; retry in {wait} s", retry_after=wait,
+            )
+        if all(c.id in exclude or u for c, u in zip(enabled, cooling)):
+            return GatewayError("upstream", "failover_exhausted", "every usable upstream credential was tried")
+        return GatewayError("overloaded", "upstream_capacity", "every upstream credential is busy", retry_after=1)
+
+    # -- learning ----------------------------------------------------------------------
+
+    def report_failure(self, credential: Credential, model: str, error: GatewayError) -> bool:
+        """Learn from a failure before the first client byte; True if another credential
+        may be tried (failover), False when the error is the client's to see as is."""
+        now = self.clock()
+        status = error.upstream_status
+        if status in (401, 403):
+            credential.disabled = True
+            credential.disabled_reason = f"upstream answered {status}"
+        elif status == 429:
+            wait = error.retry_after if error.retry_after is not None else DEFAULT_RATE_LIMIT_COOLDOWN
+            credential.cooldowns[model] = now + float(wait)
+        elif status == 503 and error.retry_after is not None:
+            credential.cooldowns[ANY_MODEL] = now + float(error.retry_after)
+        elif error.code in ("upstream_unreachable", "upstream_timeout") or (status is not None and status >= 500):
+            credential.penalty_until = now + SERVER_ERROR_COOLDOWN
+            return True
+        else:
+            return False
+        self._persist(credential)
+        return True
+
+    # -- admin -------------------------------------------------------------------------
+
+    def enable(self, credential_id: str) -> Credential:
+        credential = self.get(credential_id)
+        credential.disabled, credential.disabled_reason = False, None
+        self._persist(credential)
+        return credential
+
+    def disable(self, credential_id: str, reason: str = "disabled by admin") -> Credential:
+        credential = self.get(credential_id)
+        credential.disabled, credential.disabled_reason = True, reason
+        self._persist(credential)
+        return credential
+
+    def reset_cooldowns(self, credential_id: str) -> Credential:
+        credential = self.get(credential_id)
+        credential.cooldowns.clear()
+        self._persist(credential)
+        return credential
+
+    @property
+    def in_flight(self) -> int:
+        return sum(c.in_flight for c in self.credentials)

@@ -1,0 +1,203 @@
+"""Upstream pool: failover before the first byte, cooldowns that persist, capacity,
+cancellation, client keys. Several simulator instances act as separate upstreams."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.settings import Settings
+from gateway.upstream.pool import fingerprint
+from gateway.upstream.simulator import create_simulator_app
+from tests.conftest import Gateway, ServerLoop, Simulator
+from tests.drivers import DRIVERS
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def upstreams(server_loop: ServerLoop) -> list[Simulator]:
+    return [Simulator(server_loop.serve(create_simulator_app())) for _ in range(3)]
+
+
+@pytest.fixture(autouse=True)
+def _healthy(upstreams: list[Simulator]) -> None:
+    for sim in upstreams:
+        httpx.delete(sim.url + "/_sim/fault")
+        sim.clear()
+
+
+def fault(sim: Simulator, model: str) -> None:
+    httpx.post(sim.url + "/_sim/fault", json={"model": model}).raise_for_status()
+
+
+def chat_calls(sim: Simulator) -> list[dict[str, Any]]:
+    return [r for r in sim.requests() if r["path"].endswith("/chat/completions")]
+
+
+def gateway_on(server_loop: ServerLoop, data_dir: Path, urls: list[str], **overrides: Any) -> Gateway:
+    settings = Settings(upstream_url=urls, data_dir=data_dir, keepalive_interval=0.5, **overrides)
+    app = create_app(settings, {name: "default" for name in Settings.model_fields})  # type: ignore[arg-type]
+    return Gateway(server_loop.serve(app), app)
+
+
+def stream_text(gateway: Gateway, model: str = "text;chunk=5", key: str = "k") -> str:
+    client = openai.OpenAI(base_url=gateway.base_url, api_key=key, _strict_response_validation=True, max_retries=0)
+    with client.chat.completions.stream(model=model, messages=MESSAGES) as stream:
+        return stream.get_final_completion().choices[0].message.content or ""
+
+
+@pytest.mark.parametrize("failure", ["server_error", "rate_limited;retry_after=30", "connect_refused"])
+def test_failover_to_a_healthy_upstream(server_loop: ServerLoop, upstreams: list[Simulator], tmp_path: Path, failure: str) -> None:
+    bad, good = upstreams[0], upstreams[1]
+    bad_url = "http://127.0.0.1:9/v1" if failure == "connect_refused" else bad.url + "/v1"
+    if failure != "connect_refused":
+        fault(bad, failure)
+    gateway = gateway_on(server_loop, tmp_path, [bad_url, good.url + "/v1"])
+    for _ in range(4):  # whichever the round-robin picks first, the client sees one clean stream
+        assert stream_text(gateway).startswith("Hello from the codebuddy2api simulator.")
+    assert len(chat_calls(good)) == 4
+    if failure != "connect_refused":
+        # the bad one was tried at most once more after its first failure taught the pool
+        assert 1 <= len(chat_calls(bad)) <= 2
+
+
+def test_no_failover_once_bytes_were_sent(server_loop: ServerLoop, upstreams: list[Simulator], tmp_path: Path) -> None:
+    a, b = upstreams[0], upstreams[1]
+    gateway = gateway_on(server_loop, tmp_path, [a.url + "/v1", b.url + "/v1"], stream_mode="realtime")
+    outcome = DRIVERS["chat"](gateway.url, "drop;chunk=3")
+    assert not outcome.ok and "upstream_disconnected" in outcome.error
+    assert len(chat_calls(a)) + len(chat_calls(b)) == 1
+
+
+def test_no_failover_on_client_errors_or_content_filter(server_loop: ServerLoop, upstreams: list[Simulator], tmp_path: Path) -> None:
+    a, b = upstreams[0], upstreams[1]
+    gateway = gateway_on(server_loop, tmp_path, [a.url + "/v1", b.url + "/v1"])
+    response = httpx.post(gateway.base_url + "/chat/completions", json={"model": "http_error;status=400", "messages": MESSAGES})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "upstream_rejected"
+    outcome = DRIVERS["chat"](gateway.url, "content_filter")
+    assert outcome.ok and outcome.finish == "content_filter"
+    assert len(chat_calls(a)) + len(chat_calls(b)) == 2
+
+
+def test_every_credential_cooling_gives_the_soonest_retry_after(server_loop: ServerLoop, upstreams: list[Simulator], tmp_path: Path) -> None:
+    a, b = upstreams[0], upstreams[1]
+    fault(a, "rate_limited;retry_after=40")
+    fault(b, "rate_limited;retry_after=9")
+    gateway = gateway_on(server_loop, tmp_path, [a.url + "/v1", b.url + "/v1"])
+    first = httpx.post(gateway.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True})
+    assert first.status_code == 429
+    assert 8 <= int(first.headers["retry-after"]) <= 9
+    assert first.json()["error"]["type"] == "rate_limit_error"
+    assert len(chat_calls(a)) == 1 and len(chat_calls(b)) == 1
+    again = httpx.post(gateway.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES})
+    assert again.status_code == 429 and 1 <= int(again.headers["retry-after"]) <= 9
+    assert len(chat_calls(a)) == 1 and len(chat_calls(b)) == 1  # refused without asking upstream
+    # cooldowns are per model: another model is still served
+    httpx.delete(b.url + "/_sim/fault")
+    assert stream_text(gateway, "text")
+
+
+def test_cooldowns_and_disabled_state_survive_a_restart(server_loop: ServerLoop, upstreams: list[Simulator], tmp_path: Path) -> None:
+    a, b = upstreams[0], upstreams[1]
+    fault(a, "rate_limited;retry_after=120")
+    fault(b, "unauthorized")
+    first = gateway_on(server_loop, tmp_path, [a.url + "/v1", b.url + "/v1"], upstream_api_key="sk-up-1")
+    response = httpx.post(first.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES})
+    assert response.status_code == 429
+    listed = httpx.get(first.url + "/admin/api/credentials").json()["credentials"]
+    assert {c["upstream"]: (c["disabled"], bool(c["cooldowns"])) for c in listed} == {
+        "upstream0": (False, True), "upstream1": (True, False)}
+    assert "sk-up-1" not in str(listed) and listed[0]["fingerprint"] == fingerprint("sk-up-1")
+    httpx.delete(a.url + "/_sim/fault")
+    httpx.delete(b.url + "/_sim/fault")
+    for sim in upstreams:
+        sim.clear()
+    second = gateway_on(server_loop, tmp_path, [a.url + "/v1", b.url + "/v1"], upstream_api_key="sk-up-1")
+    refused = httpx.post(second.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES})
+    assert refused.status_code == 429 and int(refused.headers["retry-after"]) > 100
+    assert chat_calls(a) == [] and chat_calls(b) == []
+    ids = {c["upstream"]: c["id"] for c in httpx.get(second.url + "/admin/api/credentials").json()["credentials"]}
+    enabled = httpx.post(second.url + f"/admin/api/credentials/{ids['upstream1']}/enable").json()
+    assert enabled["disabled"] is False
+    assert stream_text(second, "m")  # served by the re-enabled credential; model m still cools on upstream0
+    assert len(chat_calls(b)) == 1 and chat_calls(b)[0]["key_fingerprint"] == fingerprint("sk-up-1")
+    httpx.post(second.url + f"/admin/api/credentials/{ids['upstream0']}/reset")
+    assert all(not c["cooldowns"] for c in httpx.get(second.url + "/admin/api/credentials").json()["credentials"])
+
+
+def test_all_disabled_is_503(server_loop: ServerLoop, upstreams: list[Simulator], tmp_path: Path) -> None:
+    fault(upstreams[2], "unauthorized")
+    gateway = gateway_on(server_loop, tmp_path, [upstreams[2].url + "/v1"])
+    first = httpx.post(gateway.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES})
+    assert first.status_code == 502 and first.json()["error"]["code"] == "upstream_auth_failed"
+    second = httpx.post(gateway.base_url + "/messages", json={"model": "m", "max_tokens": 5, "messages": MESSAGES})
+    assert second.status_code == 503
+    assert second.json() == {"type": "error", "error": {"type": "overloaded_error", "message": second.json()["error"]["message"]}}
+
+
+def test_capacity_refusal_and_release_under_100_concurrent(server_loop: ServerLoop, upstreams: list[Simulator], tmp_path: Path) -> None:
+    gateway = gateway_on(server_loop, tmp_path, [upstreams[0].url + "/v1"], max_concurrent=10)
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=200)) as client:
+            async def one(i: int) -> int:
+                body = {"model": "text;chunk=4;delay=0.02", "messages": MESSAGES, "stream": i % 2 == 0}
+                response = await client.post(gateway.base_url + "/chat/completions", json=body)
+                if response.status_code == 503:
+                    assert response.headers["retry-after"] == "1"
+                    assert response.json()["error"]["code"] == "capacity_exceeded"
+                return response.status_code
+
+            return await asyncio.gather(*[one(i) for i in range(100)])
+
+    statuses = asyncio.run(burst())
+    assert set(statuses) == {200, 503}
+    assert 10 <= statuses.count(200) < 100
+    assert gateway.app.state.relay.in_flight == 0
+    assert gateway.app.state.relay.pool.in_flight == 0
+    assert stream_text(gateway)  # capacity is back
+
+
+def test_client_disconnect_closes_the_upstream_promptly(server_loop: ServerLoop, upstreams: list[Simulator], tmp_path: Path) -> None:
+    sim = upstreams[0]
+    gateway = gateway_on(server_loop, tmp_path, [sim.url + "/v1"], stream_mode="realtime")
+    before = sim.stats()["cancelled"]
+    with httpx.stream("POST", gateway.base_url + "/chat/completions", timeout=10,
+                      json={"model": "large;size=200000;chunk=100;delay=0.01", "messages": MESSAGES, "stream": True}) as response:
+        for _ in zip(range(5), response.iter_lines()):
+            pass
+        closed_at = time.monotonic()
+    deadline = time.monotonic() + 2
+    while sim.stats()["cancelled"] == before and time.monotonic() < deadline:
+        time.sleep(0.005)
+    stats = sim.stats()
+    assert stats["cancelled"] == before + 1 and stats["open_streams"] == 0
+    assert stats["last_cancel_at"] - closed_at < 0.1
+    deadline = time.monotonic() + 2
+    while gateway.app.state.relay.in_flight and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert gateway.app.state.relay.in_flight == 0 and gateway.app.state.relay.pool.in_flight == 0
+
+
+@pytest.mark.parametrize("protocol", ["chat", "messages", "responses"])
+def test_client_keys_required_when_configured(server_loop: ServerLoop, upstreams: list[Simulator], tmp_path_factory: pytest.TempPathFactory, protocol: str) -> None:
+    gateway = gateway_on(server_loop, tmp_path_factory.mktemp("keys"), [upstreams[0].url + "/v1"], api_key=["ck-good-1", "ck-good-2"])
+    route = {"chat": "/chat/completions", "messages": "/messages", "responses": "/responses"}[protocol]
+    body = {"model": "text", "messages": MESSAGES, "input": "hi", "max_tokens": 10}
+    for headers in ({}, {"authorization": "Bearer ck-bad"}, {"x-api-key": "ck-good"}):
+        response = httpx.post(gateway.base_url + route, json=body, headers=headers)
+        assert response.status_code == 401
+        error = response.json()["error"]
+        assert error["type"] == "authentication_error"
+        assert "ck-good" not in response.text
+    assert chat_calls(upstreams[0]) == []
+    for headers in ({"authorization": "Bearer ck-good-2"}, {"x-api-key": "ck-good-1"}):
+        assert httpx.post(gateway.base_url + route, json=body, headers=headers).status_code == 200
