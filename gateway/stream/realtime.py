@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import jiter
+
 from gateway.stream.accumulator import Piece, TextPiece, ToolArgs, ToolIdentified, ToolSlot
 from gateway.stream.events import (
     BlockDelta,
@@ -27,6 +29,27 @@ from gateway.stream.events import (
 from gateway.stream.events import FinishReason
 
 
+#: Beyond this many characters of arguments the prefix check is skipped (it reparses the
+#: whole prefix each time); malformed arguments show up at their start in practice.
+PREFIX_CHECK_LIMIT = 32768
+
+
+def viable_object_prefix(arguments: str) -> bool:
+    """Could ``arguments`` still grow into a JSON object? Clients such as the anthropic
+    SDK parse tool input after every fragment and raise on anything else, so realtime
+    releases only such prefixes (jiter, the SDKs' own partial parser, decides)."""
+    stripped = arguments.lstrip()
+    if not stripped or len(stripped) > PREFIX_CHECK_LIMIT:
+        return True
+    if stripped[0] != "{":
+        return False
+    try:
+        jiter.from_json(stripped.encode(), partial_mode="trailing-strings")
+    except ValueError:
+        return False
+    return True
+
+
 @dataclass(slots=True)
 class _Block:
     kind: BlockKind
@@ -34,6 +57,7 @@ class _Block:
     index: int = -1  # assigned when started
     parts: list[str] = field(default_factory=list)  # text blocks: everything so far
     held: list[str] = field(default_factory=list)  # text of a held block, not yet sent
+    blocked: bool = False  # tool arguments stopped being a JSON object prefix: send no more
 
 
 class RealtimeScheduler:
@@ -165,6 +189,11 @@ class RealtimeScheduler:
 
     def _send_args(self, block: _Block, out: list[Event]) -> None:
         assert block.slot is not None
+        if block.blocked:
+            return
+        if not viable_object_prefix(block.slot.arguments):
+            block.blocked = True  # the terminal will reject the call; clients never see it
+            return
         text = block.slot.take_unreleased()
         if text:
             out.append(BlockDelta(block.index, "tool", text))
