@@ -8,8 +8,11 @@ with status 2 and one line naming the flag (or variable) and the allowed values.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from gateway.settings import CLI_FIELDS, Settings, SettingsError, StreamMode, load_settings
 
@@ -27,10 +30,23 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + name.replace("_", "-")
         if name == "stream_mode":
             serve.add_argument(flag, dest=name, choices=[m.value for m in StreamMode], help=help_text)
+        elif name == "upstream_stream":
+            serve.add_argument(flag, dest=name, choices=["auto", "always", "never"], help=help_text)
         elif name == "log_level":
             serve.add_argument(flag, dest=name, choices=["debug", "info", "warning", "error"], help=help_text)
+        elif name in ("upstream_url", "api_key"):
+            serve.add_argument(flag, dest=name, action="append", default=None, help=help_text)
+        elif name == "allow_open":
+            serve.add_argument(flag, dest=name, action="store_true", default=None, help=help_text)
+        elif name == "audit_bodies":
+            serve.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
             serve.add_argument(flag, dest=name, help=help_text)
+    capture = commands.add_parser("capture", help="model-call capture records")
+    capture_commands = capture.add_subparsers(dest="capture_command", required=True, parser_class=_OneLineParser)
+    export = capture_commands.add_parser("export", help="one rollout's records, in order, as JSONL")
+    export.add_argument("--rollout", required=True, help="the rollout id (the x-rollout-id header)")
+    export.add_argument("--capture-dir", help="capture directory (default: CODEBUDDY2API_CAPTURE_DIR)")
     simulate = commands.add_parser("simulate", help="run the built-in upstream simulator")
     simulate.add_argument("--host", default="127.0.0.1")
     simulate.add_argument("--port", type=int, default=9090)
@@ -39,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "capture":
+        return export_capture(args.rollout, args.capture_dir)
     if args.command == "simulate":
         from gateway.upstream.simulator import run_simulator
 
@@ -50,20 +68,92 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"codebuddy2api: error: {exc}", file=sys.stderr)
         return 2
-    serve(settings, sources)
+    if not settings.api_key and not settings.allow_open and not is_loopback_host(settings.host):
+        print(
+            f"codebuddy2api: error: --host {settings.host} is not a loopback address and no client "
+            "--api-key is configured; add --api-key KEY or --allow-open",
+            file=sys.stderr,
+        )
+        return 2
+    serve(settings, sources, cli_values)
     return 0
 
 
-def serve(settings: Settings, sources: dict) -> None:  # type: ignore[type-arg]
+def export_capture(rollout: str, capture_dir: str | None) -> int:
+    import orjson
+
+    from gateway.capture import export_rollout
+    from pathlib import Path
+
+    directory = capture_dir or load_settings()[0].capture_dir
+    if not directory or not Path(directory).is_dir():
+        print("codebuddy2api: error: --capture-dir names no capture directory", file=sys.stderr)
+        return 2
+    for record in export_rollout(Path(directory), rollout):
+        sys.stdout.buffer.write(orjson.dumps(record) + b"\n")
+    return 0
+
+
+def is_loopback_host(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(settings: Settings, sources: dict, cli_values: dict[str, Any] | None = None) -> None:  # type: ignore[type-arg]
+    """Run uvicorn: the app object in-process, or ``--workers N`` processes that each build
+    the app from :func:`worker_app` (uvicorn needs an import string to spawn workers)."""
     import uvicorn
 
-    from gateway.app import create_app
     from gateway.observability.logging import configure_logging
 
     configure_logging(settings.log_level)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    app = create_app(settings, sources)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    common: dict[str, Any] = dict(
+        host=settings.host, port=settings.port, log_level=settings.log_level, log_config=None, access_log=True
+    )
+    if settings.workers > 1:
+        prepare_workers(settings, cli_values or {})
+        uvicorn.run(WORKER_APP, factory=True, workers=settings.workers, **common)
+        return
+    from gateway.app import create_app
+
+    uvicorn.run(create_app(settings, sources), **common)
+
+
+#: The environment variable carrying the resolved CLI values to worker processes (JSON).
+CLI_VALUES_ENV = "CODEBUDDY2API_WORKER_CLI_VALUES"
+WORKER_APP = "gateway.cli:worker_app"
+
+
+def prepare_workers(settings: Settings, cli_values: dict[str, Any]) -> None:
+    """Before workers spawn: a fresh prometheus multiprocess dir, the CLI values for
+    :func:`worker_app`, and the database migrated once (workers must not race on it)."""
+    from gateway.store.db import Database
+
+    metrics_dir = settings.data_dir / "prometheus-multiproc"
+    shutil.rmtree(metrics_dir, ignore_errors=True)
+    metrics_dir.mkdir(parents=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir.resolve())
+    os.environ[CLI_VALUES_ENV] = json.dumps({k: v for k, v in cli_values.items() if v is not None})
+    Database(settings.data_dir / "codebuddy2api.sqlite3").close()
+
+
+def worker_app() -> Any:
+    """App factory run in each worker: the same settings, with the same sources, as the CLI
+    resolved (CLI values from :data:`CLI_VALUES_ENV`; env and ``.env`` are inherited)."""
+    from gateway.app import create_app
+    from gateway.observability.logging import configure_logging
+
+    cli_values = json.loads(os.environ.get(CLI_VALUES_ENV) or "{}")
+    settings, sources = load_settings(cli_values)
+    configure_logging(settings.log_level)
+    return create_app(settings, sources)
 
 
 if __name__ == "__main__":

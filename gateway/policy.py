@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.settings import Settings, StreamMode
 
@@ -19,11 +20,15 @@ class StreamPolicy:
     first_byte_timeout: float
     idle_timeout: float
     failover_max: int
+    upstream_stream: str  # always | never | auto
+    engine_extras: dict[str, dict[str, Any]]  # model glob -> extra upstream body fields
 
     @classmethod
     def snapshot(cls, settings: Settings) -> StreamPolicy:
+        buffered = settings.upstream_stream == "never"
         return cls(
-            mode=settings.stream_mode,
+            # a buffered upstream has nothing to relay early: both modes act as compatible
+            mode=StreamMode.COMPATIBLE if buffered else settings.stream_mode,
             max_collect_bytes=settings.max_collect_bytes,
             tool_repair_attempts=settings.tool_repair_attempts,
             keepalive_interval=settings.keepalive_interval,
@@ -31,4 +36,6 @@ class StreamPolicy:
             first_byte_timeout=settings.first_byte_timeout,
             idle_timeout=settings.idle_timeout,
             failover_max=settings.failover_max,
+            upstream_stream=settings.upstream_stream,
+            engine_extras=settings.engine_extras,
         )

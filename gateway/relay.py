@@ -35,6 +35,8 @@ from gateway.stream.realtime import RealtimeScheduler
 from gateway.stream.repair import REPAIRABLE_CODES, regeneration_body, repair_slots_locally, tool_schemas
 from gateway.upstream.client import ANSWERED, DONE, UpstreamClient, UpstreamItem
 from gateway.upstream.pool import UpstreamPool, fingerprint
+from gateway.upstream.config import with_engine_extras
+from gateway.capture import CaptureWriter
 
 SSE_HEADERS = {
     "content-type": "text/event-stream; charset=utf-8",
@@ -96,6 +98,7 @@ class Relay:
         self.upstream = upstream
         self.observer = observer
         self.pool: UpstreamPool = UpstreamPool([])  # replaced at start-up (app lifespan)
+        self.capture: CaptureWriter | None = None  # set at start-up with --capture-dir
         self._capacity_holders: set[str] = set()
 
     @property
@@ -132,34 +135,40 @@ class Relay:
         self._capacity_holders.add(record.request_id)
         session = request.headers.get(settings.session_header) if settings.session_header else None
         run = GenerationRun(self, room, parsed, policy, record, session)
+        run.rollout_id = request.headers.get(settings.rollout_header)
         if parsed.stream:
             return GenerationResponse(run, headers, self)
         try:
             completion = await run.collect()
             await room.completed(parsed, run.response_id, completion, None)
         except GatewayError as err:
-            return self._error_response(room, err, record, headers)
+            return self._error_response(room, err, record, headers, run)
         except asyncio.CancelledError:
             record.outcome = "cancelled"
             record.error_code = "client_disconnected"
-            self._finish(record)
+            self._finish(record, run)
             raise
         run.note_completion(completion)
         record.outcome = "success"
-        self._finish(record)
+        self._finish(record, run)
         return JSONResponse(room.json_body(parsed, run.response_id, completion), headers=headers)
 
     def _error_response(
-        self, room: ProtocolRoom, err: GatewayError, record: RequestRecord, headers: dict[str, str]
+        self,
+        room: ProtocolRoom,
+        err: GatewayError,
+        record: RequestRecord,
+        headers: dict[str, str],
+        run: GenerationRun | None = None,
     ) -> Response:
         if record.outcome not in ("invalid", "refused"):
             record.outcome = "error"
         record.error_code = err.code
         record.http_status = err.status
-        self._finish(record)
+        self._finish(record, run)
         return error_response(room, err, headers)
 
-    def _finish(self, record: RequestRecord) -> None:
+    def _finish(self, record: RequestRecord, run: GenerationRun | None = None) -> None:
         """The single exit of every generation request: frees its slot, reports it once."""
         self._capacity_holders.discard(record.request_id)
         record.ended_at = time.time()
@@ -167,6 +176,8 @@ class Relay:
         if record.error_code == "response_too_large":
             record.budget_exceeded = True
         self.observer.on_finish(record)
+        if self.capture is not None and run is not None:
+            self.capture.submit(run.capture_record())
 
 
 def check_client_key(request: Request, keys: list[Any]) -> str | None:
@@ -216,6 +227,9 @@ class GenerationRun:
         self.encoder: StreamEncoder = room.encoder(parsed, self.response_id)
         self.committed = False
         self.completion: Completion | None = None
+        self.rollout_id: str | None = None
+        self.upstream_body = with_engine_extras(parsed.upstream_body, policy.engine_extras)
+        self.attempt_bodies: list[dict[str, Any]] = []  # every body sent upstream (capture)
         self._retained = 0  # output bytes over every attempt (the budget spans them all)
         self._queue: asyncio.Queue[UpstreamItem | _End | GatewayError] = asyncio.Queue(maxsize=64)
         self._producer: asyncio.Task[None] | None = None
@@ -283,6 +297,7 @@ class GenerationRun:
         return last_error
 
     def _start_upstream(self, body: dict[str, Any]) -> None:
+        self.attempt_bodies.append(body)
         self._queue = asyncio.Queue(maxsize=64)
         self._producer = asyncio.create_task(self._produce(body))
 
@@ -351,7 +366,7 @@ class GenerationRun:
         Sets ``self.completion``; yields only opening frames and keepalives. Once repair is
         involved, every attempt is recorded (kind, outcome, reason, usage) for the audit.
         """
-        body = self.parsed.upstream_body
+        body = self.upstream_body
         attempt = 0
         while True:
             async for out in self._read_answer(body, None, keepalives):
@@ -383,7 +398,7 @@ class GenerationRun:
                     f"{error.message} (still invalid after {attempt} regeneration attempt(s))",
                 )
             attempt += 1
-            body = regeneration_body(self.parsed.upstream_body, error)
+            body = regeneration_body(self.upstream_body, error)
 
     @staticmethod
     def _usage_dict(acc: ChatSSEAccumulator) -> dict[str, int]:
@@ -398,6 +413,41 @@ class GenerationRun:
             pass
         assert self.completion is not None
         return self.completion
+
+    def capture_record(self) -> dict[str, Any]:
+        """The model-call record for training harnesses (``--capture-dir``)."""
+        record = self.record
+        completion = self.completion
+        acc = getattr(self, "acc", None)
+        answer: dict[str, Any] | None = None
+        if completion is not None:
+            answer = {
+                "text": completion.text,
+                "reasoning": completion.reasoning,
+                "tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in completion.tool_calls],
+                "finish_reason": completion.finish_reason,
+                "usage": record.usage,
+            }
+        elif acc is not None:  # failed: what the upstream had said so far
+            answer = {"text": acc.text, "reasoning": acc.reasoning, "finish_reason": acc.finish_reason, "partial": True}
+        token_data = completion.token_data if completion is not None else (acc.token_data if acc else None)
+        return {
+            "rollout_id": self.rollout_id,
+            "request_id": record.request_id,
+            "started_at": record.started_at,
+            "ended_at": record.ended_at,
+            "protocol": record.protocol,
+            "mode": record.mode,
+            "model": record.model,
+            "upstream_model": record.upstream_model,
+            "outcome": record.outcome,
+            "error_code": record.error_code,
+            "upstream_request": self.attempt_bodies[-1] if self.attempt_bodies else self.upstream_body,
+            "upstream_attempts": len(self.attempt_bodies),
+            "answer": answer,
+            "token_data": token_data.as_dict() if token_data else None,
+            "repairs": record.repairs,
+        }
 
     def note_completion(self, completion: Completion) -> None:
         self.record.finish_reason = completion.finish_reason
@@ -417,9 +467,9 @@ class GenerationRun:
         try:
             if self.policy.mode is StreamMode.REALTIME:
                 scheduler = RealtimeScheduler(self.room.sequential_blocks)
-                async for out in self._read_answer(self.parsed.upstream_body, scheduler, keepalives=True):
+                async for out in self._read_answer(self.upstream_body, scheduler, keepalives=True):
                     yield out
-                completion = self.acc.seal()
+                completion = self.completion = self.acc.seal()
                 events = scheduler.finish(self.acc.sealed_slots, completion.finish_reason, completion.usage)
             else:
                 async for out in self._answer_with_repair(keepalives=True):
@@ -477,7 +527,7 @@ class GenerationResponse:
             raise
         finally:
             listener.cancel()
-            self.relay._finish(record)
+            self.relay._finish(record, self.run)
 
     async def _send_stream(self, send: Send) -> None:
         record = self.run.record

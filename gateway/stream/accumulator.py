@@ -19,7 +19,7 @@ from typing import Literal
 import orjson
 
 from gateway.errors import GatewayError
-from gateway.stream.events import Completion, FinishReason, ToolCall, Usage
+from gateway.stream.events import Completion, FinishReason, TokenData, ToolCall, Usage
 
 _FINISH_MAP: dict[str, FinishReason] = {
     "stop": "stop",
@@ -125,6 +125,7 @@ class ChatSSEAccumulator:
         self.retained_bytes = 0
         self.chunks = 0
         self.sealed_slots: list[ToolSlot] = []  # slots whose id was synthesized at the terminal
+        self.token_data: TokenData | None = None  # only when the upstream sent any
 
     # -- feeding -----------------------------------------------------------------------
 
@@ -140,6 +141,10 @@ class ChatSSEAccumulator:
         for choice in chunk.get("choices") or ():
             if choice.get("index", 0) != 0:
                 continue  # n > 1 is refused at the door; ignore strays
+            if choice.get("logprobs") or choice.get("token_ids") is not None or chunk.get("prompt_token_ids") is not None:
+                if self.token_data is None:
+                    self.token_data = TokenData()
+                self.token_data.absorb(chunk, choice)
             delta = choice.get("delta") or {}
             reasoning = delta.get("reasoning_content") or delta.get("reasoning")
             if reasoning and isinstance(reasoning, str):
@@ -264,6 +269,7 @@ class ChatSSEAccumulator:
             tool_calls=calls,
             finish_reason=finish,
             usage=self.usage,
+            token_data=self.token_data,
         )
 
 

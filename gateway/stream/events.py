@@ -11,7 +11,7 @@ open block at a time; the Chat encoder may see interleaved tool deltas.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from gateway.errors import GatewayError
 
@@ -60,6 +60,31 @@ class Completion:
     tool_calls: list[ToolCall]
     finish_reason: FinishReason
     usage: Usage | None = None
+    token_data: TokenData | None = None
+
+
+@dataclass(slots=True)
+class TokenData:
+    """What an inference engine returned about tokens (vLLM ``logprobs``,
+    ``return_token_ids``), kept exactly for training-harness capture."""
+
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # logprobs.content[] entries
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+    def absorb(self, chunk: dict[str, Any], choice: dict[str, Any]) -> None:
+        content = (choice.get("logprobs") or {}).get("content")
+        if content:
+            self.logprobs.extend(content)
+        ids = choice.get("token_ids")
+        if ids is not None:
+            self.token_ids = (self.token_ids or []) + list(ids)
+        prompt = chunk.get("prompt_token_ids")
+        if prompt is not None:
+            self.prompt_token_ids = list(prompt)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"logprobs": self.logprobs, "token_ids": self.token_ids, "prompt_token_ids": self.prompt_token_ids}
 
 
 @dataclass(frozen=True, slots=True)

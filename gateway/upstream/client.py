@@ -104,23 +104,41 @@ class UpstreamClient:
     ) -> AsyncIterator[UpstreamItem]:
         """Yield ANSWERED once the upstream says 200, then each chunk, then DONE if sent.
 
+        ``policy.upstream_stream``: ``always`` streams; ``never`` asks for one JSON answer
+        and yields it as chunks (the rest of the gateway cannot tell); ``auto`` streams and
+        falls back to a JSON answer when the upstream refuses ``stream: true``.
         Raises GatewayError for every failure; the caller closes the generator to cancel.
         """
-        payload = dict(body, stream=True, stream_options={"include_usage": True})
+        buffered = policy.upstream_stream == "never"
+        try:
+            async for item in self._request(credential, body, policy, buffered):
+                yield item
+        except GatewayError as err:
+            if not (policy.upstream_stream == "auto" and refuses_streaming(err)):
+                raise
+            async for item in self._request(credential, body, policy, buffered=True):
+                yield item
+
+    async def _request(
+        self, credential: Credential, body: dict[str, Any], policy: StreamPolicy, buffered: bool
+    ) -> AsyncIterator[UpstreamItem]:
+        if buffered:
+            payload = dict(body, stream=False)
+        else:
+            payload = dict(body, stream=True, stream_options={"include_usage": True})
         upstream = credential.upstream
-        headers = {**upstream.headers, "accept": "text/event-stream"}
+        headers = {**upstream.headers, "accept": "application/json" if buffered else "text/event-stream"}
         if credential.api_key:
             headers["authorization"] = f"Bearer {credential.api_key}"
         timeout = httpx.Timeout(policy.idle_timeout, connect=policy.connect_timeout)
         request = self._http.build_request(
-            "POST", upstream.base_url.rstrip("/") + "/chat/completions", content=orjson.dumps(payload), headers=headers, timeout=timeout
+            "POST", upstream.base_url.rstrip("/") + "/chat/completions",
+            content=orjson.dumps(payload), headers=headers, timeout=timeout,
         )
         try:
             async with asyncio.timeout(policy.first_byte_timeout):
                 response = await self._http.send(request, stream=True)
-        except TimeoutError:
-            raise GatewayError("timeout", "upstream_timeout", "the upstream did not answer in time") from None
-        except httpx.TimeoutException:
+        except (TimeoutError, httpx.TimeoutException):
             raise GatewayError("timeout", "upstream_timeout", "the upstream did not answer in time") from None
         except httpx.HTTPError as exc:
             raise GatewayError("upstream", "upstream_unreachable", f"cannot reach the upstream: {type(exc).__name__}") from None
@@ -131,6 +149,11 @@ class UpstreamClient:
                     response.status_code, content, parse_retry_after(response.headers.get("retry-after"))
                 )
             yield ANSWERED
+            if buffered:
+                for chunk in completion_as_chunks(await _json_answer(response)):
+                    yield chunk
+                yield DONE
+                return
             async for event in EventSource(response).aiter_sse():
                 data = event.data
                 if not data:
@@ -150,3 +173,54 @@ class UpstreamClient:
             raise GatewayError("upstream", "upstream_disconnected", f"the upstream connection broke: {type(exc).__name__}") from None
         finally:
             await response.aclose()
+
+
+def refuses_streaming(error: GatewayError) -> bool:
+    """An upstream 4xx that says it cannot stream (for ``--upstream-stream auto``)."""
+    return error.upstream_status in (400, 404, 415, 422, 501) and "stream" in error.message.lower()
+
+
+async def _json_answer(response: httpx.Response) -> dict[str, Any]:
+    try:
+        answer = orjson.loads(await response.aread())
+    except orjson.JSONDecodeError:
+        raise GatewayError("upstream", "upstream_bad_frame", "the upstream answer is not JSON") from None
+    if not isinstance(answer, dict):
+        raise GatewayError("upstream", "upstream_bad_frame", "the upstream answer is not a JSON object")
+    if answer.get("error"):
+        return {"error": answer["error"]}
+    return answer
+
+
+def completion_as_chunks(answer: dict[str, Any]) -> list[dict[str, Any]]:
+    """A non-streaming ``chat.completion`` as the stream chunks it is equivalent to, so the
+    accumulator, the modes and the encoders treat a buffered answer like any other."""
+    if answer.get("error"):
+        return [answer]
+    chunks: list[dict[str, Any]] = []
+    for choice in answer.get("choices") or ():
+        message = choice.get("message") or {}
+        delta: dict[str, Any] = {"role": "assistant"}
+        for key in ("content", "reasoning_content", "reasoning", "refusal"):
+            if message.get(key):
+                delta[key] = message[key]
+        calls = message.get("tool_calls") or []
+        if calls:
+            delta["tool_calls"] = [
+                {"index": i, "id": c.get("id"), "type": "function",
+                 "function": {"name": (c.get("function") or {}).get("name"),
+                              "arguments": (c.get("function") or {}).get("arguments") or ""}}
+                for i, c in enumerate(calls)
+            ]
+        out: dict[str, Any] = {"index": choice.get("index", 0), "delta": delta,
+                               "finish_reason": choice.get("finish_reason")}
+        for key in ("logprobs", "token_ids"):
+            if choice.get(key) is not None:
+                out[key] = choice[key]
+        chunk: dict[str, Any] = {"choices": [out]}
+        if answer.get("prompt_token_ids") is not None:
+            chunk["prompt_token_ids"] = answer["prompt_token_ids"]
+        chunks.append(chunk)
+    if answer.get("usage"):
+        chunks.append({"choices": [], "usage": answer["usage"]})
+    return chunks

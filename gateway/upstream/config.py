@@ -3,6 +3,7 @@ credentials added through the admin API (kept in the store)."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import tomllib
 from pathlib import Path
@@ -48,6 +49,18 @@ def _upstreams_from_toml(path: Path) -> list[Credential]:
         for key in keys or [None]:
             credentials.append(Credential(upstream, key))
     return credentials
+
+
+def with_engine_extras(body: dict[str, Any], extras: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The upstream body plus the fields an inference engine needs for token data, for
+    every configured model glob that matches (later globs win; the client's own fields
+    are kept)."""
+    model = str(body.get("model", ""))
+    added: dict[str, Any] = {}
+    for pattern, fields in extras.items():
+        if fnmatch.fnmatchcase(model, pattern):
+            added.update(fields)
+    return {**added, **body} if added else body
 
 
 def build_pool(settings: Settings, state: SqliteCredentialState | None, simulator_url: str | None) -> UpstreamPool:

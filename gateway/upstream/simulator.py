@@ -16,6 +16,7 @@ import json
 import logging
 import time
 import uuid
+import zlib
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -352,9 +353,39 @@ def _usage(body: Mapping[str, Any], deltas: list[Delta]) -> dict[str, Any]:
     return usage
 
 
+def _generated_text(delta: Delta) -> str:
+    text = (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning") or "")
+    for tc in delta.get("tool_calls") or []:
+        text += (tc.get("function") or {}).get("arguments") or ""
+    return text
+
+
+def token_id(piece: str) -> int:
+    """A deterministic stand-in token id (one 'token' per fragment)."""
+    return zlib.crc32(piece.encode()) % 100_000
+
+
+def _add_token_data(chunk: Frame, delta: Delta, body: Mapping[str, Any], n: int) -> None:
+    """What an inference engine (vLLM) returns when asked for logprobs / token ids."""
+    piece = _generated_text(delta)
+    choice = chunk["choices"][0]
+    if body.get("logprobs") is True and piece:
+        choice["logprobs"] = {"content": [{
+            "token": piece, "logprob": round(-0.01 * (n % 50 + 1), 4), "bytes": list(piece.encode()),
+            "top_logprobs": [],
+        }]}
+    if body.get("return_token_ids") is True:
+        choice["token_ids"] = [token_id(piece)] if piece else []
+        if n == 0:
+            prompt = "".join(_text_of(m.get("content")) for m in _messages(body))
+            chunk["prompt_token_ids"] = [token_id(w) for w in prompt.split()]
+
+
 def _frames(reply: Reply, ctx: Ctx) -> list[Frame]:
     """Generic wrapping: role on first chunk, finish placement, usage placement, [DONE]."""
     chunks = [_chunk(d) for d in reply.deltas] or [_chunk({})]
+    for n, (chunk, delta) in enumerate(zip(chunks, reply.deltas)):
+        _add_token_data(chunk, delta, ctx.body, n)
     first = chunks[0]["choices"][0]
     first["delta"] = {"role": "assistant", **first["delta"]}
     if reply.terminal is not None:
@@ -465,9 +496,16 @@ def assemble_completion(frames: Iterable[Frame], model: str) -> dict[str, Any]:
     calls: list[dict[str, Any]] = []
     finish: str | None = None
     usage: dict[str, Any] | None = None
+    logprobs: list[dict[str, Any]] = []
+    token_ids: list[int] | None = None
+    prompt_token_ids = None
     for chunk in chunks:
         usage = chunk.get("usage") or usage
+        prompt_token_ids = chunk.get("prompt_token_ids", prompt_token_ids)
         for choice in chunk.get("choices") or []:
+            logprobs += (choice.get("logprobs") or {}).get("content") or []
+            if "token_ids" in choice:
+                token_ids = (token_ids or []) + list(choice["token_ids"])
             delta = choice.get("delta") or {}
             for key, bucket in parts.items():
                 if isinstance(delta.get(key), str):
@@ -487,8 +525,13 @@ def assemble_completion(frames: Iterable[Frame], model: str) -> dict[str, Any]:
     result: dict[str, Any] = {
         "id": head.get("id", "chatcmpl-sim"), "object": "chat.completion",
         "created": head.get("created", 0), "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+        "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                     "logprobs": {"content": logprobs} if logprobs else None}],
     }
+    if token_ids is not None:
+        result["choices"][0]["token_ids"] = token_ids
+    if prompt_token_ids is not None:
+        result["prompt_token_ids"] = prompt_token_ids
     if usage:
         result["usage"] = usage
     return result
