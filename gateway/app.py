@@ -13,33 +13,20 @@ from starlette.routing import Route
 
 from gateway.protocols.base import ProtocolRoom
 from gateway.protocols.chat import ChatRoom
-from gateway.relay import Relay, RequestRecord
+from gateway.protocols.responses import ResponsesRoom
+from gateway.protocols.messages import MessagesRoom, count_tokens_endpoint
+from gateway.admin import admin_mount
+from gateway.observability.observer import Observability, metrics_endpoint
+from gateway.relay import Relay
 from gateway.servers import bind_loopback, start_embedded, stop_embedded
 from gateway.store.db import Database
 from gateway.settings import LiveSettings, Settings, Source, load_settings
-from gateway.upstream.client import UpstreamClient, UpstreamTarget
+from gateway.store.credentials import SqliteCredentialState
+from gateway.upstream.client import UpstreamClient
+from gateway.upstream.config import build_pool
+from gateway.capture import CaptureWriter
 
 log = structlog.get_logger("gateway")
-
-
-class LogObserver:
-    """Logs one line per finished request (the audit store and metrics join later)."""
-
-    def on_start(self, record: RequestRecord) -> None:
-        pass
-
-    def on_finish(self, record: RequestRecord) -> None:
-        log.info(
-            "request",
-            request_id=record.request_id,
-            protocol=record.protocol,
-            mode=record.mode,
-            streamed=record.streamed,
-            outcome=record.outcome,
-            error_code=record.error_code,
-            status=record.http_status,
-            duration_ms=round(record.duration_ms, 1),
-        )
 
 
 def create_app(settings: Settings | None = None, sources: dict[str, Source] | None = None) -> Starlette:
@@ -50,32 +37,33 @@ def create_app(settings: Settings | None = None, sources: dict[str, Source] | No
     live = LiveSettings(settings, sources or {})
     db = Database(settings.data_dir / "codebuddy2api.sqlite3")
     upstream = UpstreamClient()
-    targets: list[UpstreamTarget] = []
-
-    def current_target() -> UpstreamTarget:
-        return targets[0]
-
-    relay = Relay(live, upstream, current_target, LogObserver())
+    observability = Observability(live, db)
+    relay = Relay(live, upstream, observability.observer)
+    credential_state = SqliteCredentialState(db)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         simulator = None
-        if settings.upstream_url:
-            key = settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None
-            targets.append(UpstreamTarget(settings.upstream_url, key))
-        else:
+        simulator_url = None
+        if not settings.upstream_url and not settings.config:
             from gateway.upstream.simulator import create_simulator_app
 
             sock = bind_loopback()
             simulator = await start_embedded(create_simulator_app(), sock)
-            targets.append(UpstreamTarget(f"http://127.0.0.1:{sock.getsockname()[1]}/v1"))
-            app.state.simulator_url = targets[0].base_url
+            simulator_url = app.state.simulator_url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+        relay.pool = build_pool(settings, credential_state, simulator_url)
+        if settings.capture_dir:
+            relay.capture = CaptureWriter(settings.capture_dir, settings.capture_max_bytes)
+        await observability.start()
         app.state.ready = True
         try:
             yield
         finally:
             app.state.ready = False
             await upstream.aclose()
+            if relay.capture is not None:
+                relay.capture.close()  # drains: every finished call is on disk
+            await observability.aclose()  # drains the audit queue
             db.close()
             if simulator is not None:
                 await stop_embedded(*simulator)
@@ -91,13 +79,22 @@ def create_app(settings: Settings | None = None, sources: dict[str, Source] | No
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "starting"}, status_code=503)
 
+    responses_room = ResponsesRoom(db)
     routes = [
         Route("/v1/chat/completions", generation(ChatRoom()), methods=["POST"]),
+        Route("/v1/responses", generation(responses_room), methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses_room.retrieve_endpoint(), methods=["GET"]),
+        Route("/v1/messages", generation(MessagesRoom()), methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens_endpoint, methods=["POST"]),
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        admin_mount(),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.live = live
     app.state.db = db
     app.state.relay = relay
+    app.state.credential_state = credential_state
+    app.state.observability = observability
     app.state.ready = False
     return app

@@ -58,13 +58,13 @@ def test_live_settings_refuse_locked_values_and_apply_saved(monkeypatch: pytest.
     monkeypatch.setenv("CODEBUDDY2API_STREAM_MODE", "realtime")
     settings, sources = load_settings({"port": "9999"})
     live = LiveSettings(settings, sources)
-    with pytest.raises(SettingsError, match="stream_mode is set by env"):
-        live.update(stream_mode="compatible")
-    with pytest.raises(SettingsError, match="port is set by cli"):
-        live.update(port=1)
+    with pytest.raises(SettingsError, match="stream_mode is set by the environment"):
+        live.update({"stream_mode": "compatible"})
+    with pytest.raises(SettingsError, match="port is set by a command-line flag"):
+        live.update({"port": 1})
     with pytest.raises(SettingsError, match="tool_repair_attempts"):
-        live.update(tool_repair_attempts=-1)
-    live.update(max_collect_bytes=1234)
+        live.update({"tool_repair_attempts": -1})
+    live.update({"max_collect_bytes": 1234})
     assert live.current.max_collect_bytes == 1234 and live.sources["max_collect_bytes"] == "saved"
     assert live.revision == 1
 
@@ -102,3 +102,10 @@ def test_serve_runs_on_the_builtin_simulator(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_open_bind_without_client_keys_is_refused() -> None:
+    result = run_cli("serve", "--host", "0.0.0.0", "--port", "1")
+    assert result.returncode == 2
+    assert "--api-key" in result.stderr and "--allow-open" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

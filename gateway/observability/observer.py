@@ -1,0 +1,122 @@
+"""The request observer: every finished generation request goes to the audit store,
+the Prometheus metrics and one structured log line.
+
+:class:`Observability` bundles the three for an app (built in ``create_app``, started and
+drained by its lifespan); :class:`GatewayObserver` is what the relay calls. Observer
+failures are logged and swallowed: bookkeeping never breaks a client's request.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import structlog
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.observability.logging import route_uvicorn_logs
+from gateway.observability.metrics import Metrics
+from gateway.store.audit import AuditWriter
+from gateway.store.db import Database
+
+if TYPE_CHECKING:
+    from gateway.relay import RequestRecord
+    from gateway.settings import LiveSettings
+
+log = structlog.get_logger("gateway.request")
+
+
+def log_request(record: RequestRecord) -> None:
+    """One line per request: identifiers, outcome and timings; never a body or a secret."""
+    log.info(
+        "request",
+        request_id=record.request_id,
+        protocol=record.protocol,
+        mode=record.mode,
+        streamed=record.streamed,
+        model=record.model,
+        outcome=record.outcome,
+        error_code=record.error_code,
+        status=record.http_status,
+        finish_reason=record.finish_reason,
+        duration_ms=round(record.duration_ms, 1),
+        ttfb_ms=record.ttfb_ms,
+        output_bytes=record.output_bytes,
+        tool_calls=record.tool_calls,
+        keepalives=record.keepalives,
+        upstream_attempts=len(record.upstream_attempts),
+    )
+
+
+class GatewayObserver:
+    """Feeds metrics, the audit queue and the request log; tolerant of a double finish."""
+
+    def __init__(self, metrics: Metrics, audit: AuditWriter) -> None:
+        self.metrics = metrics
+        self.audit = audit
+        self._open: set[str] = set()
+
+    def on_start(self, record: RequestRecord) -> None:
+        self._open.add(record.request_id)
+        try:
+            self.metrics.on_start(record)
+        except Exception:  # pragma: no cover - a metrics bug must not fail the request
+            log.exception("observer_failed", stage="start", request_id=record.request_id)
+
+    def on_finish(self, record: RequestRecord) -> None:
+        if record.request_id not in self._open:
+            log.warning("observer_unexpected_finish", request_id=record.request_id)
+            return
+        self._open.discard(record.request_id)
+        for stage, step in (("metrics", self.metrics.on_finish), ("audit", self.audit.submit), ("log", log_request)):
+            try:
+                step(record)
+            except Exception:  # pragma: no cover
+                log.exception("observer_failed", stage=stage, request_id=record.request_id)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._open)
+
+
+class Observability:
+    """Metrics + audit writer + observer for one app, with their lifecycle."""
+
+    def __init__(self, live: LiveSettings, db: Database, flush_interval: float = 0.05) -> None:
+        self.live = live
+        self.metrics = Metrics()
+        self.audit = AuditWriter(
+            db,
+            retention_days=lambda: float(live.current.audit_retention_days),
+            store_bodies=lambda: bool(live.current.audit_bodies),
+            body_max_bytes=lambda: int(live.current.audit_body_max_bytes),
+            flush_interval=flush_interval,
+            on_drop=self.metrics.audit_dropped.inc,
+            on_write_error=self.metrics.audit_write_errors.inc,
+        )
+        self.observer = GatewayObserver(self.metrics, self.audit)
+
+    async def start(self) -> None:
+        route_uvicorn_logs()  # after any embedded server detached uvicorn.access
+        await self.audit.start()
+
+    async def aclose(self) -> None:
+        """Drain the audit queue (before the database closes)."""
+        await self.audit.aclose()
+        self.metrics.refresh(self.live, 0)
+        self.metrics.process_exit()
+
+    def exposition(self) -> tuple[bytes, str]:
+        self.metrics.refresh(self.live, self.audit.depth)
+        return self.metrics.render()
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    """``GET /metrics``: Prometheus text exposition (all workers in multiprocess mode)."""
+    obs: Observability = request.app.state.observability
+    if obs.metrics.multiprocess:  # reads every worker's files: keep it off the loop
+        body, content_type = await run_in_threadpool(obs.exposition)
+    else:
+        body, content_type = obs.exposition()
+    return Response(body, media_type=content_type)

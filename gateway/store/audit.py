@@ -1,0 +1,382 @@
+"""The audit store: one row per generation request, written off the hot path, and its queries.
+
+:meth:`AuditWriter.submit` runs on the event loop and only appends a snapshot of the
+record to a bounded in-memory queue; a background task batch-inserts the queue in one
+transaction per batch through :meth:`Database.arun` (a worker thread). Shutdown drains the
+queue completely before the database closes. Rows older than the retention period are
+deleted at start-up and hourly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import structlog
+
+from gateway.store.db import Database
+
+if TYPE_CHECKING:
+    from gateway.relay import RequestRecord
+
+log = structlog.get_logger("gateway.audit")
+
+RETENTION_INTERVAL = 3600.0
+_INSERT = (
+    "INSERT OR REPLACE INTO audit (request_id, started_at, ended_at, protocol, mode, streamed, model,"
+    " outcome, error_code, http_status, record) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+def snapshot(record: RequestRecord) -> dict[str, Any]:
+    """A detached copy of the record (cheap: one level of containers copied)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(record):  # type: ignore[arg-type]
+        value = getattr(record, f.name)
+        if isinstance(value, dict):
+            value = dict(value)
+        elif isinstance(value, list):
+            value = [dict(v) if isinstance(v, dict) else v for v in value]
+        out[f.name] = value
+    return out
+
+
+def cap_bodies(bodies: Any, max_bytes: int) -> dict[str, Any] | None:
+    """Bodies as text, each cut to ``max_bytes`` UTF-8 bytes (``<name>_truncated`` says so)."""
+    if not isinstance(bodies, dict):
+        return None
+    out: dict[str, Any] = {}
+    for name, body in bodies.items():
+        if body is None:
+            continue
+        if isinstance(body, bytes | bytearray):
+            raw = bytes(body)
+        elif isinstance(body, str):
+            raw = body.encode("utf-8", "replace")
+        else:
+            raw = orjson.dumps(body, default=str)
+        if len(raw) > max_bytes:
+            out[name] = raw[:max_bytes].decode("utf-8", "ignore")
+            out[name + "_truncated"] = len(raw)
+        else:
+            out[name] = raw.decode("utf-8", "replace")
+    return out
+
+
+def _row(record: dict[str, Any]) -> tuple[Any, ...]:
+    return (
+        record["request_id"],
+        float(record.get("started_at") or 0.0),
+        float(record.get("ended_at") or 0.0),
+        str(record.get("protocol") or ""),
+        str(record.get("mode") or ""),
+        1 if record.get("streamed") else 0,
+        str(record.get("model") or ""),
+        str(record.get("outcome") or ""),
+        record.get("error_code"),
+        int(record.get("http_status") or 0),
+        orjson.dumps(record, default=str).decode(),
+    )
+
+
+class AuditWriter:
+    """Bounded queue + background batch writer for audit rows."""
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        retention_days: Callable[[], float] = lambda: 30.0,
+        store_bodies: Callable[[], bool] = lambda: False,
+        body_max_bytes: Callable[[], int] = lambda: 64 * 1024,
+        max_queue: int = 10_000,
+        flush_interval: float = 0.05,
+        batch_size: int = 200,
+        on_drop: Callable[[int], None] | None = None,
+        on_write_error: Callable[[int], None] | None = None,
+    ) -> None:
+        self.db = db
+        self.retention_days = retention_days
+        self.store_bodies = store_bodies
+        self.body_max_bytes = body_max_bytes
+        self.max_queue = max_queue
+        self.flush_interval = flush_interval
+        self.batch_size = batch_size
+        self.on_drop = on_drop
+        self.on_write_error = on_write_error
+        self.dropped = 0
+        self.written = 0
+        self.write_errors = 0
+        self._pending: collections.deque[dict[str, Any]] = collections.deque()
+        self._wake: asyncio.Event | None = None
+        self._closed_event: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._retention: asyncio.Task[None] | None = None
+        self._closing = False
+        self._closed = False
+        self._in_flight = 0
+
+    @property
+    def depth(self) -> int:
+        """Records accepted but not yet written (including a batch being written)."""
+        return len(self._pending) + self._in_flight
+
+    # -- the hot path ------------------------------------------------------------------
+
+    def submit(self, record: RequestRecord) -> None:
+        """Queue a finished record. Never blocks, never does I/O; drops (and counts) when full."""
+        if self._closed or len(self._pending) >= self.max_queue:
+            self.dropped += 1
+            if self.on_drop is not None:
+                self.on_drop(1)
+            return
+        snap = snapshot(record)
+        if not self.store_bodies():
+            snap["bodies"] = None
+        self._pending.append(snap)
+        if self._wake is not None:
+            self._wake.set()
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Purge expired rows, then start the writer and the hourly retention task."""
+        self._wake = asyncio.Event()
+        self._closed_event = asyncio.Event()
+        if self._pending:
+            self._wake.set()
+        await self.purge()
+        self._task = asyncio.create_task(self._run(), name="audit-writer")
+        self._retention = asyncio.create_task(self._retention_loop(), name="audit-retention")
+
+    async def aclose(self) -> None:
+        """Write everything still queued, then stop. Call before the database closes."""
+        self._closing = True
+        if self._closed_event is not None:
+            self._closed_event.set()
+        if self._retention is not None:
+            self._retention.cancel()
+            await asyncio.gather(self._retention, return_exceptions=True)
+        if self._task is not None:
+            assert self._wake is not None
+            self._wake.set()
+            await self._task
+        elif self._pending:  # never started: write synchronously-in-a-thread anyway
+            await self._write_all()
+        self._closed = True
+
+    async def purge(self) -> int:
+        """Delete rows older than the retention period; returns how many went."""
+        days = self.retention_days()
+        if days <= 0:
+            return 0
+        cutoff = time.time() - days * 86400
+
+        def delete(conn: sqlite3.Connection) -> int:
+            return conn.execute("DELETE FROM audit WHERE started_at < ?", (cutoff,)).rowcount
+
+        try:
+            deleted = await self.db.arun(delete)
+        except sqlite3.Error as exc:
+            log.warning("audit_retention_failed", error=type(exc).__name__)
+            return 0
+        if deleted:
+            log.info("audit_retention", deleted=deleted, older_than_days=days)
+        return deleted
+
+    # -- the writer --------------------------------------------------------------------
+
+    async def _retention_loop(self) -> None:
+        while True:
+            await asyncio.sleep(RETENTION_INTERVAL)
+            await self.purge()
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            if not self._pending:
+                self._wake.clear()
+                if self._closing:
+                    return
+                continue
+            if len(self._pending) < self.batch_size and not self._closing:
+                # let a batch build up; a shutdown cuts the wait short
+                assert self._closed_event is not None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._closed_event.wait(), self.flush_interval)
+            await self._write_batch()
+
+    async def _write_all(self) -> None:
+        while self._pending:
+            await self._write_batch()
+
+    async def _write_batch(self) -> None:
+        count = min(len(self._pending), self.batch_size)
+        batch = [self._pending.popleft() for _ in range(count)]
+        self._in_flight = count
+        max_bytes = self.body_max_bytes()
+
+        def insert(conn: sqlite3.Connection) -> None:
+            rows = []
+            for record in batch:
+                if record.get("bodies") is not None:  # kept by submit() only with audit_bodies
+                    record["bodies"] = cap_bodies(record["bodies"], max_bytes)
+                rows.append(_row(record))
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                conn.executemany(_INSERT, rows)
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+
+        try:
+            # shielded: a cancelled lifespan must not lose a batch half-way to disk
+            await asyncio.shield(self.db.arun(insert))
+            self.written += count
+        except (sqlite3.Error, ValueError, TypeError) as exc:
+            self.write_errors += count
+            if self.on_write_error is not None:
+                self.on_write_error(count)
+            log.error("audit_write_failed", rows=count, error=type(exc).__name__)
+        finally:
+            self._in_flight = 0
+
+
+# -- queries -----------------------------------------------------------------------------
+
+FILTER_COLUMNS = ("outcome", "protocol", "mode", "model")
+
+
+def _where(since: float | None, until: float | None, filters: dict[str, str | None]) -> tuple[str, list[Any]]:
+    clauses: list[str] = []
+    params: list[Any] = []
+    if since is not None:
+        clauses.append("started_at >= ?")
+        params.append(since)
+    if until is not None:
+        clauses.append("started_at < ?")
+        params.append(until)
+    for column in FILTER_COLUMNS:
+        value = filters.get(column)
+        if value is not None:
+            clauses.append(f"{column} = ?")
+            params.append(value)
+    return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
+
+
+async def query(
+    db: Database,
+    *,
+    since: float | None = None,
+    until: float | None = None,
+    limit: int = 100,
+    offset: int = 0,
+    **filters: str | None,
+) -> tuple[list[dict[str, Any]], int]:
+    """Matching records, newest first, and the total number matching."""
+    where, params = _where(since, until, filters)
+
+    def run(conn: sqlite3.Connection) -> tuple[list[dict[str, Any]], int]:
+        total = conn.execute(f"SELECT COUNT(*) FROM audit{where}", params).fetchone()[0]
+        rows = conn.execute(
+            f"SELECT record FROM audit{where} ORDER BY started_at DESC, request_id DESC LIMIT ? OFFSET ?",
+            [*params, limit, offset],
+        ).fetchall()
+        return [orjson.loads(r[0]) for r in rows], int(total)
+
+    return await db.arun(run)
+
+
+async def get(db: Database, request_id: str) -> dict[str, Any] | None:
+    rows = await db.aexecute("SELECT record FROM audit WHERE request_id = ?", (request_id,))
+    return orjson.loads(rows[0][0]) if rows else None
+
+
+def percentile(sorted_values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile of already sorted values (None when empty)."""
+    if not sorted_values:
+        return None
+    rank = max(1, -(-len(sorted_values) * q // 100))  # ceil(n * q / 100)
+    return sorted_values[int(rank) - 1]
+
+
+async def aggregate(db: Database, window: float, now: float | None = None) -> dict[str, Any]:
+    """Counts by outcome, error rate and p50/p95 TTFB by protocol and mode over the window."""
+    until = time.time() if now is None else now
+    since = until - window
+
+    def run(conn: sqlite3.Connection) -> list[tuple[Any, ...]]:
+        return conn.execute(
+            "SELECT protocol, mode, outcome, json_extract(record, '$.ttfb_ms'),"
+            " json_extract(record, '$.duration_ms') FROM audit WHERE started_at >= ? AND started_at < ?",
+            (since, until),
+        ).fetchall()
+
+    rows = await db.arun(run)
+    by_outcome: collections.Counter[str] = collections.Counter()
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    for protocol, mode, outcome, ttfb, duration in rows:
+        by_outcome[outcome] += 1
+        group = groups.setdefault((protocol, mode), {"count": 0, "errors": 0, "ttfb": [], "duration": []})
+        group["count"] += 1
+        group["errors"] += outcome == "error"
+        if ttfb is not None:
+            group["ttfb"].append(float(ttfb))
+        if duration is not None:
+            group["duration"].append(float(duration))
+    total = len(rows)
+    series = []
+    for (protocol, mode), group in sorted(groups.items()):
+        ttfb_sorted, duration_sorted = sorted(group["ttfb"]), sorted(group["duration"])
+        series.append({
+            "protocol": protocol,
+            "mode": mode,
+            "requests": group["count"],
+            "error_rate": group["errors"] / group["count"],
+            "ttfb_samples": len(ttfb_sorted),
+            "ttfb_ms_p50": percentile(ttfb_sorted, 50),
+            "ttfb_ms_p95": percentile(ttfb_sorted, 95),
+            "duration_ms_p50": percentile(duration_sorted, 50),
+            "duration_ms_p95": percentile(duration_sorted, 95),
+        })
+    return {
+        "window": window,
+        "since": since,
+        "until": until,
+        "requests": total,
+        "by_outcome": dict(sorted(by_outcome.items())),
+        "error_rate": (by_outcome["error"] / total) if total else 0.0,
+        "by_protocol_mode": series,
+    }
+
+
+async def export(
+    db: Database, since: float | None = None, until: float | None = None, page: int = 500
+) -> AsyncIterator[bytes]:
+    """Every matching record as JSON lines, oldest first, read a page at a time."""
+    where, params = _where(since, until, {})
+    cursor: tuple[float, str] | None = None
+    while True:
+        clause, args = where, list(params)
+        if cursor is not None:
+            clause += (" AND " if clause else " WHERE ") + "(started_at > ? OR (started_at = ? AND request_id > ?))"
+            args += [cursor[0], cursor[0], cursor[1]]
+        rows = await db.aexecute(
+            f"SELECT started_at, request_id, record FROM audit{clause} ORDER BY started_at, request_id LIMIT ?",
+            [*args, page],
+        )
+        if not rows:
+            return
+        yield b"".join(r[2].encode() + b"\n" for r in rows)
+        if len(rows) < page:
+            return
+        cursor = (rows[-1][0], rows[-1][1])

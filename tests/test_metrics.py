@@ -1,0 +1,215 @@
+"""/metrics: every documented family with its type, per-app registries, and the
+multiprocess mode of ``serve --workers N`` (a real subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.app import create_app
+from gateway.cli import CLI_VALUES_ENV, worker_app
+from gateway.observability.logging import configure_logging
+from gateway.observability.metrics import attempt_labels
+from gateway.settings import Settings
+from tests.conftest import ServerLoop, Simulator, start_gateway
+
+#: name -> type, as docs/observability.md lists them.
+FAMILIES = {
+    "codebuddy2api_requests": "counter",
+    "codebuddy2api_request_duration_seconds": "histogram",
+    "codebuddy2api_time_to_first_byte_seconds": "histogram",
+    "codebuddy2api_in_flight_requests": "gauge",
+    "codebuddy2api_upstream_attempts": "counter",
+    "codebuddy2api_tool_repairs": "counter",
+    "codebuddy2api_budget_overflows": "counter",
+    "codebuddy2api_keepalives_sent": "counter",
+    "codebuddy2api_terminal_validation_failures": "counter",
+    "codebuddy2api_relayed_output_bytes": "counter",
+    "codebuddy2api_audit_queue_depth": "gauge",
+    "codebuddy2api_audit_dropped": "counter",
+    "codebuddy2api_audit_write_errors": "counter",
+    "codebuddy2api_config_revision": "gauge",
+    "codebuddy2api_stream_mode": "gauge",
+}
+USER = [{"role": "user", "content": "hi"}]
+
+
+def families(text: str) -> dict[str, str]:
+    return {f.name: f.type for f in text_string_to_metric_families(text)}
+
+
+def requests_total(text: str) -> float:
+    return sum(
+        s.value for f in text_string_to_metric_families(text) for s in f.samples
+        if s.name == "codebuddy2api_requests_total"
+    )
+
+
+def test_every_documented_family_is_exposed_with_its_type(
+    server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    gw = start_gateway(server_loop, simulator, tmp_path_factory)
+    chat = {"model": "tool", "messages": USER, "stream": True, "tools": [
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]}
+    assert httpx.post(gw.base_url + "/chat/completions", json=chat).status_code == 200
+    text = httpx.get(gw.url + "/metrics").text
+    exposed = families(text)
+    for name, kind in FAMILIES.items():
+        assert exposed.get(name) == kind, name
+    docs = (Path(__file__).parent.parent / "docs" / "observability.md").read_text()
+    for name in FAMILIES:  # documented with the exposed suffix
+        assert name + ("_total" if FAMILIES[name] == "counter" else "") in docs, name
+    assert 'codebuddy2api_requests_total{mode="compatible",outcome="success",protocol="chat",streamed="true"} 1.0' in text
+
+
+def test_two_apps_in_one_process_keep_separate_registries(tmp_path: Path) -> None:
+    sources = {name: "default" for name in Settings.model_fields}
+    apps = [create_app(Settings(data_dir=tmp_path / str(i)), sources) for i in range(2)]  # type: ignore[arg-type]
+    try:
+        first, second = (app.state.observability.metrics for app in apps)
+        assert first.registry is not second.registry
+        first.requests.labels("chat", "compatible", "true", "success").inc()
+        assert requests_total(second.render()[0].decode()) == 0
+        assert requests_total(first.render()[0].decode()) == 1
+    finally:
+        for app in apps:
+            app.state.db.close()
+
+
+def test_attempt_labels() -> None:
+    assert attempt_labels({"status": 200}, "success") == ("success", "2xx")
+    assert attempt_labels({"status": 200, "error": "upstream_error"}, "error") == ("error", "2xx")
+    assert attempt_labels({"status": None, "error": "upstream_rate_limited"}, "error") == ("error", "4xx")
+    assert attempt_labels({"status": 503, "error": "upstream_unavailable"}, "error") == ("error", "5xx")
+    assert attempt_labels({"status": None, "error": "upstream_unreachable"}, "error") == ("error", "network")
+    assert attempt_labels({"status": None}, "cancelled") == ("cancelled", "none")
+    assert attempt_labels({"status": 200}, "cancelled") == ("cancelled", "2xx")
+
+
+def test_worker_app_rebuilds_settings_with_their_sources(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What each worker process does with the CLI values the parent serialized."""
+    monkeypatch.setenv("CODEBUDDY2API_KEEPALIVE_INTERVAL", "2.5")
+    monkeypatch.setenv(CLI_VALUES_ENV, json.dumps(
+        {"stream_mode": "realtime", "data_dir": str(tmp_path), "audit_bodies": True, "log_level": "warning"}
+    ))
+    app = worker_app()
+    try:
+        live = app.state.live
+        assert live.current.stream_mode.value == "realtime" and live.sources["stream_mode"] == "cli"
+        assert live.current.audit_bodies is True and live.sources["audit_bodies"] == "cli"
+        assert live.current.keepalive_interval == 2.5 and live.sources["keepalive_interval"] == "env"
+        assert live.sources["workers"] == "default" and live.current.audit_retention_days == 30
+    finally:
+        app.state.db.close()
+        configure_logging("warning")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_serve_with_two_workers_aggregates_metrics(tmp_path: Path) -> None:
+    port = _free_port()
+    data = tmp_path / "data"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CODEBUDDY2API_", "PROMETHEUS_"))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "serve", "--workers", "2", "--port", str(port), "--data-dir", str(data),
+         "--stream-mode", "realtime"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 25
+        while True:
+            try:
+                if httpx.get(base + "/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "gateway did not start"
+            time.sleep(0.1)
+        sent = 0
+        for i in range(12):  # a new connection each: any worker may take it
+            stream = i % 2 == 0
+            body = {"model": "echo" if i % 3 else "server_error", "messages": USER, "stream": stream}
+            response = httpx.post(base + "/v1/chat/completions", json=body, headers={"connection": "close"})
+            assert response.status_code in (200, 502)
+            sent += 1
+        assert httpx.post(base + "/v1/chat/completions", content=b"{").status_code == 400
+        sent += 1
+        for _ in range(4):
+            text = httpx.get(base + "/metrics", headers={"connection": "close"}).text
+            assert requests_total(text) == sent
+            samples = {
+                (s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples
+            }
+            assert sum(v for (n, _), v in samples.items() if n == "codebuddy2api_in_flight_requests") == 0
+            assert samples[("codebuddy2api_stream_mode", (("mode", "realtime"),))] == 1  # the CLI flag reached workers
+            assert sum(v for (n, _), v in samples.items() if n == "codebuddy2api_request_duration_seconds_count") == sent
+        audit = httpx.get(base + "/admin/api/audit").json()
+        deadline = time.monotonic() + 5
+        while audit["total"] < sent and time.monotonic() < deadline:
+            time.sleep(0.05)
+            audit = httpx.get(base + "/admin/api/audit").json()
+        assert audit["total"] == sent and {r["mode"] for r in audit["data"]} == {"realtime"}
+        assert (data / "prometheus-multiproc").is_dir()
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=15)
+    lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    assert sum(1 for line in lines if line.get("event") == "request") == sent  # one JSON line per request
+    assert any(line.get("logger") == "uvicorn.access" and line.get("path") == "/metrics" for line in lines)
+
+
+def test_grafana_dashboard_queries_only_exposed_metrics(
+    server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    import re
+
+    gw = start_gateway(server_loop, simulator, tmp_path_factory)
+    httpx.post(gw.base_url + "/chat/completions", json={"model": "echo", "messages": USER, "stream": True})
+    exposed = families(httpx.get(gw.url + "/metrics").text)  # labelled families may have no sample yet
+    dashboard = json.loads((Path(__file__).parent.parent / "docs" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {name for e in exprs for name in re.findall(r"codebuddy2api_[a-z_]+", e)}
+    suffix = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    valid = {name + end for name, kind in exposed.items() for end in suffix[kind]}
+    assert used and used <= valid, used - valid
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for topic in ("requests/s", "error rate", "first byte", "in-flight", "repairs", "budget", "keepalives"):
+        assert topic in titles, topic
+
+
+def test_observability_flags_map_onto_settings() -> None:
+    from gateway.cli import build_parser
+    from gateway.settings import CLI_FIELDS, SettingsError, load_settings
+
+    args = build_parser().parse_args(
+        ["serve", "--audit-bodies", "--audit-retention-days", "7", "--audit-body-max-bytes", "1024", "--workers", "3"]
+    )
+    settings, sources = load_settings({name: getattr(args, name) for name in CLI_FIELDS})
+    assert (settings.audit_bodies, settings.audit_retention_days, settings.audit_body_max_bytes, settings.workers) == (
+        True, 7, 1024, 3
+    )
+    assert {sources[k] for k in ("audit_bodies", "audit_retention_days", "audit_body_max_bytes", "workers")} == {"cli"}
+    args = build_parser().parse_args(["serve"])
+    settings, sources = load_settings({name: getattr(args, name) for name in CLI_FIELDS})
+    assert (settings.audit_bodies, settings.audit_retention_days, settings.audit_body_max_bytes, settings.workers) == (
+        False, 30, 64 * 1024, 1
+    )
+    with pytest.raises(SettingsError, match="--workers"):
+        load_settings({"workers": "0"})
