@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from starlette.requests import Request
+import orjson
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
@@ -33,10 +34,10 @@ from gateway.stream.compatible import replay
 from gateway.stream.events import KEEPALIVE, Completion, Error, Event
 from gateway.stream.realtime import RealtimeScheduler
 from gateway.stream.repair import REPAIRABLE_CODES, regeneration_body, repair_slots_locally, tool_schemas
-from gateway.upstream.client import ANSWERED, DONE, UpstreamClient, UpstreamItem
-from gateway.upstream.pool import UpstreamPool, fingerprint
-from gateway.upstream.config import with_engine_extras
 from gateway.capture import CaptureWriter
+from gateway.upstream.client import ANSWERED, DONE, UpstreamClient, UpstreamItem
+from gateway.upstream.config import with_engine_extras
+from gateway.upstream.pool import UpstreamPool, fingerprint
 
 SSE_HEADERS = {
     "content-type": "text/event-stream; charset=utf-8",
@@ -116,8 +117,16 @@ class Relay:
         self.observer.on_start(record)
         headers = {"x-request-id": record.request_id, "x-codebuddy2api-stream-mode": policy.mode.value}
         try:
+            body = await request.body()
+        except ClientDisconnect:
+            record.outcome, record.error_code, record.http_status = "cancelled", "client_disconnected", 499
+            self._finish(record)
+            return Response(status_code=499)
+        if settings.audit_bodies:
+            record.bodies = {"request": body.decode("utf-8", "replace")}
+        try:
             record.client_key_fingerprint = check_client_key(request, settings.api_key)
-            parsed = room.parse(await request.body(), dict(request.query_params))
+            parsed = room.parse(body, dict(request.query_params))
             record.model = parsed.model
             record.upstream_model = str(parsed.upstream_body.get("model", parsed.model))
             record.streamed = parsed.stream
@@ -313,7 +322,10 @@ class GenerationRun:
         if not keepalives:
             return await self._queue.get()
         try:
-            return await asyncio.wait_for(self._queue.get(), self.policy.keepalive_interval)
+            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
+            # (client disconnect) that lands just as an item arrives
+            async with asyncio.timeout(self.policy.keepalive_interval):
+                return await self._queue.get()
         except TimeoutError:
             return _TIMEOUT
 
@@ -450,6 +462,11 @@ class GenerationRun:
         }
 
     def note_completion(self, completion: Completion) -> None:
+        if self.record.bodies is not None:
+            self.record.bodies["response"] = orjson.dumps({
+                "reasoning": completion.reasoning, "text": completion.text,
+                "tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in completion.tool_calls],
+            }).decode()
         self.record.finish_reason = completion.finish_reason
         self.record.tool_calls = len(completion.tool_calls)
         if completion.usage:
@@ -512,21 +529,21 @@ class GenerationResponse:
         record = self.run.record
         sender = asyncio.create_task(self._send_stream(send))
         listener = asyncio.create_task(_wait_for_disconnect(receive))
+        self._complete = False
         try:
             await asyncio.wait({sender, listener}, return_when=asyncio.FIRST_COMPLETED)
             if not sender.done():
-                record.outcome = "cancelled"
-                record.error_code = "client_disconnected"
                 sender.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sender
         except asyncio.CancelledError:
-            record.outcome = "cancelled"
-            record.error_code = "client_disconnected"
             sender.cancel()
             raise
         finally:
             listener.cancel()
+            if not self._complete:  # decided after the sender stopped: nothing overwrites it
+                record.outcome = "cancelled"
+                record.error_code = "client_disconnected"
             self.relay._finish(record, self.run)
 
     async def _send_stream(self, send: Send) -> None:
@@ -538,6 +555,7 @@ class GenerationResponse:
                     await error_response(self.run.room, out, self.headers)(
                         {"type": "http"}, _no_receive, send
                     )
+                    self._complete = True
                     return
                 if not started:
                     started = True
@@ -548,6 +566,7 @@ class GenerationResponse:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
         if started:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+        self._complete = True
 
 
 async def _no_receive() -> dict[str, Any]:

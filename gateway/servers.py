@@ -32,9 +32,10 @@ def bind_loopback(port: int = 0, host: str = "127.0.0.1") -> socket.socket:
 
 async def start_embedded(app: ASGIApp, sock: socket.socket, **config: object) -> tuple[EmbeddedServer, asyncio.Task[None]]:
     """Serve ``app`` on an already-bound socket; returns once it accepts connections."""
-    server = EmbeddedServer(
-        uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", **config)  # type: ignore[arg-type]
-    )
+    # log_config/log_level None and access_log on: uvicorn then leaves the process's
+    # logging alone (access_log=False would detach "uvicorn.access" process-wide)
+    settings: dict[str, object] = {"log_config": None, "log_level": None, "access_log": True, "lifespan": "on"}
+    server = EmbeddedServer(uvicorn.Config(app, **(settings | config)))  # type: ignore[arg-type]
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():

@@ -217,8 +217,13 @@ def test_sequential_release_never_overlaps_and_loses_nothing(pieces: list[tuple]
     check_sequential(events)
     texts = "".join(e.content for e in events if isinstance(e, BlockStop) and e.kind == "text")
     assert texts == acc.text
-    tool_args = {e.index: e.content for e in events if isinstance(e, BlockStop) and e.kind == "tool"}
-    assert sorted(tool_args.values()) == sorted(s.arguments for s in acc.slots)
+    call_of = {e.index: e.call_id for e in events if isinstance(e, BlockStart) and e.kind == "tool"}
+    stopped = {call_of[e.index]: e.content for e in events if isinstance(e, BlockStop) and e.kind == "tool"}
+    assert set(stopped) == {s.id for s in acc.slots}
+    for slot in acc.slots:  # a block closes with its arguments; anything after a complete
+        assert slot.arguments.startswith(stopped[slot.id])  # object is left to the terminal
+        if viable_object_prefix(slot.arguments):
+            assert stopped[slot.id] == slot.arguments
     for e in events:  # each block's deltas add up to its final content, or, for tool
         if isinstance(e, BlockStop):  # arguments that cannot be JSON, to a viable prefix of it
             released = "".join(d.text for d in events if isinstance(d, BlockDelta) and d.index == e.index)

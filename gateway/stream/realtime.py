@@ -43,8 +43,15 @@ def viable_object_prefix(arguments: str) -> bool:
         return True
     if stripped[0] != "{":
         return False
+    data = stripped.encode()
     try:
-        jiter.from_json(stripped.encode(), partial_mode="trailing-strings")
+        jiter.from_json(data)
+        return True  # already a complete object
+    except ValueError as exc:
+        if str(exc).startswith("trailing characters"):
+            return False  # an object with more after it can never parse
+    try:
+        jiter.from_json(data, partial_mode="trailing-strings")
     except ValueError:
         return False
     return True
@@ -58,6 +65,7 @@ class _Block:
     parts: list[str] = field(default_factory=list)  # text blocks: everything so far
     held: list[str] = field(default_factory=list)  # text of a held block, not yet sent
     blocked: bool = False  # tool arguments stopped being a JSON object prefix: send no more
+    stopped: bool = False
 
 
 class RealtimeScheduler:
@@ -142,8 +150,10 @@ class RealtimeScheduler:
 
     def _tool_args(self, slot: ToolSlot, out: list[Event]) -> None:
         block = self._block_of_slot.get(id(slot))
-        if block is None or block.index < 0:
-            return  # held: its arguments are taken from the slot when it starts
+        if block is None or block.index < 0 or block.stopped:
+            return  # held (arguments are taken from the slot when it starts), or closed
+            # after its object completed: more text can only make it invalid, which the
+            # terminal validation reports
         self._send_args(block, out)
         if self.sequential and self._held and self._tool_done(block):
             self._release_held(out)
@@ -200,6 +210,7 @@ class RealtimeScheduler:
 
     def _stop(self, block: _Block, out: list[Event]) -> None:
         self._open.remove(block)
+        block.stopped = True
         if block.kind == "tool":
             assert block.slot is not None
             self._send_args(block, out)
