@@ -15,11 +15,12 @@ from gateway.protocols.base import ProtocolRoom
 from gateway.protocols.chat import ChatRoom
 from gateway.protocols.responses import ResponsesRoom
 from gateway.protocols.messages import MessagesRoom, count_tokens_endpoint
-from gateway.admin import admin_mount
+from gateway.admin import admin_mount, auth_routes
 from gateway.observability.observer import Observability, metrics_endpoint
 from gateway.relay import Relay
 from gateway.servers import bind_loopback, start_embedded, stop_embedded
 from gateway.store.db import Database
+from gateway.store.saved_settings import SavedSettings
 from gateway.settings import LiveSettings, Settings, Source, load_settings
 from gateway.store.credentials import SqliteCredentialState
 from gateway.upstream.client import UpstreamClient
@@ -34,8 +35,9 @@ def create_app(settings: Settings | None = None, sources: dict[str, Source] | No
     simulator on a free loopback port and sends upstream traffic there."""
     if settings is None:
         settings, sources = load_settings()
-    live = LiveSettings(settings, sources or {})
     db = Database(settings.data_dir / "codebuddy2api.sqlite3")
+    saved = SavedSettings(db)
+    live = LiveSettings(settings, sources or {}, saved)
     upstream = UpstreamClient()
     observability = Observability(live, db)
     relay = Relay(live, upstream, observability.observer)
@@ -64,6 +66,7 @@ def create_app(settings: Settings | None = None, sources: dict[str, Source] | No
             if relay.capture is not None:
                 relay.capture.close()  # drains: every finished call is on disk
             await observability.aclose()  # drains the audit queue
+            saved.close()
             db.close()
             if simulator is not None:
                 await stop_embedded(*simulator)
@@ -88,6 +91,7 @@ def create_app(settings: Settings | None = None, sources: dict[str, Source] | No
         Route("/v1/messages/count_tokens", count_tokens_endpoint, methods=["POST"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
+        *auth_routes(),
         admin_mount(),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)

@@ -14,6 +14,7 @@ import shutil
 import sys
 from typing import Any, NoReturn
 
+from gateway.admin.auth import is_loopback
 from gateway.settings import CLI_FIELDS, Settings, SettingsError, StreamMode, load_settings
 
 
@@ -47,6 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     export = capture_commands.add_parser("export", help="one rollout's records, in order, as JSONL")
     export.add_argument("--rollout", required=True, help="the rollout id (the x-rollout-id header)")
     export.add_argument("--capture-dir", help="capture directory (default: CODEBUDDY2API_CAPTURE_DIR)")
+    saved = commands.add_parser("settings", help="inspect or change saved settings offline (gateway stopped or not)")
+    saved_commands = saved.add_subparsers(dest="settings_command", required=True, parser_class=_OneLineParser)
+    for name, help_text in (("show", "print the saved values (secrets redacted) and the revision"),
+                            ("unset", "remove a saved value (e.g. a leaked client key), bump the revision, check integrity")):
+        sub = saved_commands.add_parser(name, help=help_text)
+        if name == "unset":
+            sub.add_argument("key", help="the setting's name, e.g. api_key")
+        sub.add_argument("--data-dir", default=None, help="the gateway's data directory")
     simulate = commands.add_parser("simulate", help="run the built-in upstream simulator")
     simulate.add_argument("--host", default="127.0.0.1")
     simulate.add_argument("--port", type=int, default=9090)
@@ -55,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "settings":
+        return saved_settings_command(args)
     if args.command == "capture":
         return export_capture(args.rollout, args.capture_dir)
     if args.command == "simulate":
@@ -68,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"codebuddy2api: error: {exc}", file=sys.stderr)
         return 2
-    if not settings.api_key and not settings.allow_open and not is_loopback_host(settings.host):
+    if not settings.api_key and not settings.allow_open and not is_loopback(settings.host):
         print(
             f"codebuddy2api: error: --host {settings.host} is not a loopback address and no client "
             "--api-key is configured; add --api-key KEY or --allow-open",
@@ -77,6 +88,38 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     serve(settings, sources, cli_values)
     return 0
+
+
+def saved_settings_command(args: argparse.Namespace) -> int:
+    """Offline maintenance of the saved layer, through the same transactional writer the
+    admin API uses (so running gateways pick the new revision up on their next request)."""
+    from pathlib import Path
+
+    from gateway.store.db import Database
+    from gateway.store.saved_settings import SavedSettings, redact
+
+    data_dir = Path(args.data_dir) if args.data_dir else load_settings()[0].data_dir
+    path = data_dir / "codebuddy2api.sqlite3"
+    if not path.exists():
+        print(f"codebuddy2api: error: no store at {path}", file=sys.stderr)
+        return 2
+    db = Database(path)
+    saved = SavedSettings(db)
+    try:
+        revision, values = saved.load()
+        if args.settings_command == "show":
+            print(json.dumps({"revision": revision, "saved": {k: redact(k, v) for k, v in values.items()}}, indent=2))
+            return 0
+        if args.key not in values:
+            print(f"codebuddy2api: error: {args.key} has no saved value (revision {revision})", file=sys.stderr)
+            return 2
+        new = saved.write(revision, {}, [args.key], actor="cli-offline")
+        check = saved.integrity_check()
+        print(json.dumps({"removed": args.key, "revision": new, "integrity_check": check}))
+        return 0 if check == "ok" else 1
+    finally:
+        saved.close()
+        db.close()
 
 
 def export_capture(rollout: str, capture_dir: str | None) -> int:
@@ -92,17 +135,6 @@ def export_capture(rollout: str, capture_dir: str | None) -> int:
     for record in export_rollout(Path(directory), rollout):
         sys.stdout.buffer.write(orjson.dumps(record) + b"\n")
     return 0
-
-
-def is_loopback_host(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def serve(settings: Settings, sources: dict, cli_values: dict[str, Any] | None = None) -> None:  # type: ignore[type-arg]

@@ -12,10 +12,10 @@ import os
 import threading
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ENV_PREFIX = "CODEBUDDY2API_"
 
@@ -43,10 +43,26 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
-    upstream_url: str | None = Field(
-        None, description="Upstream base URL ending in /v1; none = the built-in simulator"
+    upstream_url: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Upstream base URLs ending in /v1; none = the built-in simulator"
     )
-    upstream_api_key: SecretStr | None = None
+    upstream_api_key: SecretStr | None = Field(
+        None, description="Upstream key(s); several comma-separated keys = several credentials"
+    )
+    upstream_api_key_file: Path | None = None
+    config: Path | None = None
+    api_key: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
+    allow_open: bool = False
+    max_concurrent: int = Field(64, ge=1)
+    max_in_flight_per_credential: int = Field(0, ge=0, description="0 = no per-credential cap")
+    failover_max: int = Field(2, ge=0, le=20)
+    session_header: str | None = None
+    admin_token: SecretStr | None = None
+    upstream_stream: Literal["auto", "always", "never"] = "always"
+    engine_extras: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    capture_dir: Path | None = None
+    capture_max_bytes: int = Field(256 * 1024 * 1024, ge=1024)
+    rollout_header: str = "x-rollout-id"
     stream_mode: StreamMode = StreamMode.COMPATIBLE
     max_collect_bytes: int = Field(8 * 1024 * 1024, ge=0, description="0 = unlimited")
     tool_repair_attempts: int = Field(2, ge=0, le=10)
@@ -56,14 +72,55 @@ class Settings(BaseSettings):
     idle_timeout: float = Field(120.0, gt=0)
     data_dir: Path = Path("data")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    audit_retention_days: float = Field(30, ge=0, description="0 = keep audit rows forever")
+    audit_bodies: bool = False
+    audit_body_max_bytes: int = Field(64 * 1024, ge=0)
+    workers: int = Field(1, ge=1, le=256)
+
+
+    @field_validator("upstream_url", "api_key", mode="before")
+    @classmethod
+    def _split_list(cls, value: Any) -> Any:
+        """Env values are comma-separated; flags arrive as lists."""
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
+
+    @field_validator("engine_extras", mode="before")
+    @classmethod
+    def _json_object(cls, value: Any) -> Any:
+        """A flag's value is JSON text (the environment's is decoded already)."""
+        if isinstance(value, str):
+            import json
+
+            try:
+                return json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"not valid JSON: {exc}") from None
+        return value
 
 
 #: Settings that may be given on the command line of ``serve`` (name -> help text).
 CLI_FIELDS: dict[str, str] = {
     "host": "address to bind",
     "port": "port to bind",
-    "upstream_url": "upstream base URL ending in /v1 (default: the built-in simulator)",
-    "upstream_api_key": "API key sent to the upstream as a Bearer token",
+    "upstream_url": "upstream base URL ending in /v1 (repeatable; default: the built-in simulator)",
+    "upstream_api_key": "API key(s) sent to the upstream as a Bearer token (comma-separated = several credentials)",
+    "upstream_api_key_file": "file with upstream API keys, one per line",
+    "config": "TOML file describing upstreams, credentials, headers and model maps",
+    "api_key": "client API key the gateway requires (repeatable)",
+    "allow_open": "allow binding a non-loopback address with no client API keys",
+    "max_concurrent": "global cap on concurrent generation requests",
+    "max_in_flight_per_credential": "cap on concurrent requests per upstream credential (0 = none)",
+    "failover_max": "how many other credentials to try before the first client byte",
+    "session_header": "request header naming a conversation, for credential stickiness",
+    "admin_token": "token for the admin API and WebUI (without one: loopback clients only)",
+    "upstream_stream": "always (stream from the upstream), never (ask for JSON, synthesize the stream) or auto",
+    "engine_extras": 'JSON {"model glob": {extra upstream body fields}}, e.g. vLLM logprobs / return_token_ids',
+    "capture_dir": "write one model-call record per generation request here (training harnesses)",
+    "capture_max_bytes": "rotate a capture file past this size",
+    "rollout_header": "request header carrying the rollout/session id for capture",
     "stream_mode": "compatible (aggregate, validate, replay) or realtime (relay as it arrives)",
     "max_collect_bytes": "output-byte budget per request, 0 = unlimited",
     "tool_repair_attempts": "how many times a bad tool call may be regenerated",
@@ -73,6 +130,10 @@ CLI_FIELDS: dict[str, str] = {
     "idle_timeout": "seconds of upstream silence before the stream is abandoned",
     "data_dir": "directory for the SQLite store and other state",
     "log_level": "debug, info, warning or error",
+    "audit_retention_days": "days to keep audit records (0 = forever)",
+    "audit_bodies": "also store request/response bodies in the audit record (capped)",
+    "audit_body_max_bytes": "cap per stored body with --audit-bodies",
+    "workers": "worker processes (>1: prometheus multiprocess mode, app built per worker)",
 }
 
 
@@ -124,38 +185,106 @@ def load_settings(cli_values: dict[str, Any] | None = None) -> tuple[Settings, d
     return settings, sources
 
 
-class LiveSettings:
-    """The settings in force now, swappable at run time (admin API, tests).
+#: Settings the admin API / WebUI may change at run time (when not set by flag or env).
+EDITABLE: frozenset[str] = frozenset({
+    "stream_mode", "max_collect_bytes", "tool_repair_attempts", "keepalive_interval",
+    "connect_timeout", "first_byte_timeout", "idle_timeout", "max_concurrent", "failover_max",
+    "api_key", "upstream_stream", "engine_extras", "audit_bodies", "audit_body_max_bytes",
+    "audit_retention_days", "session_header", "rollout_header",
+})
 
-    Readers take :attr:`current` once per request; writers replace the whole frozen
-    object, so a reader never sees half an update.
+
+class LockedSetting(SettingsError):
+    """A change to a value that flag, environment or start-up owns (HTTP 409)."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"{name} is {reason} and cannot be changed here")
+        self.name = name
+        self.reason = reason
+
+
+class LiveSettings:
+    """The settings in force now: flag/env/default values, plus the saved layer.
+
+    Readers take :attr:`current` once per request (a request's policy is then frozen); it
+    notices a new saved revision (written by any process) before answering. Writers go
+    through :meth:`update`, which validates like the CLI, refuses source-locked values and
+    stale revisions, and replaces the whole frozen object, so no reader sees half an update.
     """
 
-    def __init__(self, settings: Settings, sources: dict[str, Source]) -> None:
+    def __init__(self, settings: Settings, sources: dict[str, Source], saved: Any = None) -> None:
         self._lock = threading.Lock()
+        self._base = settings
+        self._base_sources: dict[str, Source] = dict(sources)
+        self.saved = saved  # gateway.store.saved_settings.SavedSettings, or None (memory only)
         self._current = settings
-        self.sources = dict(sources)
+        self.sources: dict[str, Source] = dict(sources)
         self.revision = 0
+        if saved is not None:
+            self._apply(*saved.load())
 
     @property
     def current(self) -> Settings:
+        if self.saved is not None and self.saved.revision() != self.revision:
+            with self._lock:
+                self._apply(*self.saved.load())
         return self._current
 
-    def update(self, **changes: Any) -> Settings:
-        """Apply changes as ``saved`` values; source-locked (cli/env) fields are refused."""
+    def locked_reason(self, name: str) -> str | None:
+        """Why ``name`` cannot be changed at run time, or None when it can."""
+        if name not in Settings.model_fields:
+            return "not a setting"
+        source = self._base_sources.get(name)
+        if source in ("cli", "env"):
+            return f"set by {'a command-line flag' if source == 'cli' else 'the environment'} ({source})"
+        if name not in EDITABLE:
+            return "fixed at start-up"
+        return None
+
+    def _apply(self, revision: int, values: dict[str, Any]) -> None:
+        usable = {k: v for k, v in values.items() if self.locked_reason(k) is None}
+        base = self._base.model_dump()
+        try:
+            new = Settings.model_validate(base | usable)
+        except ValidationError:  # a bad saved value never takes the gateway down: skip it
+            good = {}
+            for key, value in usable.items():
+                try:
+                    Settings.model_validate(base | good | {key: value})
+                    good[key] = value
+                except ValidationError:
+                    continue
+            usable = good
+            new = Settings.model_validate(base | usable)
+        sources = dict(self._base_sources)
+        for key in usable:
+            sources[key] = "saved"
+        self._current, self.sources, self.revision = new, sources, revision
+
+    def update(
+        self, changes: dict[str, Any], revision: int | None = None, actor: str = "admin", unset: tuple[str, ...] = ()
+    ) -> Settings:
+        """Save ``changes`` (and drop ``unset`` saved values) on top of ``revision``
+        (None: whatever is current). Raises LockedSetting, SettingsError or StaleRevision."""
         with self._lock:
-            locked = [k for k in changes if self.sources.get(k) in ("cli", "env")]
-            if locked:
-                raise SettingsError(
-                    f"{locked[0]} is set by {self.sources[locked[0]]} and cannot be changed here"
-                )
-            merged = self._current.model_dump() | changes
+            for name in [*changes, *unset]:
+                reason = self.locked_reason(name)
+                if reason:
+                    raise LockedSetting(name, reason)
             try:
-                new = Settings.model_validate(merged)
+                Settings.model_validate(self._current.model_dump() | changes)
             except ValidationError as exc:
                 raise SettingsError(_describe_error(exc, set(), saved=True)) from None
-            self._current = new
-            for k in changes:
-                self.sources[k] = "saved"
-            self.revision += 1
-            return new
+            expected = self.revision if revision is None else revision
+            if self.saved is None:
+                if expected != self.revision:
+                    from gateway.store.saved_settings import StaleRevision
+
+                    raise StaleRevision(self.revision)
+                values = {k: v for k, v in self._current.model_dump().items() if self.sources.get(k) == "saved"}
+                values = {k: v for k, v in (values | changes).items() if k not in unset}
+                self._apply(self.revision + 1, values)
+            else:
+                self.saved.write(expected, changes, list(unset), actor)
+                self._apply(*self.saved.load())
+            return self._current

@@ -131,7 +131,7 @@ def test_policy_is_frozen_per_request(server_loop: ServerLoop, simulator: Simula
         json={"model": "text;chunk=4;delay=0.04", "stream": True, "messages": [{"role": "user", "content": "x"}]},
     ) as response:
         assert response.headers["x-codebuddy2api-stream-mode"] == "compatible"
-        gateway.live.update(stream_mode="realtime", max_collect_bytes=10)
+        gateway.live.update({"stream_mode": "realtime", "max_collect_bytes": 10})
         for line in response.iter_lines():
             if '"content":"' in line and '"content":""' not in line:
                 arrivals.append(time.monotonic())
@@ -140,7 +140,7 @@ def test_policy_is_frozen_per_request(server_loop: ServerLoop, simulator: Simula
     # the next request: realtime (many frames) and the 10-byte budget applies
     outcome = DRIVERS["chat"](gateway.url, "text;chunk=4")
     assert not outcome.ok and "response_too_large" in outcome.error
-    gateway.live.update(max_collect_bytes=0)
+    gateway.live.update({"max_collect_bytes": 0})
     with httpx.stream(
         "POST", gateway.url + "/v1/chat/completions", timeout=20,
         json={"model": "text;chunk=4", "stream": True, "messages": [{"role": "user", "content": "x"}]},

@@ -1,42 +1,25 @@
 """The admin JSON API under ``/admin/api`` (used by the WebUI), behind one access guard.
 
 Every admin route is mounted by :func:`admin_mount`, so access control lives in one place:
-:class:`AdminGuard`. Until admin authentication lands (issue #8) it refuses any client that
-is not on a loopback address with 403; an auth check replaces :func:`is_allowed` later.
+:class:`AdminGuard`, which asks :func:`gateway.admin.auth.check_admin` (loopback only
+without an admin token; the token or the WebUI session cookie with one).
 """
 
 from __future__ import annotations
 
-import ipaddress
-
 from starlette.middleware import Middleware
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Mount
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admin.audit_api import audit_routes
+from gateway.admin.auth import auth_routes, check_admin
 from gateway.admin.capture_api import capture_routes
 from gateway.admin.credentials_api import credential_routes
+from gateway.admin.settings_api import settings_routes
 
-__all__ = ["AdminGuard", "admin_mount", "is_allowed"]
-
-
-def is_loopback(host: str | None) -> bool:
-    if not host:
-        return False
-    try:
-        address = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return host == "localhost"
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_loopback
-
-
-def is_allowed(scope: Scope) -> bool:
-    """May this connection use the admin API? (#8 adds the admin token check here.)"""
-    client = scope.get("client")
-    return is_loopback(client[0] if client else None)
+__all__ = ["AdminGuard", "admin_mount", "auth_routes"]
 
 
 class AdminGuard:
@@ -46,17 +29,23 @@ class AdminGuard:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not is_allowed(scope):
-            body = {"error": {"type": "permission_error", "code": "admin_forbidden",
-                              "message": "the admin API only answers loopback clients"}}
-            await JSONResponse(body, status_code=403)(scope, receive, send)
-            return
+        if scope["type"] == "http":
+            request = Request(scope)
+            allowed, actor, reason = check_admin(request)
+            if not allowed:
+                status = 403 if "origin" in reason or "loopback" in reason else 401
+                kind = "permission_error" if status == 403 else "authentication_error"
+                body = {"error": {"type": kind, "code": "admin_forbidden" if status == 403 else "admin_login_required",
+                                  "message": reason}}
+                await JSONResponse(body, status_code=status)(scope, receive, send)
+                return
+            scope.setdefault("state", {})["admin_actor"] = actor
         await self.app(scope, receive, send)
 
 
 def admin_routes() -> list[BaseRoute]:
     """Every admin route (other admin modules add theirs here)."""
-    return [*audit_routes(), *credential_routes(), *capture_routes()]
+    return [*audit_routes(), *credential_routes(), *capture_routes(), *settings_routes()]
 
 
 def admin_mount() -> Mount:

@@ -66,6 +66,26 @@ MIGRATIONS: list[tuple[int, str]] = [
         );
         """,
     ),
+    (
+        4,
+        """
+        CREATE TABLE saved_settings (
+            key TEXT PRIMARY KEY,
+            value TEXT NOT NULL
+        );
+        CREATE TABLE settings_revision (
+            id INTEGER PRIMARY KEY CHECK (id = 1),
+            revision INTEGER NOT NULL
+        );
+        INSERT INTO settings_revision (id, revision) VALUES (1, 0);
+        CREATE TABLE settings_history (
+            revision INTEGER PRIMARY KEY,
+            at REAL NOT NULL,
+            actor TEXT NOT NULL,
+            changes TEXT NOT NULL
+        );
+        """,
+    ),
 ]
 
 
