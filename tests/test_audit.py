@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import create_app
 from gateway.observability.logging import make_formatter
-from gateway.relay import RequestRecord
+from gateway.record import RequestRecord
 from gateway.servers import bind_loopback, start_embedded, stop_embedded
 from gateway.settings import Settings
 from gateway.store.audit import AuditWriter, cap_bodies, percentile

@@ -23,7 +23,7 @@ from prometheus_client import (
 )
 
 if TYPE_CHECKING:
-    from gateway.relay import RequestRecord
+    from gateway.record import RequestRecord
     from gateway.settings import LiveSettings
 
 PREFIX = "codebuddy2api_"

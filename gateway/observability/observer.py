@@ -21,7 +21,7 @@ from gateway.store.audit import AuditWriter
 from gateway.store.db import Database
 
 if TYPE_CHECKING:
-    from gateway.relay import RequestRecord
+    from gateway.record import RequestRecord
     from gateway.settings import LiveSettings
 
 log = structlog.get_logger("gateway.request")

@@ -24,7 +24,7 @@ import structlog
 from gateway.store.db import Database
 
 if TYPE_CHECKING:
-    from gateway.relay import RequestRecord
+    from gateway.record import RequestRecord
 
 log = structlog.get_logger("gateway.audit")
 

@@ -1,0 +1,48 @@
+"""What one generation request did, and who is told about it.
+
+The relay fills one :class:`RequestRecord` per generation request and reports it to a
+:class:`RequestObserver` exactly twice: when it starts and, once, when it ends (success,
+error, cancelled, invalid or refused). Audit, metrics and logs all read the same record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What one generation request did; handed to the record sink exactly once."""
+
+    request_id: str
+    protocol: str
+    started_at: float
+    mode: str = ""
+    streamed: bool = False
+    model: str = ""  # as the client asked
+    upstream_model: str = ""  # as sent upstream
+    outcome: str = "error"  # success | error | cancelled | invalid | refused
+    error_code: str | None = None
+    http_status: int = 200
+    finish_reason: str | None = None
+    ttfb_ms: float | None = None  # first byte sent to the client
+    duration_ms: float = 0.0
+    ended_at: float = 0.0
+    output_bytes: int = 0
+    tool_calls: int = 0
+    keepalives: int = 0
+    budget_exceeded: bool = False
+    client_key_fingerprint: str | None = None
+    usage: dict[str, int] = field(default_factory=dict)
+    upstream_attempts: list[dict[str, Any]] = field(default_factory=list)  # fingerprint, status, ms
+    repairs: list[dict[str, Any]] = field(default_factory=list)  # kind, outcome, usage
+    bodies: dict[str, Any] | None = None  # only with --audit-bodies
+
+
+class RequestObserver(Protocol):
+    """Told when a generation request starts and, exactly once, when it ends."""
+
+    def on_start(self, record: RequestRecord) -> None: ...
+
+    def on_finish(self, record: RequestRecord) -> None: ...

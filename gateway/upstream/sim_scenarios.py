@@ -1,0 +1,519 @@
+"""The simulator's scenarios: pure functions from a request to the frames an upstream
+would send, plus the fold of frames into the equivalent non-streaming answer.
+
+The request's ``model`` string selects a scenario (plus ``;key=value`` options), so every
+quirk seen in vLLM, llama.cpp, DeepSeek and hosted providers can be reproduced
+deterministically, and tests can build the same frames without a server.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from itertools import zip_longest
+from typing import Any
+
+from gateway.stream.repair import REPAIR_MARKER
+
+Frame = dict[str, Any]
+Delta = dict[str, Any]
+
+GREETING = "Hello from the codebuddy2api simulator. "
+TEXT = GREETING + "This reply is scripted, deterministic and split into fragments."
+REASONING = "The user wants a short greeting. I will answer politely and briefly."
+DEFAULT_TOOLS = ("get_weather", "get_time")
+TOOL_ARGS: tuple[dict[str, str], ...] = (
+    {"city": "Paris", "unit": "celsius"},
+    {"timezone": "Europe/Paris"},
+)
+ERROR_FRAME: Frame = {
+    "error": {"message": "upstream exploded", "type": "server_error", "code": "internal_error"}
+}
+REQUEST_LOG_SIZE = 500
+
+
+def _flag(raw: str) -> bool:
+    return raw.strip().lower() in {"1", "true", "yes", "on"}
+
+
+_OPTION_TYPES: dict[str, Callable[[str], Any]] = {
+    "chunk": int, "delay": float, "ttfb": float, "first_chunk_delay": float,
+    "usage": str, "done": _flag, "finish_chunk": str, "unstable_id": _flag,
+    "size": int, "status": int, "retry_after": int, "repairable": _flag,
+}
+_SCENARIO_DEFAULTS: dict[str, dict[str, Any]] = {
+    "slow_first_byte": {"ttfb": 2.0}, "large": {"chunk": 256},
+}
+_CHOICES = {"usage": {"separate", "last", "none"}, "finish_chunk": {"own", "last"}}
+
+
+@dataclass(frozen=True)
+class Options:
+    """Behaviour knobs parsed from ``<scenario>;key=value;...`` model strings."""
+
+    scenario: str = "echo"
+    chunk: int = 8
+    delay: float = 0.0
+    ttfb: float = 0.0
+    first_chunk_delay: float = 0.0
+    usage: str = "separate"
+    done: bool = True
+    finish_chunk: str = "own"
+    unstable_id: bool = False
+    size: int = 100_000
+    status: int | None = None
+    retry_after: int | None = None
+    repairable: bool = False  # answer like `tool` once the gateway asks for a repair
+
+
+def parse_model(model: str) -> Options:
+    """Split the model string into scenario + options; raise ValueError on bad values.
+
+    Unknown option keys are ignored so newer clients can talk to older simulators.
+    """
+    scenario, *pairs = (part.strip() for part in model.split(";"))
+    values: dict[str, Any] = dict(_SCENARIO_DEFAULTS.get(scenario, {}))
+    for pair in pairs:
+        key, sep, raw = (s.strip() for s in pair.partition("="))
+        convert = _OPTION_TYPES.get(key)
+        if not sep or convert is None:
+            continue
+        try:
+            values[key] = convert(raw)
+        except ValueError as exc:
+            raise ValueError(f"invalid simulator option {pair!r}") from exc
+        if key in _CHOICES and raw not in _CHOICES[key]:
+            raise ValueError(f"invalid simulator option {pair!r}")
+    return Options(scenario=scenario or "echo", **values)
+
+
+def _text_of(content: Any) -> str:
+    """Flatten string or list-of-parts message content to plain text."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
+    return ""
+
+
+def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    return [m for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
+
+
+def _last_user_text(body: Mapping[str, Any]) -> str:
+    users = [m for m in _messages(body) if m.get("role") == "user"]
+    return _text_of(users[-1].get("content")) if users else ""
+
+
+def _tool_names(body: Mapping[str, Any]) -> tuple[str, str]:
+    """Use declared function names so gateway-side tool validation passes."""
+    tools = body.get("tools") if isinstance(body.get("tools"), list) else []
+    names = [
+        t["function"]["name"] for t in tools
+        if isinstance(t, dict) and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str)
+    ]
+    if not names:
+        return DEFAULT_TOOLS
+    return names[0], names[1] if len(names) > 1 else names[0]
+
+
+def _wants_usage(body: Mapping[str, Any]) -> bool:
+    opts = body.get("stream_options")
+    return isinstance(opts, dict) and opts.get("include_usage") is True
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """Everything a scenario may depend on; scenarios stay pure functions of it."""
+
+    opts: Options
+    body: Mapping[str, Any]
+    tools: tuple[str, str]
+
+    def split(self, text: str) -> list[str]:
+        size = max(1, self.opts.chunk)
+        return [text[i : i + size] for i in range(0, len(text), size)]
+
+    def split_two(self, text: str) -> list[str]:
+        """Split into at least two fragments (for quirks that need a second delta)."""
+        parts = self.split(text)
+        if len(parts) >= 2:
+            return parts
+        half = max(1, len(text) // 2)
+        return [text[:half], text[half:]]
+
+
+@dataclass
+class Reply:
+    """A scenario's output: content deltas plus how the stream should end."""
+
+    deltas: list[Delta]
+    finish: str | None = "stop"
+    terminal: list[Frame] | None = None  # ends the stream abruptly (no finish/usage/done)
+    done: bool = True
+
+
+def _args(i: int) -> str:
+    return json.dumps(TOOL_ARGS[i % len(TOOL_ARGS)])
+
+
+def _call_id(i: int) -> str:
+    return f"call_sim_{i}"
+
+
+def _tool_delta(
+    *, index: int | None = None, id: str | None = None, name: str | None = None,
+    args: str | None = None, typed: bool = False,
+) -> Delta:
+    """One ``tool_calls`` delta carrying only the fields given (quirks omit some)."""
+    entry: dict[str, Any] = {} if index is None else {"index": index}
+    if id is not None:
+        entry["id"] = id
+    if typed:
+        entry["type"] = "function"
+    fn = {k: v for k, v in (("name", name), ("arguments", args)) if v is not None}
+    if fn:
+        entry["function"] = fn
+    return {"tool_calls": [entry]}
+
+
+def _content(ctx: Ctx, text: str, key: str = "content") -> list[Delta]:
+    return [{key: frag} for frag in ctx.split(text)]
+
+
+def _call(ctx: Ctx, i: int, name: str | None = None, args: str | None = None) -> list[Delta]:
+    """Canonical OpenAI shape: a start delta with id/type/name, then argument fragments."""
+    start = _tool_delta(index=i, id=_call_id(i), name=name or ctx.tools[i], args="", typed=True)
+    frags = ctx.split(_args(i) if args is None else args)
+    return [start, *(_tool_delta(index=i, args=f) for f in frags)]
+
+
+def _interleaved(ctx: Ctx) -> Reply:
+    first, second = _call(ctx, 0), _call(ctx, 1)
+    rest = [d for pair in zip_longest(first[1:], second[1:]) for d in pair if d is not None]
+    return Reply([first[0], second[0], *rest], "tool_calls")
+
+
+def _missing_index(ctx: Ctx) -> Reply:
+    deltas: list[Delta] = []
+    for i in (0, 1):
+        deltas.append(_tool_delta(id=_call_id(i), name=ctx.tools[i], args="", typed=True))
+        deltas += [_tool_delta(args=f) for f in ctx.split(_args(i))]
+    return Reply(deltas, "tool_calls")
+
+
+def _repeated_id(ctx: Ctx) -> Reply:
+    frags = ["", *ctx.split(_args(0))]
+    deltas = [
+        _tool_delta(index=0, id=_call_id(0), name=ctx.tools[0], args=f, typed=True) for f in frags
+    ]
+    return Reply(deltas, "tool_calls")
+
+
+def _late_name(ctx: Ctx) -> Reply:
+    first, second, *rest = ctx.split_two(_args(0))
+    deltas = [
+        _tool_delta(index=0, id=_call_id(0), args=first, typed=True),
+        _tool_delta(index=0, name=ctx.tools[0], args=second),
+        *(_tool_delta(index=0, args=f) for f in rest),
+    ]
+    return Reply(deltas, "tool_calls")
+
+
+def _identity_change(ctx: Ctx) -> Reply:
+    first, second, *rest = ctx.split_two(_args(0))
+    deltas = [
+        _tool_delta(index=0, id=_call_id(0), name=ctx.tools[0], args="", typed=True),
+        _tool_delta(index=0, args=first),
+        _tool_delta(index=0, id="call_sim_changed", args=second),
+        *(_tool_delta(index=0, args=f) for f in rest),
+    ]
+    return Reply(deltas, "tool_calls")
+
+
+def _empty_tool_array(ctx: Ctx) -> Reply:
+    return Reply([{**d, "tool_calls": []} for d in _content(ctx, TEXT)])
+
+
+def _echo(ctx: Ctx) -> Reply:
+    return Reply(_content(ctx, "You said: " + _last_user_text(ctx.body)))
+
+
+def _large(ctx: Ctx) -> Reply:
+    size = max(0, ctx.opts.size)
+    return Reply(_content(ctx, (GREETING * (size // len(GREETING) + 1))[:size]))
+
+
+SCENARIOS: dict[str, Callable[[Ctx], Reply]] = {
+    "echo": _echo,
+    "text": lambda c: Reply(_content(c, TEXT)),
+    "reasoning": lambda c: Reply(_content(c, REASONING, "reasoning_content") + _content(c, TEXT)),
+    "reasoning_field": lambda c: Reply(_content(c, REASONING, "reasoning") + _content(c, TEXT)),
+    "tool": lambda c: Reply(_call(c, 0), "tool_calls"),
+    "text_then_tool": lambda c: Reply(_content(c, "Let me check. ") + _call(c, 0), "tool_calls"),
+    "parallel_tools": lambda c: Reply(_call(c, 0) + _call(c, 1), "tool_calls"),
+    "interleaved_tools": _interleaved,
+    "missing_index": _missing_index,
+    "repeated_id": _repeated_id,
+    "late_name": _late_name,
+    "empty_tool_array": _empty_tool_array,
+    "invalid_json": lambda c: Reply(_call(c, 0, args='{"city": "Par'), "tool_calls"),
+    "fenced_json": lambda c: Reply(_call(c, 0, args=f"```json\n{_args(0)}\n```"), "tool_calls"),
+    "undeclared_tool": lambda c: Reply(_call(c, 0, name="not_a_declared_tool"), "tool_calls"),
+    "identity_change": _identity_change,
+    "content_filter": lambda c: Reply([], "content_filter"),
+    "content_filter_partial": lambda c: Reply(_content(c, GREETING), "content_filter"),
+    "length": lambda c: Reply(_content(c, TEXT), "length"),
+    "no_done": lambda c: Reply(_content(c, TEXT), done=False),
+    "no_finish": lambda c: Reply(_content(c, TEXT), finish=None),
+    "error_frame": lambda c: Reply(_content(c, GREETING), None, [copy.deepcopy(ERROR_FRAME)]),
+    "drop": lambda c: Reply(_content(c, TEXT), None, [{"_op": "drop"}]),
+    "slow_first_byte": lambda c: Reply(_content(c, TEXT)),
+    "large": _large,
+}
+
+# name -> (default status, error type, error code, message)
+_ERRORS: dict[str, tuple[int, str, str, str]] = {
+    "http_error": (500, "server_error", "internal_error", "The simulated upstream failed."),
+    "server_error": (500, "server_error", "internal_error", "The simulated upstream failed."),
+    "rate_limited": (429, "requests", "rate_limit_exceeded", "Rate limit reached for requests."),
+    "unauthorized": (401, "invalid_request_error", "invalid_api_key", "Incorrect API key."),
+    "unavailable": (503, "server_error", "service_unavailable", "The upstream is overloaded."),
+}
+
+
+@dataclass
+class Plan:
+    """What to send: an HTTP status, extra headers and frames (errors: frames[0] is the body)."""
+
+    status: int
+    headers: dict[str, str]
+    frames: list[Frame]
+    options: Options
+
+
+@dataclass
+class ScriptSpec:
+    """Frames registered through ``POST /_sim/scripts``."""
+
+    frames: list[Frame]
+    status: int = 200
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def error_body(message: str, type_: str, code: str | None) -> dict[str, Any]:
+    """OpenAI-shaped error payload."""
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+def _chunk(delta: Delta, finish: str | None = None) -> Frame:
+    return {"choices": [{"index": 0, "delta": dict(delta), "finish_reason": finish}]}
+
+
+def _usage(body: Mapping[str, Any], deltas: list[Delta]) -> dict[str, Any]:
+    """Deterministic token counts: characters // 4 + 1."""
+    prompt = sum(len(_text_of(m.get("content"))) for m in _messages(body)) // 4 + 1
+    text = reasoning = 0
+    for d in deltas:
+        text += len(d.get("content") or "")
+        reasoning += len(d.get("reasoning_content") or d.get("reasoning") or "")
+        for tc in d.get("tool_calls") or []:
+            text += len((tc.get("function") or {}).get("arguments") or "")
+    completion = (text + reasoning) // 4 + 1
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                             "total_tokens": prompt + completion}
+    if reasoning:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning // 4 + 1}
+    return usage
+
+
+def _generated_text(delta: Delta) -> str:
+    text = (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning") or "")
+    for tc in delta.get("tool_calls") or []:
+        text += (tc.get("function") or {}).get("arguments") or ""
+    return text
+
+
+def token_id(piece: str) -> int:
+    """A deterministic stand-in token id (one 'token' per fragment)."""
+    return zlib.crc32(piece.encode()) % 100_000
+
+
+def _add_token_data(chunk: Frame, delta: Delta, body: Mapping[str, Any], n: int) -> None:
+    """What an inference engine (vLLM) returns when asked for logprobs / token ids."""
+    piece = _generated_text(delta)
+    choice = chunk["choices"][0]
+    if body.get("logprobs") is True and piece:
+        choice["logprobs"] = {"content": [{
+            "token": piece, "logprob": round(-0.01 * (n % 50 + 1), 4), "bytes": list(piece.encode()),
+            "top_logprobs": [],
+        }]}
+    if body.get("return_token_ids") is True:
+        choice["token_ids"] = [token_id(piece)] if piece else []
+        if n == 0:
+            prompt = "".join(_text_of(m.get("content")) for m in _messages(body))
+            chunk["prompt_token_ids"] = [token_id(w) for w in prompt.split()]
+
+
+def _frames(reply: Reply, ctx: Ctx) -> list[Frame]:
+    """Generic wrapping: role on first chunk, finish placement, usage placement, [DONE]."""
+    chunks = [_chunk(d) for d in reply.deltas] or [_chunk({})]
+    for n, (chunk, delta) in enumerate(zip(chunks, reply.deltas)):
+        _add_token_data(chunk, delta, ctx.body, n)
+    first = chunks[0]["choices"][0]
+    first["delta"] = {"role": "assistant", **first["delta"]}
+    if reply.terminal is not None:
+        return chunks + reply.terminal
+    if reply.finish and ctx.opts.finish_chunk == "last":
+        chunks[-1]["choices"][0]["finish_reason"] = reply.finish
+    elif reply.finish:
+        chunks.append(_chunk({}, reply.finish))
+    if ctx.opts.usage == "last":
+        chunks[-1]["usage"] = _usage(ctx.body, reply.deltas)
+    elif ctx.opts.usage == "separate" and _wants_usage(ctx.body):
+        chunks.append({"choices": [], "usage": _usage(ctx.body, reply.deltas)})
+    if reply.done and ctx.opts.done:
+        chunks.append({"_op": "done"})
+    return chunks
+
+
+def _error_plan(opts: Options) -> Plan:
+    status, type_, code, message = _ERRORS[opts.scenario]
+    status = opts.status or status
+    headers: dict[str, str] = {}
+    if opts.scenario == "rate_limited" or opts.retry_after is not None:
+        headers["Retry-After"] = str(opts.retry_after if opts.retry_after is not None else 7)
+    return Plan(status, headers, [error_body(message, type_, code)], opts)
+
+
+def _script_plan(opts: Options, scripts: Mapping[str, ScriptSpec]) -> Plan:
+    script_id = opts.scenario.removeprefix("script:")
+    spec = scripts.get(script_id)
+    if spec is None:
+        message = f"unknown script {script_id!r}"
+        return Plan(404, {}, [error_body(message, "invalid_request_error", "not_found")], opts)
+    frames = copy.deepcopy(spec.frames)
+    if spec.status != 200:
+        frames = frames[:1] or [error_body("scripted error", "server_error", None)]
+    return Plan(spec.status, dict(spec.headers), frames, opts)
+
+
+def build_plan(
+    model: str, request_body: Mapping[str, Any], scripts: Mapping[str, ScriptSpec] | None = None
+) -> Plan:
+    """Pure: decide status, headers and frames for one request (ValueError on bad options)."""
+    opts = parse_model(model)
+    if opts.scenario.startswith("script:"):
+        return _script_plan(opts, scripts or {})
+    if opts.scenario in _ERRORS:
+        return _error_plan(opts)
+    if opts.repairable and _asks_for_repair(request_body):
+        opts = dataclasses.replace(opts, scenario="tool")
+    ctx = Ctx(opts, request_body, _tool_names(request_body))
+    reply = SCENARIOS.get(opts.scenario, _echo)(ctx)
+    return Plan(200, {}, _frames(reply, ctx), opts)
+
+
+def _asks_for_repair(body: Mapping[str, Any]) -> bool:
+    """A model that listens: the gateway's repair note is the last message."""
+    messages = _messages(body)
+    return bool(messages) and REPAIR_MARKER in _text_of(messages[-1].get("content"))
+
+
+def build_frames(
+    model: str, request_body: Mapping[str, Any], scripts: Mapping[str, ScriptSpec] | None = None
+) -> tuple[int, dict[str, str], list[Frame]]:
+    """Tuple form of :func:`build_plan` for tests that only care about the wire content."""
+    plan = build_plan(model, request_body, scripts)
+    return plan.status, plan.headers, plan.frames
+
+
+def scenario_names() -> list[str]:
+    return [*SCENARIOS, *_ERRORS]
+
+
+def _as_chunk(frame: Frame) -> Frame | None:
+    """Return the chunk a frame represents, or None for control/error frames."""
+    if frame.get("_op") == "raw":
+        try:
+            parsed = json.loads(str(frame.get("data", "")))
+        except ValueError:
+            return None
+        return parsed if isinstance(parsed, dict) and "error" not in parsed else None
+    return None if "_op" in frame or "error" in frame else frame
+
+
+def _merge_tool_call(calls: list[dict[str, Any]], tc: Mapping[str, Any]) -> None:
+    """Merge one tool delta, tolerating missing index (continue last call) like clients do."""
+    index = tc.get("index")
+    if index is not None:
+        target = next((c for c in calls if c["_index"] == index), None)
+    elif calls and (tc.get("id") is None or tc.get("id") == calls[-1]["id"]):
+        target = calls[-1]
+    else:
+        target = None
+    if target is None:
+        target = {"_index": len(calls) if index is None else index, "id": tc.get("id"),
+                  "type": "function", "function": {"name": "", "arguments": ""}}
+        calls.append(target)
+    fn = tc.get("function") or {}
+    if fn.get("name") and not target["function"]["name"]:
+        target["function"]["name"] = fn["name"]
+    target["function"]["arguments"] += fn.get("arguments") or ""
+    target["id"] = target["id"] or tc.get("id")
+
+
+def assemble_completion(frames: Iterable[Frame], model: str) -> dict[str, Any]:
+    """Fold stream frames into the equivalent non-streaming ``chat.completion`` object."""
+    chunks = [c for c in map(_as_chunk, frames) if c is not None]
+    parts: dict[str, list[str]] = {"content": [], "reasoning_content": [], "reasoning": []}
+    calls: list[dict[str, Any]] = []
+    finish: str | None = None
+    usage: dict[str, Any] | None = None
+    logprobs: list[dict[str, Any]] = []
+    token_ids: list[int] | None = None
+    prompt_token_ids = None
+    for chunk in chunks:
+        usage = chunk.get("usage") or usage
+        prompt_token_ids = chunk.get("prompt_token_ids", prompt_token_ids)
+        for choice in chunk.get("choices") or []:
+            logprobs += (choice.get("logprobs") or {}).get("content") or []
+            if "token_ids" in choice:
+                token_ids = (token_ids or []) + list(choice["token_ids"])
+            delta = choice.get("delta") or {}
+            for key, bucket in parts.items():
+                if isinstance(delta.get(key), str):
+                    bucket.append(delta[key])
+            for tc in delta.get("tool_calls") or []:
+                _merge_tool_call(calls, tc)
+            finish = choice.get("finish_reason") or finish
+    message: dict[str, Any] = {
+        "role": "assistant", "content": "".join(parts["content"]) if parts["content"] else None,
+    }
+    for key in ("reasoning_content", "reasoning"):
+        if parts[key]:
+            message[key] = "".join(parts[key])
+    if calls:
+        message["tool_calls"] = [{k: v for k, v in c.items() if k != "_index"} for c in calls]
+    head = chunks[0] if chunks else {}
+    result: dict[str, Any] = {
+        "id": head.get("id", "chatcmpl-sim"), "object": "chat.completion",
+        "created": head.get("created", 0), "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                     "logprobs": {"content": logprobs} if logprobs else None}],
+    }
+    if token_ids is not None:
+        result["choices"][0]["token_ids"] = token_ids
+    if prompt_token_ids is not None:
+        result["prompt_token_ids"] = prompt_token_ids
+    if usage:
+        result["usage"] = usage
+    return result
