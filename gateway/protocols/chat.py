@@ -144,14 +144,7 @@ class ChatRoom:
         return ChatEncoder(response_id, request.model, request.extra.get("include_usage", False))
 
     def json_body(self, request: ParsedRequest, response_id: str, completion: Completion) -> dict:
-        message: dict[str, Any] = {"role": "assistant", "content": completion.text or None}
-        if completion.reasoning:
-            message["reasoning_content"] = completion.reasoning
-        if completion.tool_calls:
-            message["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for c in completion.tool_calls
-            ]
+        message = assistant_message(completion)
         body: dict[str, Any] = {
             "id": response_id,
             "object": "chat.completion",
@@ -166,6 +159,20 @@ class ChatRoom:
 
     def error_body(self, error: GatewayError) -> dict:
         return error_json(error)
+
+
+def assistant_message(completion: Completion) -> dict[str, Any]:
+    """An answer as a Chat Completions assistant message (JSON answers, and the history a
+    stored Responses answer adds to the next turn)."""
+    message: dict[str, Any] = {"role": "assistant", "content": completion.text or None}
+    if completion.reasoning:
+        message["reasoning_content"] = completion.reasoning
+    if completion.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in completion.tool_calls
+        ]
+    return message
 
 
 def error_json(error: GatewayError) -> dict:

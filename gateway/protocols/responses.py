@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.errors import GatewayError, invalid_request
 from gateway.protocols.base import ParsedRequest, dumps, load_json_object, sse
-from gateway.protocols.chat import error_json
+from gateway.protocols.chat import assistant_message, error_json
 from gateway.protocols.responses_translate import ToolMap, seal_reasoning, translate
 from gateway.store.db import Database
 from gateway.store.responses import ResponseStore
@@ -354,19 +354,6 @@ class ResponsesEncoder:
 # -- the room -----------------------------------------------------------------------------
 
 
-def _assistant_message(completion: Completion) -> dict[str, Any]:
-    """The chat message this answer adds to the conversation (for previous_response_id)."""
-    message: dict[str, Any] = {"role": "assistant", "content": completion.text or None}
-    if completion.reasoning:
-        message["reasoning_content"] = completion.reasoning
-    if completion.tool_calls:
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in completion.tool_calls
-        ]
-    return message
-
-
 class ResponsesRoom:
     """The ``/v1/responses`` protocol room."""
 
@@ -433,7 +420,7 @@ class ResponsesRoom:
         record = {
             "response": final,
             "history": request.extra["history"],
-            "output": [_assistant_message(completion)],
+            "output": [assistant_message(completion)],
         }
         try:
             await self.store.save(response_id, record)
