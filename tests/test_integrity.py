@@ -103,6 +103,34 @@ def test_regeneration_is_bounded_and_recorded(budget_gateways: dict[str, Gateway
     for body in sent[1:]:
         assert body["messages"][:-1] == sent[0]["messages"]
         assert "not a JSON object" in body["messages"][-1]["content"]
+    gateway = budget_gateways["compatible"]
+    deadline = time.monotonic() + 5
+    while True:  # the audit row says what each attempt did
+        rows = httpx.get(gateway.url + "/admin/api/audit", params={"model": "invalid_json;chunk=4", "limit": 1}).json()
+        records = rows["data"]
+        if records or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    repairs = records[0]["repairs"]
+    assert [(r["kind"], r["attempt"], r["outcome"]) for r in repairs] == [
+        ("original", 0, "invalid"), ("regenerate", 1, "invalid"), ("regenerate", 2, "invalid")]
+    assert all(r["usage"]["completion_tokens"] > 0 for r in repairs)
+    assert records[0]["outcome"] == "error" and records[0]["error_code"] == "tool_call_invalid"
+
+
+def test_a_repaired_answer_records_its_attempts(budget_gateways: dict[str, Gateway]) -> None:
+    gateway = budget_gateways["compatible"]
+    outcome = DRIVERS["messages"](gateway.url, "invalid_json;repairable=1;chunk=3")
+    assert outcome.ok and outcome.tools == [("get_weather", {"city": "Paris", "unit": "celsius"})]
+    deadline = time.monotonic() + 5
+    while True:
+        rows = httpx.get(gateway.url + "/admin/api/audit", params={"model": "invalid_json;repairable=1;chunk=3", "limit": 1}).json()
+        records = rows["data"]
+        if records or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert [(r["kind"], r["outcome"]) for r in records[0]["repairs"]] == [("original", "invalid"), ("regenerate", "valid")]
+    assert records[0]["outcome"] == "success" and records[0]["tool_calls"] == 1
 
 
 def test_compatible_keepalives_continue_during_regeneration(budget_gateways: dict[str, Gateway]) -> None:

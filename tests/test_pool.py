@@ -201,3 +201,20 @@ def test_client_keys_required_when_configured(server_loop: ServerLoop, upstreams
     assert chat_calls(upstreams[0]) == []
     for headers in ({"authorization": "Bearer ck-good-2"}, {"x-api-key": "ck-good-1"}):
         assert httpx.post(gateway.base_url + route, json=body, headers=headers).status_code == 200
+
+
+def test_session_stickiness_keeps_a_conversation_on_one_credential(server_loop: ServerLoop, upstreams: list[Simulator], tmp_path: Path) -> None:
+    a, b = upstreams[0], upstreams[1]
+    gateway = gateway_on(server_loop, tmp_path, [a.url + "/v1", b.url + "/v1"], session_header="x-session-id")
+    body = {"model": "text", "messages": MESSAGES}
+    for conversation in ("conv-1", "conv-2"):
+        for sim in upstreams:
+            sim.clear()
+        for _ in range(4):
+            assert httpx.post(gateway.base_url + "/chat/completions", json=body, headers={"x-session-id": conversation}).status_code == 200
+        assert sorted([len(chat_calls(a)), len(chat_calls(b))]) == [0, 4]
+    for sim in upstreams:
+        sim.clear()
+    for _ in range(4):  # without a session: round-robin
+        httpx.post(gateway.base_url + "/chat/completions", json=body)
+    assert len(chat_calls(a)) == 2 and len(chat_calls(b)) == 2
