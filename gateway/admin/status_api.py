@@ -1,0 +1,81 @@
+"""``GET /admin/api/status``: what the gateway is doing now (the WebUI dashboard's live
+numbers): in-flight requests, upstream credential health, the settings revision and stream
+mode in force, and tool-repair / budget-overflow counts from the audit store."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from gateway.observability.metrics import PREFIX, PROTOCOLS
+
+MAX_WINDOW = 90 * 86400.0
+
+
+def _window(request: Request) -> float | None:
+    raw = request.query_params.get("window") or "3600"
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if 1.0 <= value <= MAX_WINDOW else None
+
+
+def _in_flight_by_protocol(request: Request) -> dict[str, int]:
+    """From this worker's Prometheus gauge (the relay itself keeps only a total)."""
+    registry = request.app.state.observability.metrics.registry
+    out = {}
+    for protocol in PROTOCOLS:
+        value = registry.get_sample_value(PREFIX + "in_flight_requests", {"protocol": protocol})
+        out[protocol] = int(value or 0)
+    return out
+
+
+async def status(request: Request) -> Response:
+    window = _window(request)
+    if window is None:
+        body = {"error": {"type": "invalid_request_error", "code": "invalid_parameter", "param": "window",
+                          "message": f"window must be seconds between 1 and {MAX_WINDOW:g}"}}
+        return JSONResponse(body, status_code=400)
+    app = request.app
+    live = app.state.live
+    relay = app.state.relay
+    current = live.current
+    since = time.time() - window
+
+    def counts(conn: Any) -> tuple[Any, ...]:  # SQL that runs on SQLite and PostgreSQL
+        return conn.execute(
+            "SELECT COUNT(*), COALESCE(SUM(json_array_length(record, '$.repairs')), 0),"
+            " COALESCE(SUM(CASE WHEN json_array_length(record, '$.repairs') > 0 THEN 1 ELSE 0 END), 0),"
+            " COALESCE(SUM(CASE WHEN json_extract(record, '$.budget_exceeded') THEN 1 ELSE 0 END), 0)"
+            " FROM audit WHERE started_at >= ?",
+            (since,),
+        ).fetchone()
+
+    requests, repairs, repaired_requests, overflows = await app.state.db.arun(counts)
+    now = time.time()
+    credentials = [c.public(now) for c in relay.pool.credentials]
+    return JSONResponse({
+        "time": now,
+        "window": window,
+        "in_flight": relay.in_flight,
+        "in_flight_by_protocol": _in_flight_by_protocol(request),
+        "max_concurrent": current.max_concurrent,
+        "stream_mode": current.stream_mode.value,
+        "revision": live.revision,
+        "requests": int(requests),
+        "tool_repairs": int(repairs),
+        "requests_with_repairs": int(repaired_requests),
+        "budget_overflows": int(overflows),
+        "audit_queue_depth": app.state.observability.audit.depth,
+        "credentials": credentials,
+        "credentials_usable": sum(1 for c in credentials if not c["disabled"] and not c["cooldowns"]),
+    })
+
+
+def status_routes() -> list[BaseRoute]:
+    return [Route("/status", status, methods=["GET"])]

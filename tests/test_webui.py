@@ -1,0 +1,433 @@
+"""The WebUI in a real browser (Playwright driving Debian's chromium) against a real gateway.
+
+One gateway for the module: an admin token (so the login page shows), ``--audit-bodies``
+(so the audit detail shows bodies), and ``keepalive_interval`` owned by the environment (so
+the settings page shows a locked value). One browser for the module; a fresh context (no
+cookies) per test.
+
+Screenshots of every page are taken on each run; they are written to docs/screenshots/
+only with ``CB2A_SCREENSHOTS=1`` (otherwise to a temporary directory, so a test run never
+dirties the tree).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.servers import bind_loopback, start_embedded, stop_embedded
+from gateway.settings import Settings
+from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run"]
+TOKEN = "webui-admin-token-7f3a"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+VIEWPORT = {"width": 1280, "height": 800}
+XSS = '<img src=x onerror="window.__xss=1">'
+REPO = Path(__file__).resolve().parent.parent
+
+try:
+    from playwright import sync_api
+except ImportError:  # pragma: no cover - in CI a missing Playwright is a failure, not a skip
+    if os.environ.get("CI"):
+        raise
+    pytest.skip("playwright is not installed (pip install -e '.[dev]')", allow_module_level=True)
+
+
+# -- fixtures ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not CHROMIUM.exists():
+        message = f"{CHROMIUM} is missing (Debian: apt-get install -y --no-install-recommends chromium)"
+        if os.environ.get("CI"):
+            pytest.fail(f"the WebUI browser tests need chromium in CI: {message}", pytrace=False)
+        pytest.skip(message)
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def ui(server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory) -> Gateway:
+    sources: dict[str, Any] = {name: "default" for name in Settings.model_fields}
+    sources["keepalive_interval"] = "env"  # as if CODEBUDDY2API_KEEPALIVE_INTERVAL were set
+    settings = Settings(upstream_url=[simulator.url + "/v1"], data_dir=tmp_path_factory.mktemp("webui"),
+                        keepalive_interval=0.5, admin_token=TOKEN, audit_bodies=True)
+    app = create_app(settings, sources)
+    return Gateway(server_loop.serve(app), app)
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if os.environ.get("CB2A_SCREENSHOTS"):
+        path = REPO / "docs" / "screenshots"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    return tmp_path_factory.mktemp("screenshots")
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    # bypass_csp: the page's Content-Security-Policy would also stop an injected handler;
+    # with it off, the XSS test proves the rendering itself (textContent) is safe.
+    context = browser.new_context(viewport=VIEWPORT, bypass_csp=True)
+    page = context.new_page()
+    page.set_default_timeout(10_000)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    yield page
+    context.close()
+    assert not errors, f"JavaScript errors in the page: {errors}"
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def login(page: Any, ui: Gateway, hash_: str = "#/dashboard") -> None:
+    page.goto(ui.url + "/" + hash_)
+    page.fill("#token", TOKEN)
+    page.click("#login-button")
+    page.wait_for_selector("#topbar:not([hidden])")
+
+
+def chat(ui: Gateway, text: str = "hi", model: str = "echo", stream: bool = True) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "stream": stream}
+    response = httpx.post(ui.base_url + "/chat/completions", json=body, timeout=20)
+    assert response.text  # the whole answer was read
+    return response
+
+
+def wait_audited(ui: Gateway, request_id: str) -> dict[str, Any]:
+    """The audit row is written off the hot path: wait until it is on disk."""
+    deadline = time.monotonic() + 5
+    while True:
+        response = httpx.get(f"{ui.url}/admin/api/audit/{request_id}", headers=AUTH)
+        if response.status_code == 200:
+            return response.json()
+        assert time.monotonic() < deadline, f"{request_id} never reached the audit store"
+        time.sleep(0.05)
+
+
+def settings_api(ui: Gateway) -> dict[str, Any]:
+    return httpx.get(ui.url + "/admin/api/settings", headers=AUTH).json()
+
+
+def shot(page: Any, shots: Path, name: str) -> None:
+    page.screenshot(path=str(shots / f"{name}.png"))
+
+
+# -- tests ---------------------------------------------------------------------------------
+
+
+def test_login_refuses_a_wrong_token_and_enters_with_the_right_one(page: Any, ui: Gateway, shots: Path) -> None:
+    page.goto(ui.url + "/")
+    assert page.url == ui.url + "/ui/"  # / redirects to the WebUI
+    page.wait_for_selector("#token")
+    assert page.is_hidden("#topbar")
+    shot(page, shots, "login")
+
+    page.fill("#token", "not-the-token")
+    page.click("#login-button")
+    error = page.wait_for_selector("#login-error:not([hidden])")
+    assert error.text_content() == "That is not the admin token."
+    assert page.is_hidden("#topbar")
+    assert not page.context.cookies()
+
+    page.fill("#token", TOKEN)
+    page.click("#login-button")
+    page.wait_for_selector("#topbar:not([hidden])")
+    page.wait_for_selector("h1:text('Dashboard')")
+    assert page.url.endswith("#/dashboard")
+    [cookie] = page.context.cookies()
+    assert (cookie["name"], cookie["httpOnly"], cookie["sameSite"], cookie["path"]) == ("cb2a_admin", True, "Strict", "/admin")
+    assert TOKEN not in cookie["value"]
+
+    page.click("#logout")
+    page.wait_for_selector("#token")
+    assert httpx.get(ui.url + "/admin/api/settings").status_code == 401  # and nothing is open without it
+
+
+def test_settings_show_the_locked_value_and_the_mode_toggle_drives_the_next_request(
+    page: Any, ui: Gateway, shots: Path
+) -> None:
+    assert settings_api(ui)["settings"]["stream_mode"]["value"] == "compatible"
+    login(page, ui, "#/settings")
+    page.wait_for_selector("#field-keepalive_interval")
+
+    locked = page.locator("[data-setting=keepalive_interval]")
+    assert page.is_disabled("#field-keepalive_interval")
+    assert locked.locator(".badge").text_content() == "env"
+    assert "Locked: set by the environment (env)" in locked.locator(".lock").text_content()
+    assert page.is_enabled("#field-max_collect_bytes")
+    assert page.locator("[data-setting=max_collect_bytes] .badge").text_content() == "default"
+    for mode, help_text in settings_api(ui)["modes"].items():  # each mode with its one-line explanation
+        assert page.locator(f"label.mode-choice:has([data-testid=mode-{mode}]) .mode-help").text_content() == help_text
+    assert page.is_checked("[data-testid=mode-compatible]")
+    shot(page, shots, "settings")
+
+    before = chat(ui)
+    assert before.headers["x-codebuddy2api-stream-mode"] == "compatible"
+
+    page.check("[data-testid=mode-realtime]")
+    page.click("#save-settings")
+    page.wait_for_selector(".notice.ok:has-text('Saved: stream_mode')")
+    assert page.locator("[data-setting=max_collect_bytes] .badge").text_content() == "default"
+    assert page.locator("#stream-mode-card .badge").text_content() == "saved"
+
+    after = chat(ui)
+    assert after.headers["x-codebuddy2api-stream-mode"] == "realtime"
+    request_id = after.headers["x-request-id"]
+    assert wait_audited(ui, request_id)["mode"] == "realtime"
+
+    page.goto(ui.url + "/ui/#/audit")  # the audit row, in the UI, says so too
+    row = page.wait_for_selector(f"tr[data-request-id='{request_id}']")
+    assert row.query_selector("[data-col=mode]").text_content() == "realtime"
+    old_row = page.wait_for_selector(f"tr[data-request-id='{before.headers['x-request-id']}']")
+    assert old_row.query_selector("[data-col=mode]").text_content() == "compatible"
+
+
+def test_a_change_made_elsewhere_is_a_conflict_and_reload_shows_it(page: Any, ui: Gateway) -> None:
+    login(page, ui, "#/settings")
+    page.wait_for_selector("#field-max_collect_bytes")
+    revision = settings_api(ui)["revision"]
+    assert page.text_content("#settings-revision") == f"revision {revision}"
+
+    behind = httpx.put(ui.url + "/admin/api/settings", headers=AUTH,  # someone else, meanwhile
+                       json={"revision": revision, "changes": {"max_collect_bytes": 123456}})
+    assert behind.status_code == 200
+
+    page.fill("#field-tool_repair_attempts", "3")
+    page.click("#save-settings")
+    warning = page.wait_for_selector(".notice.warn")
+    assert "changed elsewhere" in warning.text_content()
+    assert f"now revision {revision + 1}" in warning.text_content()
+    assert settings_api(ui)["settings"]["tool_repair_attempts"]["value"] == 2  # nothing was overwritten
+
+    page.click("#reload-settings")
+    page.wait_for_selector(".notice.ok:has-text('Reloaded')")
+    assert page.input_value("#field-max_collect_bytes") == "123456"
+    assert page.locator("[data-setting=max_collect_bytes] .badge").text_content() == "saved"
+    assert page.input_value("#field-tool_repair_attempts") == "2"
+
+    page.fill("#field-tool_repair_attempts", "11")  # out of range: the API's own message
+    page.click("#save-settings")
+    error = page.wait_for_selector(".notice.error")
+    assert "Not saved" in error.text_content() and "tool_repair_attempts" in error.text_content()
+
+    page.fill("#field-tool_repair_attempts", "3")
+    page.click("#save-settings")
+    page.wait_for_selector(".notice.ok:has-text('Saved: tool_repair_attempts')")
+    assert settings_api(ui)["settings"]["tool_repair_attempts"]["value"] == 3
+
+
+def test_the_dashboard_moves_after_a_burst(page: Any, ui: Gateway, shots: Path) -> None:
+    login(page, ui, "#/dashboard")
+    page.wait_for_function("document.querySelector('#stat-requests').dataset.value !== undefined"
+                           " && document.querySelector('#stat-requests').dataset.value !== ''")
+    start = int(page.get_attribute("#stat-requests", "data-value"))
+
+    bodies = [
+        ("/chat/completions", {"model": "echo", "messages": [{"role": "user", "content": "hi"}], "stream": True}),
+        ("/messages", {"model": "echo", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}],
+                       "stream": True}),
+        ("/responses", {"model": "echo", "input": "hi", "stream": True}),
+    ]
+    with httpx.Client(timeout=20) as http:
+        for i in range(10):
+            path, body = bodies[i % 3]
+            assert http.post(ui.base_url + path, json=body).status_code == 200
+        failed = http.post(ui.base_url + "/chat/completions",
+                           json={"model": "server_error", "messages": [{"role": "user", "content": "hi"}]})
+        assert failed.status_code >= 500
+
+    page.wait_for_function(
+        f"Number(document.querySelector('#stat-requests').dataset.value) >= {start + 11}", timeout=15_000)
+    assert float(page.get_attribute("#stat-error-rate", "data-value")) > 0
+    assert float(page.get_attribute("#stat-p50", "data-value")) > 0
+    rows = page.locator("#breakdown tr[data-group='protocol:messages'] td")
+    assert int(rows.nth(1).text_content()) >= 3
+    assert page.locator("#credential-health .pill.ok").count() == 1
+    assert page.locator(".chart canvas").count() == 6  # every chart drew
+    page.wait_for_timeout(300)  # let the charts settle before the picture
+    shot(page, shots, "dashboard")
+
+
+def test_audit_detail_renders_model_output_as_text(page: Any, ui: Gateway, shots: Path) -> None:
+    response = chat(ui, text=XSS, stream=False)
+    answer = response.json()["choices"][0]["message"]["content"]
+    assert XSS in answer  # the simulator echoed the payload back as model output
+    request_id = response.headers["x-request-id"]
+    record = wait_audited(ui, request_id)
+    assert json.loads(record["bodies"]["response"])["text"] == answer
+
+    failed = chat(ui, model="server_error", stream=False)
+    wait_audited(ui, failed.headers["x-request-id"])
+
+    login(page, ui, "#/audit")
+    page.wait_for_selector(f"tr[data-request-id='{request_id}']")
+    page.select_option("#f-outcome", "error")  # the filter: only failed requests
+    page.click("#apply-filters")
+    page.wait_for_selector(f"tr[data-request-id='{request_id}']", state="detached")
+    outcomes = page.locator("#audit-rows .pill").all_text_contents()
+    assert outcomes and set(outcomes) == {"error"}
+    page.select_option("#f-outcome", "")
+    page.click("#apply-filters")
+    row = page.wait_for_selector(f"tr[data-request-id='{request_id}']")
+    shot(page, shots, "audit")
+
+    row.click()
+    text = page.wait_for_selector("#detail-response-text")
+    assert page.url.endswith(f"#/audit/{request_id}")
+    assert text.text_content() == answer  # the literal characters, as text
+    assert page.get_by_text(XSS, exact=False).first.is_visible()
+    assert json.dumps(XSS) in page.text_content("#detail-request")  # the JSON body, pretty-printed
+    assert page.locator("#audit-bodies img").count() == 0
+    assert page.evaluate("typeof window.__xss") == "undefined"
+    assert page.text_content("#detail-mode") == record["mode"]
+    page.wait_for_timeout(200)  # an injected onerror handler would have fired by now
+    assert page.evaluate("typeof window.__xss") == "undefined"
+    page.evaluate("window.scrollTo(0, document.querySelector('#audit-bodies').offsetTop - 300)")
+    shot(page, shots, "audit-detail")
+
+
+def test_credentials_add_disable_enable_reset(page: Any, ui: Gateway, shots: Path) -> None:
+    secret = "sk-webui-never-shown-0123456789"
+    login(page, ui, "#/credentials")
+    page.wait_for_selector("#credential-rows tr[data-credential-id]")
+    assert page.locator("#credential-rows tr[data-credential-id]").count() == 1
+
+    page.fill("#cred-base-url", "http://127.0.0.1:9/v1")
+    page.fill("#cred-api-key", secret)
+    page.fill("#cred-upstream", "spare")
+    page.click("#add-credential-button")
+    page.wait_for_selector(".notice.ok:has-text('Added spare')")
+    row = page.locator("#credential-rows tr", has_text="spare")
+    row.wait_for()
+    assert secret not in page.content()
+    assert page.input_value("#cred-api-key") == ""
+    [added] = [c for c in httpx.get(ui.url + "/admin/api/credentials", headers=AUTH).json()["credentials"]
+               if c["upstream"] == "spare"]
+    assert row.get_attribute("data-credential-id") == added["id"]
+
+    page.fill("#cred-base-url", "http://127.0.0.1:9/v1")  # the same key again: the API's message
+    page.fill("#cred-api-key", secret)
+    page.fill("#cred-upstream", "spare")
+    page.click("#add-credential-button")
+    assert "already configured" in page.wait_for_selector(".notice.error").text_content()
+
+    row.locator("button[data-action=disable]").click()
+    row.locator(".pill.error").wait_for()
+    assert "disabled by admin" in row.locator(".pill").text_content()
+    shot(page, shots, "credentials")
+    row.locator("button[data-action=enable]").click()
+    row.locator(".pill.ok").wait_for()
+    row.locator("button[data-action=reset]").click()
+    page.wait_for_selector(".notice.ok:has-text('Reset cooldown')")
+    # leave the unreachable spare disabled: later requests on this gateway must not pick it
+    row.locator("button[data-action=disable]").click()
+    row.locator(".pill.error").wait_for()
+    state = {c["id"]: c for c in httpx.get(ui.url + "/admin/api/credentials", headers=AUTH).json()["credentials"]}
+    assert state[added["id"]]["disabled"] is True
+
+
+def test_without_an_admin_token_a_loopback_browser_needs_no_login(
+    browser: Any, server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    open_gateway = start_gateway(server_loop, simulator, tmp_path_factory)
+    context = browser.new_context(viewport=VIEWPORT)
+    try:
+        page = context.new_page()
+        page.goto(open_gateway.url + "/ui/#/settings")
+        page.wait_for_selector("#field-max_collect_bytes")
+        assert page.text_content("#who") == "local access (no admin token)"
+        assert page.is_hidden("#logout") and page.locator("#token").count() == 0
+    finally:
+        context.close()
+
+
+def test_status_and_timeseries_agree_with_the_audit_store(ui: Gateway) -> None:
+    check_status_and_timeseries(ui)
+
+
+def test_status_and_timeseries_on_postgres(
+    server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory, postgres_schema: str
+) -> None:
+    """The same SQL on the second backend (skipped without a test server, see conftest)."""
+    settings = Settings(upstream_url=[simulator.url + "/v1"], data_dir=tmp_path_factory.mktemp("webui-pg"),
+                        database_url=postgres_schema, admin_token=TOKEN)
+    app = create_app(settings, {name: "default" for name in Settings.model_fields})  # type: ignore[arg-type]
+    sock = bind_loopback()
+    server = server_loop.run(start_embedded(app, sock))
+    try:  # stopped before the fixture drops its schema
+        gateway = Gateway(f"http://127.0.0.1:{sock.getsockname()[1]}", app)
+        for _ in range(3):
+            chat(gateway)
+        check_status_and_timeseries(gateway)
+    finally:
+        server_loop.run(stop_embedded(*server))
+
+
+def check_status_and_timeseries(ui: Gateway) -> None:
+    """The two routes the dashboard reads, checked against the audit rows themselves."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    body = {"model": "invalid_json", "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    repaired = httpx.post(ui.base_url + "/chat/completions", json=body, timeout=20)
+    repairs = len(wait_audited(ui, repaired.headers["x-request-id"])["repairs"])
+    assert repairs >= 1
+
+    view = settings_api(ui)
+    saved = httpx.put(ui.url + "/admin/api/settings", headers=AUTH,
+                      json={"revision": view["revision"], "changes": {"max_collect_bytes": 1024}})
+    assert saved.status_code == 200
+    try:
+        over = chat(ui, model="large;size=5000", stream=False)
+    finally:
+        current = settings_api(ui)
+        httpx.put(ui.url + "/admin/api/settings", headers=AUTH,
+                  json={"revision": current["revision"], "changes": {"max_collect_bytes": 8 * 1024 * 1024}})
+    assert wait_audited(ui, over.headers["x-request-id"])["budget_exceeded"] is True
+
+    rows = httpx.get(ui.url + "/admin/api/audit?limit=1000", headers=AUTH).json()["data"]
+    status = httpx.get(ui.url + "/admin/api/status", headers=AUTH).json()
+    assert status["requests"] == len(rows)
+    assert status["tool_repairs"] == sum(len(r["repairs"]) for r in rows)
+    assert status["requests_with_repairs"] == sum(1 for r in rows if r["repairs"])
+    assert status["budget_overflows"] == sum(1 for r in rows if r["budget_exceeded"]) >= 1
+    assert status["in_flight"] == 0 and status["revision"] == settings_api(ui)["revision"]
+    assert status["stream_mode"] == settings_api(ui)["settings"]["stream_mode"]["value"]
+    assert {c["upstream"] for c in status["credentials"]} >= {"upstream"}
+    assert all("api_key" not in c for c in status["credentials"])
+
+    series = httpx.get(ui.url + "/admin/api/audit/timeseries?window=3600&bucket=60", headers=AUTH).json()
+    assert len(series["times"]) == 60 and series["until"] % 60 == 0
+    assert series["times"][0] == series["since"] and series["until"] - series["since"] == 3600
+    in_window = [r for r in rows if series["since"] <= r["started_at"] < series["until"]]
+    total = series["total"]
+    assert sum(total["requests"]) == total["summary"]["requests"] == len(in_window)
+    assert sum(total["errors"]) == sum(1 for r in in_window if r["outcome"] == "error") >= 1
+    for group, column in (("by_protocol", "protocol"), ("by_mode", "mode")):
+        counted = {key: value["summary"]["requests"] for key, value in series[group].items()}
+        expected: dict[str, int] = {}
+        for r in in_window:
+            expected[r[column]] = expected.get(r[column], 0) + 1
+        assert counted == expected
+    ttfbs = sorted(r["ttfb_ms"] for r in in_window if r["ttfb_ms"] is not None)
+    assert total["summary"]["ttfb_ms_p50"] == ttfbs[(len(ttfbs) + 1) // 2 - 1]  # nearest rank
+
+    bad = httpx.get(ui.url + "/admin/api/audit/timeseries?window=86400&bucket=1", headers=AUTH)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "bucket"
+    assert httpx.get(ui.url + "/admin/api/status?window=0", headers=AUTH).json()["error"]["param"] == "window"
+    assert httpx.get(ui.url + "/admin/api/status").status_code == 401

@@ -1,0 +1,95 @@
+// Upstream credentials: list (fingerprints only: keys go in, never come out), add, disable,
+// re-enable and reset cooldowns, over /admin/api/credentials.
+
+import { get, post } from "./api.js";
+import { h, notice, replace } from "./dom.js";
+
+export function mount(main) {
+  const status = notice();
+  const tbody = h("tbody#credential-rows");
+  const baseUrl = h("input#cred-base-url", { type: "url", name: "base_url", required: true,
+                                             placeholder: "https://api.example.com/v1" });
+  const apiKey = h("input#cred-api-key", { type: "password", name: "api_key", autocomplete: "off",
+                                           placeholder: "sk-… (optional)" });
+  const upstream = h("input#cred-upstream", { type: "text", name: "upstream", placeholder: "admin" });
+  const addForm = h("form.inline-form#add-credential", { onsubmit: (e) => { e.preventDefault(); add(); } },
+    h("label.filter", null, "Base URL", baseUrl),
+    h("label.filter", null, "API key", apiKey),
+    h("label.filter", null, "Upstream name", upstream),
+    h("button.primary#add-credential-button", { type: "submit" }, "Add credential"));
+  const total = h("span.muted#cred-summary");
+  replace(main,
+    h("div.page-head", null, h("h1", null, "Credentials"), total),
+    status,
+    h("section.card.table-card", null,
+      h("table.grid#credentials-table", null,
+        h("thead", null, h("tr", null,
+          ["Upstream", "Base URL", "Key fingerprint", "State", "Cooldowns", "In flight", ""].map((t) => h("th", null, t)))),
+        tbody)),
+    h("section.card", null, h("h2", null, "Add an upstream credential"),
+      h("p.muted", null, "The key is stored in the gateway's database and never shown again; only its fingerprint is."),
+      addForm));
+
+  async function load() {
+    let answer;
+    try {
+      answer = await get("/admin/api/credentials");
+    } catch (exc) {
+      status.show(`Could not load the credentials: ${exc.message}`, "error");
+      return;
+    }
+    const creds = answer.credentials;
+    total.textContent = `${creds.length} credential(s), ${answer.in_flight} request(s) in flight`;
+    if (!creds.length) {
+      replace(tbody, h("tr", null, h("td.empty", { colspan: 7 }, "No upstream credentials.")));
+      return;
+    }
+    replace(tbody, creds.map((c) => {
+      const cooldowns = Object.entries(c.cooldowns);
+      const act = (label, path, tone) => h(`button.small${tone ? `.${tone}` : ""}`, {
+        type: "button", "data-action": path,
+        onclick: () => action(c, path, label),
+      }, label);
+      return h("tr", { "data-credential-id": c.id },
+        h("td.mono", null, c.upstream),
+        h("td.mono", null, c.base_url),
+        h("td.mono", null, c.fingerprint),
+        h("td", null, c.disabled
+          ? h("span.pill.error", null, `disabled${c.disabled_reason ? `: ${c.disabled_reason}` : ""}`)
+          : h("span.pill.ok", null, "enabled")),
+        h("td", null, cooldowns.length
+          ? cooldowns.map(([m, s]) => `${m === "*" ? "all models" : m}: ${Math.ceil(s)} s`).join(", ") : "–"),
+        h("td.num", null, String(c.in_flight)),
+        h("td.actions", null,
+          c.disabled ? act("Enable", "enable") : act("Disable", "disable", "danger"),
+          act("Reset cooldown", "reset")));
+    }));
+  }
+
+  async function action(credential, path, label) {
+    try {
+      await post(`/admin/api/credentials/${encodeURIComponent(credential.id)}/${path}`);
+      status.show(`${label}: ${credential.upstream} ${credential.fingerprint} — done.`, "ok");
+    } catch (exc) {
+      status.show(`${label} failed: ${exc.message}`, "error");
+    }
+    load();
+  }
+
+  async function add() {
+    const body = { base_url: baseUrl.value.trim() };
+    if (apiKey.value) body.api_key = apiKey.value;
+    if (upstream.value.trim()) body.upstream = upstream.value.trim();
+    try {
+      const created = await post("/admin/api/credentials", body);
+      apiKey.value = "";
+      status.show(`Added ${created.upstream} (${created.fingerprint}).`, "ok");
+      load();
+    } catch (exc) {
+      status.show(`Not added: ${exc.message}`, "error");
+    }
+  }
+
+  load();
+  return null;
+}
