@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "unset":
             sub.add_argument("key", help="the setting's name, e.g. api_key")
         sub.add_argument("--data-dir", default=None, help="the gateway's data directory")
+        sub.add_argument("--database-url", default=None, help="the PostgreSQL URL the gateways share (instead of --data-dir)")
     simulate = commands.add_parser("simulate", help="run the built-in upstream simulator")
     simulate.add_argument("--host", default="127.0.0.1")
     simulate.add_argument("--port", type=int, default=9090)
@@ -95,15 +96,20 @@ def saved_settings_command(args: argparse.Namespace) -> int:
     admin API uses (so running gateways pick the new revision up on their next request)."""
     from pathlib import Path
 
-    from gateway.store.db import Database
+    from gateway.store.db import SQLITE_FILENAME, open_database
     from gateway.store.saved_settings import SavedSettings, redact
 
-    data_dir = Path(args.data_dir) if args.data_dir else load_settings()[0].data_dir
-    path = data_dir / "codebuddy2api.sqlite3"
-    if not path.exists():
-        print(f"codebuddy2api: error: no store at {path}", file=sys.stderr)
+    configured = load_settings()[0] if not (args.data_dir or args.database_url) else None
+    data_dir = Path(args.data_dir) if args.data_dir else (configured.data_dir if configured else Path("data"))
+    database_url = args.database_url or (configured.database_url if configured else None)
+    if not database_url and not (data_dir / SQLITE_FILENAME).exists():
+        print(f"codebuddy2api: error: no store at {data_dir / SQLITE_FILENAME}", file=sys.stderr)
         return 2
-    db = Database(path)
+    try:
+        db = open_database(database_url, data_dir)
+    except Exception as exc:  # a bad URL or an unreachable server: one line, no secret
+        print(f"codebuddy2api: error: cannot open the database: {type(exc).__name__}", file=sys.stderr)
+        return 2
     saved = SavedSettings(db)
     try:
         revision, values = saved.load()
@@ -166,14 +172,14 @@ WORKER_APP = "gateway.cli:worker_app"
 def prepare_workers(settings: Settings, cli_values: dict[str, Any]) -> None:
     """Before workers spawn: a fresh prometheus multiprocess dir, the CLI values for
     :func:`worker_app`, and the database migrated once (workers must not race on it)."""
-    from gateway.store.db import Database
+    from gateway.store.db import open_database
 
     metrics_dir = settings.data_dir / "prometheus-multiproc"
     shutil.rmtree(metrics_dir, ignore_errors=True)
     metrics_dir.mkdir(parents=True)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir.resolve())
     os.environ[CLI_VALUES_ENV] = json.dumps({k: v for k, v in cli_values.items() if v is not None})
-    Database(settings.data_dir / "codebuddy2api.sqlite3").close()
+    open_database(settings.database_url, settings.data_dir).close()
 
 
 def worker_app() -> Any:

@@ -11,7 +11,7 @@ import contextlib
 import hmac
 import secrets
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -26,6 +26,9 @@ from gateway.record import RequestObserver, RequestRecord
 from gateway.settings import LiveSettings
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.pool import UpstreamPool, fingerprint
+
+if TYPE_CHECKING:
+    from gateway.store.replicas import CapacityPolicy
 
 SSE_HEADERS = {
     "content-type": "text/event-stream; charset=utf-8",
@@ -43,6 +46,9 @@ class Relay:
         self.observer = observer
         self.pool: UpstreamPool = UpstreamPool([])  # replaced at start-up (app lifespan)
         self.capture: CaptureWriter | None = None  # set at start-up with --capture-dir
+        #: With replicas on a shared store: this replica's share of max_concurrent
+        #: (gateway.store.replicas.SharedCapacity); None = the whole cap is local.
+        self.capacity: CapacityPolicy | None = None
         self._capacity_holders: set[str] = set()
 
     @property
@@ -77,11 +83,12 @@ class Relay:
         except GatewayError as err:
             record.outcome = "refused" if err.kind == "authentication" else "invalid"
             return self._error_response(room, err, record, headers)
-        if self.in_flight >= settings.max_concurrent:
+        limit = settings.max_concurrent if self.capacity is None else self.capacity.limit(settings.max_concurrent)
+        if self.in_flight >= limit:
             record.outcome = "refused"
             err = GatewayError(
                 "overloaded", "capacity_exceeded",
-                f"the gateway is at its limit of {settings.max_concurrent} concurrent requests", retry_after=1,
+                f"the gateway is at its limit of {limit} concurrent requests", retry_after=1,
             )
             return self._error_response(room, err, record, headers)
         self._capacity_holders.add(record.request_id)

@@ -76,6 +76,10 @@ class Settings(BaseSettings):
     audit_bodies: bool = False
     audit_body_max_bytes: int = Field(64 * 1024, ge=0)
     workers: int = Field(1, ge=1, le=256)
+    database_url: SecretStr | None = Field(
+        None, description="postgresql://user:pass@host:port/db (shared by replicas); none = SQLite in the data dir"
+    )
+    replica_id: str | None = Field(None, description="this replica's name in the replicas table; none = host-pid-random")
 
 
     @field_validator("upstream_url", "api_key", mode="before")
@@ -86,6 +90,16 @@ class Settings(BaseSettings):
             return [v.strip() for v in value.split(",") if v.strip()]
         return value
 
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_scheme(cls, value: SecretStr | None) -> SecretStr | None:
+        """Only the two backends there are (the URL itself is a secret: never echoed)."""
+        if value is not None and value.get_secret_value() and not value.get_secret_value().startswith(
+            ("postgresql://", "postgres://", "sqlite:///")
+        ):
+            raise ValueError("must start with postgresql:// (or sqlite:///path)")
+        return value if value is not None and value.get_secret_value() else None
 
     @field_validator("engine_extras", mode="before")
     @classmethod
@@ -134,6 +148,8 @@ CLI_FIELDS: dict[str, str] = {
     "audit_bodies": "also store request/response bodies in the audit record (capped)",
     "audit_body_max_bytes": "cap per stored body with --audit-bodies",
     "workers": "worker processes (>1: prometheus multiprocess mode, app built per worker)",
+    "database_url": "PostgreSQL URL shared by several replicas (default: SQLite in --data-dir)",
+    "replica_id": "this replica's name among replicas sharing the database (default: host-pid-random)",
 }
 
 
@@ -154,7 +170,8 @@ def _describe_error(exc: ValidationError, cli_keys: set[str], saved: bool = Fals
     annotation = Settings.model_fields[field].annotation if field in Settings.model_fields else None
     if isinstance(annotation, type) and issubclass(annotation, StrEnum):
         allowed = " (allowed: " + ", ".join(m.value for m in annotation) + ")"
-    return f"invalid value {err.get('input')!r} for {where}: {err['msg']}{allowed}"
+    shown = "[redacted]" if field in ("database_url", "upstream_api_key", "admin_token", "api_key") else err.get("input")
+    return f"invalid value {shown!r} for {where}: {err['msg']}{allowed}"
 
 
 def _env_keys() -> set[str]:

@@ -122,3 +122,48 @@ def _quiet_logs() -> None:
     from gateway.observability.logging import configure_logging
 
     configure_logging("warning")
+
+
+# -- PostgreSQL (the store's second backend; .ci/postgres.sh starts a server) ------------------
+
+TEST_DATABASE_URL_ENV = "CODEBUDDY2API_TEST_DATABASE_URL"
+
+
+def with_search_path(url: str, schema: str) -> str:
+    """``url`` with libpq ``options`` setting the search_path: one schema per test."""
+    return url + ("&" if "?" in url else "?") + f"options=-csearch_path%3D{schema}"
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    """The test server's URL. Without one the PostgreSQL tests skip, except under CI
+    (``CI`` set), where a missing or unreachable server fails them loudly."""
+    import os
+
+    import psycopg
+
+    url = os.environ.get(TEST_DATABASE_URL_ENV)
+    if not url:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI is set but {TEST_DATABASE_URL_ENV} is not: .ci/run must start PostgreSQL", pytrace=False)
+        pytest.skip(f"{TEST_DATABASE_URL_ENV} is not set (`source .ci/postgres.sh` starts a server)")
+    try:
+        psycopg.connect(url, connect_timeout=10).close()
+    except psycopg.Error as exc:
+        pytest.fail(f"{TEST_DATABASE_URL_ENV} names no reachable server: {type(exc).__name__}: {exc}", pytrace=False)
+    return url
+
+
+@pytest.fixture
+def postgres_schema(postgres_url: str) -> Iterator[str]:
+    """A URL whose search_path is a fresh, empty schema (dropped afterwards)."""
+    import secrets
+
+    import psycopg
+
+    name = "t_" + secrets.token_hex(6)
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {name}")
+    yield with_search_path(postgres_url, name)
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA {name} CASCADE")

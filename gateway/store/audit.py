@@ -2,9 +2,10 @@
 
 :meth:`AuditWriter.submit` runs on the event loop and only appends a snapshot of the
 record to a bounded in-memory queue; a background task batch-inserts the queue in one
-transaction per batch through :meth:`Database.arun` (a worker thread). Shutdown drains the
-queue completely before the database closes. Rows older than the retention period are
-deleted at start-up and hourly.
+transaction per batch through the store's ``run_tx`` (in a worker thread), on SQLite or
+PostgreSQL alike. Shutdown drains the queue completely before the database closes. Rows
+older than the retention period are deleted at start-up and hourly (on a shared store every
+replica purges; the deletes are idempotent).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import structlog
 
-from gateway.store.db import Database
+from gateway.store.db import Store, upsert
 
 if TYPE_CHECKING:
     from gateway.record import RequestRecord
@@ -29,9 +29,11 @@ if TYPE_CHECKING:
 log = structlog.get_logger("gateway.audit")
 
 RETENTION_INTERVAL = 3600.0
-_INSERT = (
-    "INSERT OR REPLACE INTO audit (request_id, started_at, ended_at, protocol, mode, streamed, model,"
-    " outcome, error_code, http_status, record) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+_INSERT = upsert(
+    "audit",
+    ("request_id", "started_at", "ended_at", "protocol", "mode", "streamed", "model", "outcome", "error_code",
+     "http_status", "record"),
+    "request_id",
 )
 
 
@@ -91,7 +93,7 @@ class AuditWriter:
 
     def __init__(
         self,
-        db: Database,
+        db: Store,
         *,
         retention_days: Callable[[], float] = lambda: 30.0,
         store_bodies: Callable[[], bool] = lambda: False,
@@ -179,12 +181,12 @@ class AuditWriter:
             return 0
         cutoff = time.time() - days * 86400
 
-        def delete(conn: sqlite3.Connection) -> int:
-            return conn.execute("DELETE FROM audit WHERE started_at < ?", (cutoff,)).rowcount
+        def delete(conn: Any) -> int:
+            return int(conn.execute("DELETE FROM audit WHERE started_at < ?", (cutoff,)).rowcount)
 
         try:
             deleted = await self.db.arun(delete)
-        except sqlite3.Error as exc:
+        except self.db.errors as exc:
             log.warning("audit_retention_failed", error=type(exc).__name__)
             return 0
         if deleted:
@@ -224,25 +226,19 @@ class AuditWriter:
         self._in_flight = count
         max_bytes = self.body_max_bytes()
 
-        def insert(conn: sqlite3.Connection) -> None:
+        def insert() -> None:
             rows = []
             for record in batch:
                 if record.get("bodies") is not None:  # kept by submit() only with audit_bodies
                     record["bodies"] = cap_bodies(record["bodies"], max_bytes)
                 rows.append(_row(record))
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                conn.executemany(_INSERT, rows)
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
+            self.db.run_tx(lambda conn: conn.executemany(_INSERT, rows))  # one transaction per batch
 
         try:
             # shielded: a cancelled lifespan must not lose a batch half-way to disk
-            await asyncio.shield(self.db.arun(insert))
+            await asyncio.shield(asyncio.to_thread(insert))
             self.written += count
-        except (sqlite3.Error, ValueError, TypeError) as exc:
+        except (*self.db.errors, ValueError, TypeError) as exc:
             self.write_errors += count
             if self.on_write_error is not None:
                 self.on_write_error(count)
@@ -274,7 +270,7 @@ def _where(since: float | None, until: float | None, filters: dict[str, str | No
 
 
 async def query(
-    db: Database,
+    db: Store,
     *,
     since: float | None = None,
     until: float | None = None,
@@ -285,7 +281,7 @@ async def query(
     """Matching records, newest first, and the total number matching."""
     where, params = _where(since, until, filters)
 
-    def run(conn: sqlite3.Connection) -> tuple[list[dict[str, Any]], int]:
+    def run(conn: Any) -> tuple[list[dict[str, Any]], int]:
         total = conn.execute(f"SELECT COUNT(*) FROM audit{where}", params).fetchone()[0]
         rows = conn.execute(
             f"SELECT record FROM audit{where} ORDER BY started_at DESC, request_id DESC LIMIT ? OFFSET ?",
@@ -296,7 +292,7 @@ async def query(
     return await db.arun(run)
 
 
-async def get(db: Database, request_id: str) -> dict[str, Any] | None:
+async def get(db: Store, request_id: str) -> dict[str, Any] | None:
     rows = await db.aexecute("SELECT record FROM audit WHERE request_id = ?", (request_id,))
     return orjson.loads(rows[0][0]) if rows else None
 
@@ -309,12 +305,12 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[int(rank) - 1]
 
 
-async def aggregate(db: Database, window: float, now: float | None = None) -> dict[str, Any]:
+async def aggregate(db: Store, window: float, now: float | None = None) -> dict[str, Any]:
     """Counts by outcome, error rate and p50/p95 TTFB by protocol and mode over the window."""
     until = time.time() if now is None else now
     since = until - window
 
-    def run(conn: sqlite3.Connection) -> list[tuple[Any, ...]]:
+    def run(conn: Any) -> list[tuple[Any, ...]]:
         return conn.execute(
             "SELECT protocol, mode, outcome, json_extract(record, '$.ttfb_ms'),"
             " json_extract(record, '$.duration_ms') FROM audit WHERE started_at >= ? AND started_at < ?",
@@ -360,7 +356,7 @@ async def aggregate(db: Database, window: float, now: float | None = None) -> di
 
 
 async def export(
-    db: Database, since: float | None = None, until: float | None = None, page: int = 500
+    db: Store, since: float | None = None, until: float | None = None, page: int = 500
 ) -> AsyncIterator[bytes]:
     """Every matching record as JSON lines, oldest first, read a page at a time."""
     where, params = _where(since, until, {})

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.settings import Settings, SettingsError
-from gateway.store.credentials import SqliteCredentialState
+from gateway.store.credentials import CredentialState
 from gateway.upstream.pool import Credential, Upstream, UpstreamPool
 
 
@@ -63,7 +63,7 @@ def with_engine_extras(body: dict[str, Any], extras: dict[str, dict[str, Any]]) 
     return {**added, **body} if added else body
 
 
-def build_pool(settings: Settings, state: SqliteCredentialState | None, simulator_url: str | None) -> UpstreamPool:
+def build_pool(settings: Settings, state: CredentialState | None, simulator_url: str | None) -> UpstreamPool:
     """Every credential the gateway may use, with persisted health restored."""
     credentials: list[Credential] = []
     keys = _keys_from_settings(settings)

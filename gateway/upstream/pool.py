@@ -19,7 +19,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import structlog
+
 from gateway.errors import GatewayError
+
+log = structlog.get_logger("gateway.pool")
 
 ANY_MODEL = "*"
 #: How long a credential is tried last after a 5xx or a connect failure (seconds). It is
@@ -92,7 +96,8 @@ class Credential:
 class CredentialStateStore(Protocol):
     def load(self) -> dict[str, dict[str, Any]]: ...
 
-    def save(self, credential_id: str, state: dict[str, Any]) -> None: ...
+    def save(self, credential_id: str, state: dict[str, Any]) -> int | None:
+        """Persist; may return the stored row's version (see :meth:`UpstreamPool.apply_shared`)."""
 
 
 @dataclass(slots=True)
@@ -125,28 +130,65 @@ class UpstreamPool:
         self.clock = clock
         self._turn = itertools.count()
         self._sticky: dict[str, str] = {}
+        self._versions: dict[str, int] = {}  # credential id -> stored version last seen
         if store is not None:
-            self._restore(store.load())
+            load_versions = getattr(store, "load_versions", None)
+            if load_versions is not None:
+                self.apply_shared(load_versions())
+            else:
+                self._restore(store.load())
 
     def _restore(self, saved: dict[str, dict[str, Any]]) -> None:
         for credential in self.credentials:
             state = saved.get(credential.id)
             if state:
-                credential.disabled = bool(state.get("disabled"))
-                credential.disabled_reason = state.get("disabled_reason")
-                credential.cooldowns = {k: float(v) for k, v in (state.get("cooldowns") or {}).items()}
+                self._set_state(credential, state)
+
+    @staticmethod
+    def _set_state(credential: Credential, state: dict[str, Any]) -> None:
+        credential.disabled = bool(state.get("disabled"))
+        credential.disabled_reason = state.get("disabled_reason")
+        credential.cooldowns = {k: float(v) for k, v in (state.get("cooldowns") or {}).items()}
+
+    def apply_shared(
+        self,
+        states: dict[str, tuple[int, dict[str, Any]]],
+        added: list[tuple[str, str, str, str | None]] = (),  # type: ignore[assignment]
+    ) -> None:
+        """Adopt stored state newer than what this pool last wrote or read: ``states``
+        maps credential id -> (version, state); ``added`` lists admin-added credentials
+        (id, upstream name, base_url, key), added here when unknown. Runs on the event loop."""
+        known = {c.id for c in self.credentials}
+        for credential_id, name, base_url, key in added:
+            if credential_id not in known:
+                upstream = next((c.upstream for c in self.credentials if c.upstream.name == name
+                                 and c.upstream.base_url == base_url), None) or Upstream(name, base_url)
+                self.credentials.append(Credential(upstream, key, id=credential_id))
+                known.add(credential_id)
+        for credential in self.credentials:
+            entry = states.get(credential.id)
+            if entry is None or entry[0] <= self._versions.get(credential.id, -1):
+                continue
+            self._versions[credential.id] = entry[0]
+            self._set_state(credential, entry[1])
 
     def _persist(self, credential: Credential) -> None:
         if self.store is not None:
             now = self.clock()
-            self.store.save(
-                credential.id,
-                {
-                    "disabled": credential.disabled,
-                    "disabled_reason": credential.disabled_reason,
-                    "cooldowns": {m: u for m, u in credential.cooldowns.items() if u > now},
-                },
-            )
+            try:
+                version = self.store.save(
+                    credential.id,
+                    {
+                        "disabled": credential.disabled,
+                        "disabled_reason": credential.disabled_reason,
+                        "cooldowns": {m: u for m, u in credential.cooldowns.items() if u > now},
+                    },
+                )
+            except Exception as exc:  # a store outage: what was learned still holds here
+                log.warning("credential_state_not_saved", credential=credential.id, error=type(exc).__name__)
+                return
+            if isinstance(version, int):
+                self._versions[credential.id] = max(version, self._versions.get(credential.id, -1))
 
     def add(self, credential: Credential) -> None:
         self.credentials.append(credential)
