@@ -163,8 +163,8 @@ class Metrics:
         """Set the gauges that mirror state rather than events (called per scrape)."""
         self.audit_queue_depth.set(queue_depth)
         if live is not None:
+            current = str(live.current.stream_mode.value)  # first: it picks up a new revision
             self.config_revision.set(live.revision)
-            current = str(live.current.stream_mode.value)
             for mode in MODES:
                 self.stream_mode.labels(mode).set(1 if mode == current else 0)
 
