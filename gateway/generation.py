@@ -71,6 +71,9 @@ class GenerationRun:
         self._retained = 0  # output bytes over every attempt (the budget spans them all)
         self._queue: asyncio.Queue[UpstreamItem | _End | GatewayError] = asyncio.Queue(maxsize=64)
         self._producer: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop = asyncio.get_running_loop()
+        self._last_activity = 0.0
 
     # -- the upstream leg --------------------------------------------------------------
 
@@ -140,23 +143,13 @@ class GenerationRun:
         self._producer = asyncio.create_task(self._produce(body))
 
     async def _stop_upstream(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._producer is not None and not self._producer.done():
             self._producer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._producer
-
-    async def _next(self, keepalives: bool) -> UpstreamItem | _End | GatewayError | object:
-        if not self._queue.empty():
-            return self._queue.get_nowait()
-        if not keepalives:
-            return await self._queue.get()
-        try:
-            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
-            # (client disconnect) that lands just as an item arrives
-            async with asyncio.timeout(self.policy.keepalive_interval):
-                return await self._queue.get()
-        except TimeoutError:
-            return _TIMEOUT
 
     # -- reading one upstream answer ---------------------------------------------------
 
@@ -171,35 +164,73 @@ class GenerationRun:
         self, body: dict[str, Any], scheduler: RealtimeScheduler | None, keepalives: bool
     ) -> AsyncIterator[bytes]:
         """Run one upstream request into a fresh accumulator (``self.acc``), yielding
-        what the client may see meanwhile: opening frames, keepalives, realtime events."""
+        what the client may see meanwhile: opening frames, keepalives, realtime events.
+
+        Whatever the producer queued while the client was being written to is handled in
+        one go and written once (one ``send`` instead of one per upstream frame)."""
         acc = self.acc = ChatSSEAccumulator(self.policy.max_collect_bytes, self.parsed.rules)
         acc.retained_bytes = self._retained
         self._start_upstream(body)
+        if keepalives:
+            self._start_keepalive_timer()
+        queue = self._queue
         try:
             while True:
-                item = await self._next(keepalives)
-                if item is _TIMEOUT:
-                    self.record.keepalives += 1
-                    yield self._commit(self.encoder.encode(KEEPALIVE))
-                elif isinstance(item, GatewayError):
-                    raise item
-                elif item is ANSWERED:
-                    if keepalives and not self.committed:
-                        yield self._commit()
-                elif item is _END:
+                item = await queue.get()
+                out: list[bytes] = []
+                try:
+                    while True:
+                        if item is _TIMEOUT:
+                            self.record.keepalives += 1
+                            out.append(self._commit(self.encoder.encode(KEEPALIVE)))
+                        elif isinstance(item, GatewayError):
+                            raise item
+                        elif item is ANSWERED:
+                            if keepalives and not self.committed:
+                                out.append(self._commit())
+                        elif item is _END:
+                            break
+                        elif item is DONE:
+                            acc.feed_done()
+                        else:
+                            pieces = acc.feed(item)  # type: ignore[arg-type]
+                            if scheduler is not None and pieces:
+                                events = scheduler.push(pieces)
+                                if events:
+                                    out.append(self._encode_all(events))
+                        if queue.empty():
+                            break
+                        item = queue.get_nowait()
+                except GatewayError:
+                    if out:  # what was already released goes out before the error
+                        yield b"".join(out)
+                    raise
+                self._last_activity = self._loop.time()
+                if out:
+                    yield b"".join(out)
+                if item is _END:
                     return
-                elif item is DONE:
-                    acc.feed_done()
-                else:
-                    pieces = acc.feed(item)  # type: ignore[arg-type]
-                    if scheduler is not None and pieces:
-                        events = scheduler.push(pieces)
-                        if events:
-                            yield self._encode_all(events)
         finally:
             self._retained = acc.retained_bytes
             self.record.output_bytes = acc.retained_bytes
             await self._stop_upstream()
+
+    def _start_keepalive_timer(self) -> None:
+        """One timer per request (not one per item): when nothing has arrived for a
+        keepalive interval, a keepalive marker is queued for the consumer."""
+        self._loop = asyncio.get_running_loop()
+        self._last_activity = self._loop.time()
+        self._timer = self._loop.call_later(self.policy.keepalive_interval, self._keepalive_due)
+
+    def _keepalive_due(self) -> None:
+        interval = self.policy.keepalive_interval
+        quiet = self._loop.time() - self._last_activity
+        if quiet >= interval * 0.999:
+            if self._queue.empty():
+                self._queue.put_nowait(_TIMEOUT)
+            self._last_activity = self._loop.time()
+            quiet = 0.0
+        self._timer = self._loop.call_later(interval - quiet, self._keepalive_due)
 
     async def _answer_with_repair(self, keepalives: bool) -> AsyncIterator[bytes]:
         """Compatible mode: collect, validate, repair locally, regenerate within the bound.

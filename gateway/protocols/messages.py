@@ -13,6 +13,7 @@ stream (no ``message_stop`` after it).
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -75,13 +76,14 @@ def error_json(error: GatewayError) -> dict[str, Any]:
     }
 
 
-def usage_json(usage: Usage | None, estimate_in: int, estimate_out: int) -> dict[str, Any]:
-    """Anthropic usage from the upstream's numbers; tokenizer estimates where it gave none.
+def usage_json(usage: Usage | None, estimate_in: int, estimate_out: Callable[[], int]) -> dict[str, Any]:
+    """Anthropic usage from the upstream's numbers; tokenizer estimates where it gave none
+    (the output estimate is only computed then: it tokenizes the whole answer).
 
     Anthropic's ``input_tokens`` excludes cache reads, which it reports separately.
     """
     if usage is None or (usage.prompt_tokens == 0 and usage.completion_tokens == 0):
-        return {"input_tokens": estimate_in, "output_tokens": estimate_out}
+        return {"input_tokens": estimate_in, "output_tokens": estimate_out()}
     out: dict[str, Any] = {
         "input_tokens": max(0, usage.prompt_tokens - usage.cached_tokens),
         "output_tokens": usage.completion_tokens,
@@ -144,11 +146,10 @@ class MessagesRoom:
                     "input": parse_arguments(call.arguments) or {},
                 }
             )
-        estimate_out = (
-            count_text(completion.reasoning)
-            + count_text(completion.text)
-            + sum(count_text(c.arguments) for c in completion.tool_calls)
-        )
+        def estimate_out() -> int:
+            texts = [completion.reasoning, completion.text, *(c.arguments for c in completion.tool_calls)]
+            return sum(map(count_text, texts))
+
         return {
             "id": response_id,
             "type": "message",
@@ -173,7 +174,7 @@ class MessagesEncoder:
         self.response_id = response_id
         self.model = model
         self.input_tokens = input_tokens
-        self._output_estimate = 0
+        self._outputs: list[str] = []  # block contents, counted only if the upstream gives no usage
         self._ended = False
 
     def start(self) -> bytes:
@@ -213,7 +214,7 @@ class MessagesEncoder:
             data = {"type": "content_block_start", "index": event.index, "content_block": block}
             return sse(dumps(data), "content_block_start")
         if isinstance(event, BlockStop):
-            self._output_estimate += count_text(event.content)
+            self._outputs.append(event.content)
             return sse(
                 dumps({"type": "content_block_stop", "index": event.index}), "content_block_stop"
             )
@@ -222,7 +223,7 @@ class MessagesEncoder:
             delta = {
                 "type": "message_delta",
                 "delta": {"stop_reason": STOP_REASONS[event.finish_reason], "stop_sequence": None},
-                "usage": usage_json(event.usage, self.input_tokens, self._output_estimate),
+                "usage": usage_json(event.usage, self.input_tokens, lambda: sum(map(count_text, self._outputs))),
             }
             return sse(dumps(delta), "message_delta") + sse(
                 b'{"type":"message_stop"}', "message_stop"

@@ -12,7 +12,6 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-import bpe_openai
 import orjson
 
 #: Per message: role and separators, as OpenAI's chat format spends them.
@@ -25,6 +24,10 @@ IMAGE_TOKENS = 1600
 
 @lru_cache(maxsize=1)
 def _encoding() -> Any:
+    # imported on first use: the tables cost ~65 MiB, which a gateway that never serves
+    # Messages should not carry
+    import bpe_openai
+
     return bpe_openai.get_encoding("o200k_base")
 
 

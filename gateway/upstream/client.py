@@ -90,9 +90,11 @@ def _status_error(status: int, detail: str, retry_after: int | None) -> GatewayE
 class UpstreamClient:
     """Sends chat requests upstream and yields their parsed SSE chunks."""
 
-    def __init__(self, max_connections: int = 1000) -> None:
+    def __init__(self, max_connections: int = 1000, max_keepalive: int = 32) -> None:
+        # a modest idle pool: httpcore scans every idle connection on each request, so a
+        # large one costs more than the handshakes it saves (docs/performance.md)
         self._http = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=100),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_keepalive),
             timeout=httpx.Timeout(120.0),
         )
 
@@ -154,13 +156,15 @@ class UpstreamClient:
                     yield chunk
                 yield DONE
                 return
-            async for event in EventSource(response).aiter_sse():
+            events = EventSource(response).aiter_sse()
+            async for event in events:
                 data = event.data
                 if not data:
                     continue
                 if data == "[DONE]":
                     yield DONE
-                    break
+                    await _drain(events)
+                    return
                 try:
                     chunk = orjson.loads(data)
                 except orjson.JSONDecodeError:
@@ -173,6 +177,21 @@ class UpstreamClient:
             raise GatewayError("upstream", "upstream_disconnected", f"the upstream connection broke: {type(exc).__name__}") from None
         finally:
             await response.aclose()
+
+
+#: After ``[DONE]``, how long to wait for the body's end so the connection can be reused.
+DRAIN_SECONDS = 1.0
+
+
+async def _drain(events: AsyncIterator[Any]) -> None:
+    """Read to the end of the body: httpcore only pools a connection whose response was
+    read completely (closing early costs a new TCP/TLS connection per request)."""
+    try:
+        async with asyncio.timeout(DRAIN_SECONDS):
+            async for _ in events:
+                pass
+    except (TimeoutError, httpx.HTTPError):
+        pass
 
 
 def refuses_streaming(error: GatewayError) -> bool:
