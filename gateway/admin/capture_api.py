@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from gateway.admin.common import admin_error
 from gateway.capture import export_rollout
 
 
@@ -14,11 +15,9 @@ async def export(request: Request) -> Response:
     rollout = request.query_params.get("rollout")
     directory = request.app.state.live.current.capture_dir
     if not rollout:
-        return JSONResponse({"error": {"type": "invalid_request_error", "code": "missing_parameter",
-                                       "param": "rollout", "message": "rollout is required"}}, status_code=400)
+        return admin_error(400, "missing_parameter", "rollout is required", "rollout")
     if directory is None:
-        return JSONResponse({"error": {"type": "invalid_request_error", "code": "capture_disabled",
-                                       "param": None, "message": "capture is off (no --capture-dir)"}}, status_code=404)
+        return admin_error(404, "capture_disabled", "capture is off (no --capture-dir)")
     body = b"".join(orjson.dumps(r) + b"\n" for r in export_rollout(directory, rollout))
     return Response(body, media_type="application/x-ndjson")
 

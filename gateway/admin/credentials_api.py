@@ -7,18 +7,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from gateway.admin.common import BAD_BODY, NotAnObject, admin_error, json_object
+
 from gateway.upstream.pool import Credential, Upstream, UpstreamPool
 
 
 def _pool(request: Request) -> UpstreamPool:
     return request.app.state.relay.pool
-
-
-def _error(status: int, code: str, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"type": "invalid_request_error", "code": code, "param": param, "message": message}},
-        status_code=status,
-    )
 
 
 async def list_credentials(request: Request) -> Response:
@@ -28,22 +23,20 @@ async def list_credentials(request: Request) -> Response:
 
 async def add_credential(request: Request) -> Response:
     try:
-        payload = await request.json()
-    except ValueError:
-        return _error(400, "invalid_json", "the body must be a JSON object")
-    if not isinstance(payload, dict):
-        return _error(400, "invalid_json", "the body must be a JSON object")
+        payload = await json_object(request)
+    except NotAnObject:
+        return admin_error(400, *BAD_BODY)
     base_url, api_key = payload.get("base_url"), payload.get("api_key")
     name = payload.get("upstream") or "admin"
     if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
-        return _error(400, "invalid_value", "base_url must be an http(s) URL ending in /v1", "base_url")
+        return admin_error(400, "invalid_value", "base_url must be an http(s) URL ending in /v1", "base_url")
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
-        return _error(400, "invalid_value", "api_key must be a non-empty string", "api_key")
+        return admin_error(400, "invalid_value", "api_key must be a non-empty string", "api_key")
     pool = _pool(request)
     upstream = next((c.upstream for c in pool.credentials if c.upstream.name == name and c.upstream.base_url == base_url), None)
     credential = Credential(upstream or Upstream(str(name), base_url), api_key)
     if any(c.id == credential.id for c in pool.credentials):
-        return _error(409, "credential_exists", "this credential is already configured")
+        return admin_error(409, "credential_exists", "this credential is already configured")
     state = request.app.state.credential_state
     state.add_credential(credential.id, credential.upstream.name, base_url, api_key)
     pool.add(credential)
@@ -57,7 +50,7 @@ def _action(name: str):  # type: ignore[no-untyped-def]
         try:
             credential = getattr(pool, name)(credential_id)
         except KeyError:
-            return _error(404, "credential_not_found", f"no credential {credential_id!r}", "credential_id")
+            return admin_error(404, "credential_not_found", f"no credential {credential_id!r}", "credential_id")
         return JSONResponse(credential.public())
 
     return endpoint

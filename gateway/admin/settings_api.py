@@ -10,6 +10,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from gateway.admin.common import BAD_BODY, NotAnObject, admin_error, json_object
+
 from gateway.settings import CLI_FIELDS, LiveSettings, LockedSetting, Settings, SettingsError
 from gateway.store.saved_settings import SECRET_SETTINGS, StaleRevision
 
@@ -20,9 +22,6 @@ MODE_HELP = {
 }
 
 
-def _error(status: int, code: str, message: str, param: str | None = None, **extra: Any) -> JSONResponse:
-    body = {"error": {"type": "invalid_request_error", "code": code, "param": param, "message": message, **extra}}
-    return JSONResponse(body, status_code=status)
 
 
 def _shown(name: str, value: Any) -> Any:
@@ -58,26 +57,24 @@ async def get_settings(request: Request) -> Response:
 async def put_settings(request: Request) -> Response:
     live: LiveSettings = request.app.state.live
     try:
-        payload = await request.json()
-    except ValueError:
-        return _error(400, "invalid_json", "the body must be a JSON object")
-    if not isinstance(payload, dict):
-        return _error(400, "invalid_json", "the body must be a JSON object")
+        payload = await json_object(request)
+    except NotAnObject:
+        return admin_error(400, *BAD_BODY)
     revision, changes = payload.get("revision"), payload.get("changes")
     unset = payload.get("unset") or []
     if not isinstance(revision, int):
-        return _error(400, "missing_revision", "name the revision you read: {\"revision\": N, \"changes\": {...}}", "revision")
+        return admin_error(400, "missing_revision", "name the revision you read: {\"revision\": N, \"changes\": {...}}", "revision")
     if not isinstance(changes, dict) or not isinstance(unset, list):
-        return _error(400, "invalid_value", "changes must be an object and unset a list", "changes")
+        return admin_error(400, "invalid_value", "changes must be an object and unset a list", "changes")
     actor = getattr(request.state, "admin_actor", "admin")
     try:
         live.update(changes, revision=revision, actor=actor, unset=tuple(unset))
     except LockedSetting as exc:
-        return _error(409, "setting_locked", str(exc), exc.name, source=live.sources.get(exc.name))
+        return admin_error(409, "setting_locked", str(exc), exc.name, source=live.sources.get(exc.name))
     except StaleRevision as exc:
-        return _error(409, "stale_revision", str(exc), "revision", current_revision=exc.current)
+        return admin_error(409, "stale_revision", str(exc), "revision", current_revision=exc.current)
     except SettingsError as exc:
-        return _error(400, "invalid_value", str(exc))
+        return admin_error(400, "invalid_value", str(exc))
     return JSONResponse(settings_view(live))
 
 
