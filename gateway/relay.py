@@ -49,12 +49,20 @@ class Relay:
         #: With replicas on a shared store: this replica's share of max_concurrent
         #: (gateway.store.replicas.SharedCapacity); None = the whole cap is local.
         self.capacity: CapacityPolicy | None = None
-        self._capacity_holders: set[str] = set()
+        self._capacity_holders: dict[str, tuple[str, str]] = {}  # request id -> (protocol, mode)
 
     @property
     def in_flight(self) -> int:
         """Generation requests holding a capacity slot right now."""
         return len(self._capacity_holders)
+
+    def in_flight_by(self, dimension: str) -> dict[str, int]:
+        """Requests holding a slot now, counted by ``protocol`` or by ``mode``."""
+        position = 0 if dimension == "protocol" else 1
+        counts: dict[str, int] = {}
+        for holder in self._capacity_holders.values():
+            counts[holder[position]] = counts.get(holder[position], 0) + 1
+        return counts
 
     async def handle(self, room: ProtocolRoom, request: Request) -> Response | GenerationResponse:
         record = RequestRecord(
@@ -91,7 +99,7 @@ class Relay:
                 f"the gateway is at its limit of {limit} concurrent requests", retry_after=1,
             )
             return self._error_response(room, err, record, headers)
-        self._capacity_holders.add(record.request_id)
+        self._capacity_holders[record.request_id] = (record.protocol, record.mode)
         session = request.headers.get(settings.session_header) if settings.session_header else None
         run = GenerationRun(self, room, parsed, policy, record, session)
         run.rollout_id = request.headers.get(settings.rollout_header)
@@ -129,7 +137,7 @@ class Relay:
 
     def _finish(self, record: RequestRecord, run: GenerationRun | None = None) -> None:
         """The single exit of every generation request: frees its slot, reports it once."""
-        self._capacity_holders.discard(record.request_id)
+        self._capacity_holders.pop(record.request_id, None)
         record.ended_at = time.time()
         record.duration_ms = (record.ended_at - record.started_at) * 1000
         if record.error_code == "response_too_large":

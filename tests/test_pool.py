@@ -218,3 +218,19 @@ def test_session_stickiness_keeps_a_conversation_on_one_credential(server_loop: 
     for _ in range(4):  # without a session: round-robin
         httpx.post(gateway.base_url + "/chat/completions", json=body)
     assert len(chat_calls(a)) == 2 and len(chat_calls(b)) == 2
+
+
+def test_status_counts_in_flight_by_protocol_and_mode(server_loop: ServerLoop, upstreams: list[Simulator], tmp_path: Path) -> None:
+    gateway = gateway_on(server_loop, tmp_path, [upstreams[0].url + "/v1"], stream_mode="realtime")
+    with httpx.stream("POST", gateway.base_url + "/messages", timeout=10,
+                      json={"model": "text;chunk=2;delay=0.05", "max_tokens": 50, "messages": MESSAGES, "stream": True}) as response:
+        lines = response.iter_lines()  # keep a reference: a collected iterator closes the response
+        assert next(lines) == "event: message_start"
+        status = httpx.get(gateway.url + "/admin/api/status").json()
+        assert status["in_flight"] == 1
+        assert status["in_flight_by_protocol"] == {"messages": 1} and status["in_flight_by_mode"] == {"realtime": 1}
+    deadline = time.monotonic() + 2
+    while gateway.app.state.relay.in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    status = httpx.get(gateway.url + "/admin/api/status").json()
+    assert status["in_flight"] == 0 and status["in_flight_by_mode"] == {}

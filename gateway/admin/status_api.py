@@ -11,7 +11,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from gateway.observability.metrics import PREFIX, PROTOCOLS
 
 MAX_WINDOW = 90 * 86400.0
 
@@ -23,16 +22,6 @@ def _window(request: Request) -> float | None:
     except ValueError:
         return None
     return value if 1.0 <= value <= MAX_WINDOW else None
-
-
-def _in_flight_by_protocol(request: Request) -> dict[str, int]:
-    """From this worker's Prometheus gauge (the relay itself keeps only a total)."""
-    registry = request.app.state.observability.metrics.registry
-    out = {}
-    for protocol in PROTOCOLS:
-        value = registry.get_sample_value(PREFIX + "in_flight_requests", {"protocol": protocol})
-        out[protocol] = int(value or 0)
-    return out
 
 
 async def status(request: Request) -> Response:
@@ -63,7 +52,8 @@ async def status(request: Request) -> Response:
         "time": now,
         "window": window,
         "in_flight": relay.in_flight,
-        "in_flight_by_protocol": _in_flight_by_protocol(request),
+        "in_flight_by_protocol": relay.in_flight_by("protocol"),
+        "in_flight_by_mode": relay.in_flight_by("mode"),
         "max_concurrent": current.max_concurrent,
         "stream_mode": current.stream_mode.value,
         "revision": live.revision,

@@ -182,7 +182,7 @@ export function mount(main) {
         h("tr.group", null, h("th", { colspan: 7 }, "Protocol")),
         PROTOCOLS.map((p) => row("protocol", p, ts.by_protocol[p], st.in_flight_by_protocol[p] || 0)),
         h("tr.group", null, h("th", { colspan: 7 }, "Mode")),
-        MODES.map((m) => row("mode", m, ts.by_mode[m])))));
+        MODES.map((m) => row("mode", m, ts.by_mode[m], (st.in_flight_by_mode || {})[m] || 0)))));
   }
 
   function renderHealth(st) {
