@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.errors import GatewayError
 from gateway.protocols.base import ParsedRequest, dumps, sse
 from gateway.protocols.messages_translate import translate
-from gateway.protocols.tokens import count_chat_tokens, count_text
+from gateway.protocols.tokens import count_chat_tokens, count_text, quick_token_estimate
 from gateway.stream.accumulator import parse_arguments
 from gateway.stream.events import (
     BlockDelta,
@@ -76,14 +76,14 @@ def error_json(error: GatewayError) -> dict[str, Any]:
     }
 
 
-def usage_json(usage: Usage | None, estimate_in: int, estimate_out: Callable[[], int]) -> dict[str, Any]:
-    """Anthropic usage from the upstream's numbers; tokenizer estimates where it gave none
-    (the output estimate is only computed then: it tokenizes the whole answer).
+def usage_json(usage: Usage | None, estimate_in: Callable[[], int], estimate_out: Callable[[], int]) -> dict[str, Any]:
+    """Anthropic usage from the upstream's numbers; o200k counts where it gave none (only
+    computed then: they tokenize the whole request and answer).
 
     Anthropic's ``input_tokens`` excludes cache reads, which it reports separately.
     """
     if usage is None or (usage.prompt_tokens == 0 and usage.completion_tokens == 0):
-        return {"input_tokens": estimate_in, "output_tokens": estimate_out()}
+        return {"input_tokens": estimate_in(), "output_tokens": estimate_out()}
     out: dict[str, Any] = {
         "input_tokens": max(0, usage.prompt_tokens - usage.cached_tokens),
         "output_tokens": usage.completion_tokens,
@@ -112,7 +112,12 @@ class MessagesRoom:
             stream=t.stream,
             upstream_body=t.body,
             rules=t.rules,
-            extra={"input_tokens": count_chat_tokens(t.body), "dropped_tools": t.dropped_tools},
+            # message_start gets a quick estimate (tokenizing a 70 KB Claude Code request on
+            # the event loop for every call is not worth it: message_delta carries the
+            # upstream's real count); the o200k count only when the upstream gives none
+            extra={"input_estimate": quick_token_estimate(t.body),
+                   "input_tokens": lambda body=t.body: count_chat_tokens(body),
+                   "dropped_tools": t.dropped_tools},
         )
 
     def new_response_id(self) -> str:
@@ -127,7 +132,7 @@ class MessagesRoom:
         return None
 
     def encoder(self, request: ParsedRequest, response_id: str) -> MessagesEncoder:
-        return MessagesEncoder(response_id, request.model, request.extra.get("input_tokens", 0))
+        return MessagesEncoder(response_id, request.model, request.extra["input_estimate"], request.extra["input_tokens"])
 
     def json_body(self, request: ParsedRequest, response_id: str, completion: Completion) -> dict:
         content: list[dict[str, Any]] = []
@@ -159,7 +164,7 @@ class MessagesRoom:
             "stop_reason": STOP_REASONS[completion.finish_reason],
             "stop_sequence": None,
             "usage": usage_json(
-                completion.usage, request.extra.get("input_tokens", 0), estimate_out
+                completion.usage, request.extra["input_tokens"], estimate_out
             ),
         }
 
@@ -170,9 +175,10 @@ class MessagesRoom:
 class MessagesEncoder:
     """Canonical events -> Messages SSE frames; one id; nothing after a terminal frame."""
 
-    def __init__(self, response_id: str, model: str, input_tokens: int) -> None:
+    def __init__(self, response_id: str, model: str, input_estimate: int, input_tokens: Callable[[], int]) -> None:
         self.response_id = response_id
         self.model = model
+        self.input_estimate = input_estimate
         self.input_tokens = input_tokens
         self._outputs: list[str] = []  # block contents, counted only if the upstream gives no usage
         self._ended = False
@@ -186,7 +192,7 @@ class MessagesEncoder:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
+            "usage": {"input_tokens": self.input_estimate, "output_tokens": 0},
         }
         return sse(dumps({"type": "message_start", "message": message}), "message_start")
 
