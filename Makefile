@@ -26,3 +26,16 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) data .pytest_cache
+
+.PHONY: bench bench-peer
+
+## Benchmarks (not part of `make test`): gateway overhead vs the upstream and a raw relay -> docs/performance.md
+bench: $(STAMP)
+	@$(BIN)/python -c 'import matplotlib' 2>/dev/null && test -x $(BIN)/py-spy || $(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/python bench/run.py
+
+## The same harness with the LiteLLM proxy as one more target (installed into bench/.peer-venv only)
+bench-peer: $(STAMP)
+	@$(BIN)/python -c 'import matplotlib' 2>/dev/null && test -x $(BIN)/py-spy || $(BIN)/pip install -q -e '.[bench]'
+	PYTHON=$(PYTHON) sh bench/peer_install.sh
+	$(BIN)/python bench/run.py --peer
