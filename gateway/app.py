@@ -19,6 +19,9 @@ from gateway.protocols.responses import ResponsesRoom
 from gateway.protocols.messages import MessagesRoom, count_tokens_endpoint
 from gateway.admin import admin_mount, auth_routes
 from gateway.observability.observer import Observability, metrics_endpoint
+from gateway.models_api import keyed, list_models
+from gateway.protocols.chat import error_json as openai_error
+from gateway.protocols.messages import error_json as anthropic_error
 from gateway.relay import Relay
 from gateway.servers import bind_loopback, start_embedded, stop_embedded
 from gateway.store.db import open_database
@@ -110,9 +113,10 @@ def create_app(settings: Settings | None = None, sources: dict[str, Source] | No
     routes = [
         Route("/v1/chat/completions", generation(ChatRoom()), methods=["POST"]),
         Route("/v1/responses", generation(responses_room), methods=["POST"]),
-        Route("/v1/responses/{response_id}", responses_room.retrieve_endpoint(), methods=["GET"]),
+        Route("/v1/responses/{response_id}", keyed(responses_room.retrieve_endpoint(), openai_error), methods=["GET"]),
         Route("/v1/messages", generation(MessagesRoom()), methods=["POST"]),
-        Route("/v1/messages/count_tokens", count_tokens_endpoint, methods=["POST"]),
+        Route("/v1/messages/count_tokens", keyed(count_tokens_endpoint, anthropic_error), methods=["POST"]),
+        Route("/v1/models", keyed(list_models, openai_error), methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         *auth_routes(),

@@ -234,3 +234,33 @@ def test_status_counts_in_flight_by_protocol_and_mode(server_loop: ServerLoop, u
         time.sleep(0.01)
     status = httpx.get(gateway.url + "/admin/api/status").json()
     assert status["in_flight"] == 0 and status["in_flight_by_mode"] == {}
+
+
+def test_non_generation_routes_need_the_client_key_too(server_loop: ServerLoop, upstreams: list[Simulator], tmp_path: Path) -> None:
+    gateway = gateway_on(server_loop, tmp_path, [upstreams[0].url + "/v1"], api_key=["ck-good-3"])
+    good = {"authorization": "Bearer ck-good-3"}
+    count = {"model": "text", "messages": MESSAGES}
+    denied = httpx.post(gateway.base_url + "/messages/count_tokens", json=count)
+    assert denied.status_code == 401 and denied.json()["type"] == "error"
+    assert denied.json()["error"]["type"] == "authentication_error"
+    assert httpx.post(gateway.base_url + "/messages/count_tokens", json=count, headers=good).json()["input_tokens"] > 0
+    stored = httpx.post(gateway.base_url + "/responses", json={"model": "text", "input": "hi"}, headers=good).json()
+    assert httpx.get(gateway.base_url + f"/responses/{stored['id']}").status_code == 401
+    assert httpx.get(gateway.base_url + f"/responses/{stored['id']}", headers=good).json()["id"] == stored["id"]
+    assert httpx.get(gateway.base_url + "/models").json()["error"]["code"] == "invalid_api_key"
+
+
+def test_models_lists_what_the_upstreams_serve(server_loop: ServerLoop, upstreams: list[Simulator], tmp_path: Path) -> None:
+    config = tmp_path / "upstreams.toml"
+    config.write_text(f"""
+[[upstreams]]
+name = "mapped"
+base_url = "{upstreams[1].url}/v1"
+models = ["qwen3-coder"]
+model_map = {{"claude-sonnet" = "text"}}
+""")
+    gateway = gateway_on(server_loop, tmp_path, [upstreams[0].url + "/v1"], config=config)
+    client = openai.OpenAI(base_url=gateway.base_url, api_key="k", _strict_response_validation=True, max_retries=0)
+    listed = {m.id: m.owned_by for m in client.models.list()}
+    assert listed["qwen3-coder"] == "mapped" and listed["claude-sonnet"] == "mapped"
+    assert listed["parallel_tools"] == "upstream" and listed["echo"] == "upstream"  # the simulator's own list

@@ -49,7 +49,8 @@ class Upstream:
     model_map: dict[str, str] = field(default_factory=dict)  # client model -> upstream model
 
     def allows(self, model: str) -> bool:
-        return self.models is None or model in self.models
+        """Every model when no allow-list is set; else the list and the renamed names."""
+        return self.models is None or model in self.models or model in self.model_map
 
     def upstream_model(self, model: str) -> str:
         return self.model_map.get(model, model)
