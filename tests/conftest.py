@@ -21,6 +21,12 @@ from gateway.settings import LiveSettings, Settings
 from gateway.upstream.simulator import create_simulator_app
 
 
+#: Simulator scenarios with tool calls, every upstream quirk the assembly must survive.
+TOOL_SCENARIOS = [
+    "tool", "text_then_tool", "parallel_tools", "interleaved_tools", "missing_index", "repeated_id", "late_name",
+]
+
+
 class ServerLoop:
     """A background asyncio loop that hosts embedded uvicorn servers."""
 

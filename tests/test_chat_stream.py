@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import Gateway, Simulator
+from tests.conftest import TOOL_SCENARIOS, Gateway, Simulator
 
 WEATHER_TOOLS = [
     {
@@ -75,7 +75,7 @@ def test_text_answers_assemble(gateway: Gateway, simulator: Simulator, scenario:
 
 @pytest.mark.parametrize(
     "scenario",
-    ["tool", "text_then_tool", "parallel_tools", "interleaved_tools", "missing_index", "repeated_id", "late_name"],
+    TOOL_SCENARIOS,
 )
 @pytest.mark.parametrize("chunk", [1, 5, 64])
 def test_tool_calls_assemble(gateway: Gateway, simulator: Simulator, scenario: str, chunk: int) -> None:

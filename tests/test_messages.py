@@ -15,7 +15,7 @@ import pytest
 from gateway.protocols.messages_translate import translate
 from gateway.protocols.tokens import count_chat_tokens, count_text, quick_token_estimate
 from gateway.upstream.simulator import REASONING, TEXT
-from tests.conftest import Gateway, Simulator
+from tests.conftest import TOOL_SCENARIOS, Gateway, Simulator
 from tests.fixtures import claude_code
 
 TOOLS = [
@@ -167,15 +167,7 @@ def test_text_and_thinking_assemble(gateway: Gateway, simulator: Simulator, scen
 
 @pytest.mark.parametrize(
     "scenario",
-    [
-        "tool",
-        "text_then_tool",
-        "parallel_tools",
-        "interleaved_tools",
-        "missing_index",
-        "repeated_id",
-        "late_name",
-    ],
+    TOOL_SCENARIOS,
 )
 @pytest.mark.parametrize("chunk", [1, 5, 64])
 def test_tool_use_assembles(

@@ -14,7 +14,7 @@ import pytest
 from openai._models import validate_type
 from openai.types.responses import ResponseStreamEvent
 
-from tests.conftest import Gateway, Simulator
+from tests.conftest import TOOL_SCENARIOS, Gateway, Simulator
 
 FIXTURES = Path(__file__).parent / "fixtures"
 QUESTION = "What is the weather in Paris, and the time?"
@@ -160,15 +160,7 @@ def test_text_answers_assemble(gateway: Gateway, simulator: Simulator, scenario:
 
 @pytest.mark.parametrize(
     "scenario",
-    [
-        "tool",
-        "text_then_tool",
-        "parallel_tools",
-        "interleaved_tools",
-        "missing_index",
-        "repeated_id",
-        "late_name",
-    ],
+    TOOL_SCENARIOS,
 )
 @pytest.mark.parametrize("chunk", [1, 5, 64])
 def test_tool_calls_assemble(
