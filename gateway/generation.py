@@ -86,7 +86,7 @@ class GenerationRun:
         tried: set[str] = set()
         last_error: GatewayError | None = None
         try:
-            for attempt_no in range(1 + self.policy.failover_max):
+            for _ in range(1 + self.policy.failover_max):
                 try:
                     lease = pool.acquire(model, tried, self.session)
                 except GatewayError as err:
