@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,15 @@ from gateway.app import create_app
 from gateway.servers import bind_loopback, start_embedded, stop_embedded
 from gateway.settings import LiveSettings, Settings
 from gateway.upstream.simulator import create_simulator_app
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 5.0) -> float:
+    """Poll ``condition()`` until it holds; seconds it took (the test fails after ``timeout``)."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, "condition not met in time"
+        time.sleep(0.01)
+    return time.monotonic() - start
 
 
 #: Simulator scenarios with tool calls, every upstream quirk the assembly must survive.

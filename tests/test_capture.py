@@ -15,7 +15,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.settings import Settings
-from tests.conftest import Gateway, ServerLoop, Simulator
+from tests.conftest import Gateway, ServerLoop, Simulator, wait_for
 
 UPSTREAM_KEY = "sk-upstream-secret-77"
 CLIENT_KEY = "ck-client-secret-88"
@@ -63,15 +63,10 @@ def export_cli(capture: Path, rollout: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in out.stdout.splitlines()]
 
 
-def wait_for(capture: Path, rollout: str, count: int) -> list[dict[str, Any]]:
-    import time
-
-    deadline = time.monotonic() + 5
-    while True:
-        records = export_cli(capture, rollout)
-        if len(records) >= count or time.monotonic() > deadline:
-            return records
-        time.sleep(0.05)
+def exported(capture: Path, rollout: str, count: int) -> list[dict[str, Any]]:
+    """The rollout's records once ``count`` of them are on disk (the writer batches)."""
+    wait_for(lambda: len(export_cli(capture, rollout)) >= count)
+    return export_cli(capture, rollout)
 
 
 def check_record(record: dict[str, Any], final: Any, rollout: str, n: int) -> None:
@@ -104,7 +99,7 @@ def test_three_turn_rollout_is_captured_with_token_data(server_loop: ServerLoop,
     assert finals[0].stop_reason == "tool_use" and finals[2].stop_reason == "end_turn"
     sent = [r["body"] for r in simulator.requests() if r["path"].endswith("/chat/completions")]
     assert len(sent) == 3 and all(body["stream"] is False for body in sent)
-    records = wait_for(capture, rollout, 3)
+    records = exported(capture, rollout, 3)
     assert [r["upstream_request"]["model"] for r in records] == ["text_then_tool;chunk=6", "tool;chunk=3", "text;chunk=5"]
     for n, (record, final) in enumerate(zip(records, finals)):
         check_record(record, final, rollout, n)
@@ -130,7 +125,7 @@ def test_records_survive_a_restart_mid_rollout(server_loop: ServerLoop, simulato
     messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in final.content]},
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": final.content[0].id, "content": "ok"}]}]
     turn(second, "r-restart", "text", messages)
-    records = wait_for(capture, "r-restart", 2)
+    records = exported(capture, "r-restart", 2)
     assert [r["upstream_request"]["model"] for r in records] == ["tool;chunk=4", "text"]
     assert records[0]["started_at"] < records[1]["started_at"]
 

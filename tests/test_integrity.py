@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import Gateway, Simulator, ServerLoop, start_gateway
+from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway, wait_for
 from tests.drivers import DRIVERS
 
 BUDGET = 20_000
@@ -92,6 +92,15 @@ def test_matrix(budget_gateways: dict[str, Gateway], protocol: str, mode: str, c
         assert expect.code in outcome.error
 
 
+def audit_rows(gateway: Gateway, model: str) -> list[dict[str, Any]]:
+    """The newest audit record for ``model`` once the background writer has stored it."""
+    def newest() -> list[dict[str, Any]]:
+        return httpx.get(gateway.url + "/admin/api/audit", params={"model": model, "limit": 1}).json()["data"]
+
+    wait_for(newest)
+    return newest()
+
+
 def test_regeneration_is_bounded_and_recorded(budget_gateways: dict[str, Gateway], simulator: Simulator) -> None:
     """truncated JSON always: the original plus exactly tool_repair_attempts (2) re-asks."""
     simulator.clear()
@@ -103,14 +112,7 @@ def test_regeneration_is_bounded_and_recorded(budget_gateways: dict[str, Gateway
     for body in sent[1:]:
         assert body["messages"][:-1] == sent[0]["messages"]
         assert "not a JSON object" in body["messages"][-1]["content"]
-    gateway = budget_gateways["compatible"]
-    deadline = time.monotonic() + 5
-    while True:  # the audit row says what each attempt did
-        rows = httpx.get(gateway.url + "/admin/api/audit", params={"model": "invalid_json;chunk=4", "limit": 1}).json()
-        records = rows["data"]
-        if records or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    records = audit_rows(budget_gateways["compatible"], "invalid_json;chunk=4")  # what each attempt did
     repairs = records[0]["repairs"]
     assert [(r["kind"], r["attempt"], r["outcome"]) for r in repairs] == [
         ("original", 0, "invalid"), ("regenerate", 1, "invalid"), ("regenerate", 2, "invalid")]
@@ -122,13 +124,7 @@ def test_a_repaired_answer_records_its_attempts(budget_gateways: dict[str, Gatew
     gateway = budget_gateways["compatible"]
     outcome = DRIVERS["messages"](gateway.url, "invalid_json;repairable=1;chunk=3")
     assert outcome.ok and outcome.tools == [("get_weather", {"city": "Paris", "unit": "celsius"})]
-    deadline = time.monotonic() + 5
-    while True:
-        rows = httpx.get(gateway.url + "/admin/api/audit", params={"model": "invalid_json;repairable=1;chunk=3", "limit": 1}).json()
-        records = rows["data"]
-        if records or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    records = audit_rows(gateway, "invalid_json;repairable=1;chunk=3")
     assert [(r["kind"], r["outcome"]) for r in records[0]["repairs"]] == [("original", "invalid"), ("regenerate", "valid")]
     assert records[0]["outcome"] == "success" and records[0]["tool_calls"] == 1
 

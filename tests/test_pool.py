@@ -16,7 +16,7 @@ from gateway.app import create_app
 from gateway.settings import Settings
 from gateway.upstream.pool import fingerprint
 from gateway.upstream.simulator import create_simulator_app
-from tests.conftest import Gateway, ServerLoop, Simulator
+from tests.conftest import Gateway, ServerLoop, Simulator, wait_for
 from tests.drivers import DRIVERS
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -175,15 +175,11 @@ def test_client_disconnect_closes_the_upstream_promptly(server_loop: ServerLoop,
         for _ in zip(range(5), response.iter_lines()):
             pass
         closed_at = time.monotonic()
-    deadline = time.monotonic() + 2
-    while sim.stats()["cancelled"] == before and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_for(lambda: sim.stats()["cancelled"] > before, timeout=2)
     stats = sim.stats()
     assert stats["cancelled"] == before + 1 and stats["open_streams"] == 0
     assert stats["last_cancel_at"] - closed_at < 0.1
-    deadline = time.monotonic() + 2
-    while gateway.app.state.relay.in_flight and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_for(lambda: gateway.app.state.relay.in_flight == 0, timeout=2)
     assert gateway.app.state.relay.in_flight == 0 and gateway.app.state.relay.pool.in_flight == 0
 
 
@@ -229,9 +225,7 @@ def test_status_counts_in_flight_by_protocol_and_mode(server_loop: ServerLoop, u
         status = httpx.get(gateway.url + "/admin/api/status").json()
         assert status["in_flight"] == 1
         assert status["in_flight_by_protocol"] == {"messages": 1} and status["in_flight_by_mode"] == {"realtime": 1}
-    deadline = time.monotonic() + 2
-    while gateway.app.state.relay.in_flight and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: gateway.app.state.relay.in_flight == 0, timeout=2)
     status = httpx.get(gateway.url + "/admin/api/status").json()
     assert status["in_flight"] == 0 and status["in_flight_by_mode"] == {}
 

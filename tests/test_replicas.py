@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from gateway.settings import Settings
 from gateway.store.replicas import CREDENTIAL_POLL
 from gateway.store.saved_settings import REVISION_MAX_AGE
 from gateway.upstream.simulator import create_simulator_app
-from tests.conftest import Gateway, ServerLoop, Simulator, with_search_path
+from tests.conftest import Gateway, ServerLoop, Simulator, wait_for, with_search_path
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 MAX_CONCURRENT = 6
@@ -51,13 +51,6 @@ class Pair:
     def chat_calls(self) -> int:
         return sum(1 for r in self.sim.requests() if r["path"].endswith("/chat/completions"))
 
-
-def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> float:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout, "condition not met in time"
-        time.sleep(0.01)
-    return time.monotonic() - start
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from gateway.store.replicas import Replication, share
 from gateway.store.responses import ResponseStore
 from gateway.store.saved_settings import SavedSettings, StaleRevision
 from gateway.upstream.pool import Credential, Upstream, UpstreamPool
+from tests.conftest import wait_for
 
 LATEST = max(v for v, _ in MIGRATIONS)
 
@@ -49,14 +50,6 @@ def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[
     for db in opened:
         db.close()
 
-
-def wait_for(condition: Callable[[], bool], timeout: float = 3.0) -> float:
-    """Seconds until ``condition()`` held (fails after ``timeout``)."""
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout, "condition not met in time"
-        time.sleep(0.01)
-    return time.monotonic() - start
 
 
 def record(request_id: str, **fields: Any) -> RequestRecord:
@@ -171,7 +164,7 @@ def test_saved_settings_revisions_stale_and_history(opener: Callable[[], Store])
         if b.max_age == 0:  # SQLite: read per call, seen at once
             assert b.revision() == 1
         else:  # PostgreSQL: the polled revision is at most max_age (+ one query) old
-            assert wait_for(lambda: b.revision() == 1) <= b.max_age + 0.5
+            assert wait_for(lambda: b.revision() == 1, timeout=3.0) <= b.max_age + 0.5
         assert b.load() == (1, {"stream_mode": "realtime", "api_key": ["ck-1"]})
         with pytest.raises(StaleRevision) as stale:
             b.write(0, {"stream_mode": "compatible"}, [], "bob")
