@@ -22,7 +22,7 @@ from gateway.observability.observer import Observability, metrics_endpoint
 from gateway.models_api import keyed, list_models
 from gateway.protocols.chat import error_json as openai_error
 from gateway.protocols.messages import error_json as anthropic_error
-from gateway.relay import Relay
+from gateway.relay import GenerationService
 from gateway.servers import bind_loopback, start_embedded, stop_embedded
 from gateway.store.db import open_database
 from gateway.store.saved_settings import SavedSettings
@@ -60,7 +60,7 @@ def create_app(settings: Settings | None = None, sources: dict[str, Source] | No
     live = LiveSettings(settings, sources or {}, saved)
     upstream = UpstreamClient()
     observability = Observability(live, db)
-    relay = Relay(live, upstream, observability.observer)
+    relay = GenerationService(live, upstream, observability.observer)
     credential_state = CredentialState(db)
     # several processes on one store (PostgreSQL replicas, --workers): shared cap and health
     replication = Replication(db, settings.replica_id, lambda: relay.in_flight) if db.shared or settings.workers > 1 else None

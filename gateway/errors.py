@@ -4,10 +4,35 @@ Each protocol room renders a :class:`GatewayError` in its own shape (an OpenAI
 ``{"error": {...}}`` body, an Anthropic ``{"type": "error", ...}`` body, or the
 matching in-stream error event). ``kind`` says what went wrong for the client; ``code``
 names the precise reason and is stable for clients and dashboards to match on.
+
+kind -> HTTP status -> codes (an :class:`ErrorCode`, str-valued so the JSON is unchanged):
+
+=================  ======  ==========================================================
+kind               status  codes
+=================  ======  ==========================================================
+invalid_request    400     invalid_json, invalid_request, invalid_type, invalid_value,
+                           missing_required_parameter, n_not_supported,
+                           unsupported_tool_choice, unsupported_tool_type,
+                           duplicate_tool_name, previous_response_not_found,
+                           upstream_rejected (the upstream's 400/413/422)
+authentication     401     invalid_api_key
+not_found          404     upstream_not_found, response_not_found
+rate_limit         429     upstream_rate_limited, no_upstream_available (all cool down)
+upstream           502     upstream_error, upstream_unreachable, upstream_disconnected,
+                           upstream_bad_frame, upstream_auth_failed, upstream_incomplete,
+                           tool_call_invalid, tool_identity_changed, empty_response,
+                           response_too_large, failover_exhausted, model_not_available
+timeout            504     upstream_timeout, upstream_idle_timeout
+overloaded         503     capacity_exceeded, upstream_unavailable, upstream_capacity,
+                           server_shutting_down
+internal           500     internal_error
+(no status)        499     client_disconnected (audit only: the client went away)
+=================  ======  ==========================================================
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Literal
 
 ErrorKind = Literal[
@@ -33,6 +58,23 @@ STATUS_BY_KIND: dict[ErrorKind, int] = {
     "overloaded": 503,
     "internal": 500,
 }
+
+
+class ErrorCode(StrEnum):
+    """Codes compared across modules (the table above lists every code by kind)."""
+
+    INVALID_REQUEST = "invalid_request"
+    INVALID_JSON = "invalid_json"
+    INVALID_API_KEY = "invalid_api_key"
+    CAPACITY_EXCEEDED = "capacity_exceeded"
+    TOOL_CALL_INVALID = "tool_call_invalid"
+    TOOL_IDENTITY_CHANGED = "tool_identity_changed"
+    RESPONSE_TOO_LARGE = "response_too_large"
+    UPSTREAM_INCOMPLETE = "upstream_incomplete"
+    EMPTY_RESPONSE = "empty_response"
+    SERVER_SHUTTING_DOWN = "server_shutting_down"
+    INTERNAL_ERROR = "internal_error"
+    CLIENT_DISCONNECTED = "client_disconnected"
 
 
 class GatewayError(Exception):

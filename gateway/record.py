@@ -1,8 +1,9 @@
 """What one generation request did, and who is told about it.
 
-The relay fills one :class:`RequestRecord` per generation request and reports it to a
-:class:`RequestObserver` exactly twice: when it starts and, once, when it ends (success,
-error, cancelled, invalid or refused). Audit, metrics and logs all read the same record.
+The gateway fills one :class:`RequestRecord` per generation request. Its
+:class:`RequestObserver` is told when the request starts (``on_start``) and, exactly
+once, when it ends (``on_finish``: success, error, cancelled, invalid or refused — written
+by :class:`gateway.outcome.RequestOutcome`). Audit, metrics and logs all read the same record.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class RequestRecord:
     http_status: int = 200
     finish_reason: str | None = None
     ttfb_ms: float | None = None  # first byte sent to the client
+    ttft_ms: float | None = None  # first content delta (text, reasoning, tool arguments) written
     duration_ms: float = 0.0
     ended_at: float = 0.0
     output_bytes: int = 0

@@ -1,7 +1,7 @@
 """The one place that wires a generation request: client key, parse, policy snapshot,
 capacity, then a :class:`~gateway.generation.GenerationRun` answered as JSON or as a
-stream, and the record reported exactly once. The only request-path code doing I/O, with
-``generation.py``.
+stream. Every way out goes through one :class:`~gateway.outcome.RequestOutcome`, which
+writes the outcome and reports the record exactly once.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import contextlib
 import hmac
 import secrets
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -18,12 +19,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.capture import CaptureWriter
-from gateway.errors import GatewayError
-from gateway.generation import GenerationRun
+from gateway.errors import ErrorCode, GatewayError
+from gateway.generation import GenerationRun, RunningGenerations, capture_record, note_run
+from gateway.outcome import RequestOutcome, internal_error
 from gateway.policy import StreamPolicy
 from gateway.protocols.base import ProtocolRoom
 from gateway.record import RequestObserver, RequestRecord
 from gateway.settings import LiveSettings
+from gateway.upstream.attempts import UpstreamAttempts
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.pool import UpstreamPool, fingerprint
 
@@ -37,8 +40,9 @@ SSE_HEADERS = {
 }
 
 
-class Relay:
-    """Serves generation requests for every protocol room."""
+class GenerationService:
+    """Wires generation requests for every protocol room (it does not relay bytes itself:
+    :class:`~gateway.generation.GenerationRun` does)."""
 
     def __init__(self, live: LiveSettings, upstream: UpstreamClient, observer: RequestObserver) -> None:
         self.live = live
@@ -49,19 +53,20 @@ class Relay:
         #: With replicas on a shared store: this replica's share of max_concurrent
         #: (gateway.store.replicas.SharedCapacity); None = the whole cap is local.
         self.capacity: CapacityPolicy | None = None
-        self._capacity_holders: dict[str, tuple[str, str]] = {}  # request id -> (protocol, mode)
+        #: the generations holding a capacity slot now; ``running.abort_all(err)`` ends them
+        self.running = RunningGenerations()
 
     @property
     def in_flight(self) -> int:
         """Generation requests holding a capacity slot right now."""
-        return len(self._capacity_holders)
+        return len(self.running)
 
     def in_flight_by(self, dimension: str) -> dict[str, int]:
         """Requests holding a slot now, counted by ``protocol`` or by ``mode``."""
-        position = 0 if dimension == "protocol" else 1
         counts: dict[str, int] = {}
-        for holder in self._capacity_holders.values():
-            counts[holder[position]] = counts.get(holder[position], 0) + 1
+        for run in self.running:
+            key = run.record.protocol if dimension == "protocol" else run.record.mode
+            counts[key] = counts.get(key, 0) + 1
         return counts
 
     async def handle(self, room: ProtocolRoom, request: Request) -> Response | GenerationResponse:
@@ -73,78 +78,99 @@ class Relay:
         record.mode = policy.mode.value
         self.observer.on_start(record)
         headers = {"x-request-id": record.request_id, "x-codebuddy2api-stream-mode": policy.mode.value}
+        run: GenerationRun | None = None
+        outcome = RequestOutcome(record, lambda: self._report(record, run))
         try:
             body = await request.body()
         except ClientDisconnect:
-            record.outcome, record.error_code, record.http_status = "cancelled", "client_disconnected", 499
-            self._finish(record)
+            outcome.cancelled(http_status=499)
             return Response(status_code=499)
         if settings.audit_bodies:
             record.bodies = {"request": body.decode("utf-8", "replace")}
         try:
             record.client_key_fingerprint = check_client_key(request, settings.api_key)
+        except GatewayError as err:
+            outcome.refused(err)
+            return error_response(room, err, headers)
+        try:
             parsed = room.parse(body, dict(request.query_params))
             record.model = parsed.model
             record.upstream_model = str(parsed.upstream_body.get("model", parsed.model))
             record.streamed = parsed.stream
-            await room.resolve(parsed)
+            parsed = await room.resolve(parsed)
         except GatewayError as err:
-            record.outcome = "refused" if err.kind == "authentication" else "invalid"
-            return self._error_response(room, err, record, headers)
+            outcome.invalid(err)
+            return error_response(room, err, headers)
+        except Exception as exc:  # a bug of ours (parser, tokenizer, store): a 500, not a traceback
+            err = internal_error(exc, record.request_id, "parse")
+            outcome.failed(err)
+            return error_response(room, err, headers)
         limit = settings.max_concurrent if self.capacity is None else self.capacity.limit(settings.max_concurrent)
         if self.in_flight >= limit:
-            record.outcome = "refused"
             err = GatewayError(
-                "overloaded", "capacity_exceeded",
+                "overloaded", ErrorCode.CAPACITY_EXCEEDED,
                 f"the gateway is at its limit of {limit} concurrent requests", retry_after=1,
             )
-            return self._error_response(room, err, record, headers)
-        self._capacity_holders[record.request_id] = (record.protocol, record.mode)
+            outcome.refused(err)
+            return error_response(room, err, headers)
         session = request.headers.get(settings.session_header) if settings.session_header else None
-        run = GenerationRun(self, room, parsed, policy, record, session)
+        try:
+            run = GenerationRun(room, parsed, policy, record, UpstreamAttempts(self.pool, self.upstream, policy, session))
+        except Exception as exc:
+            err = internal_error(exc, record.request_id, "encoder")
+            outcome.failed(err)
+            return error_response(room, err, headers)
         run.rollout_id = request.headers.get(settings.rollout_header)
+        self.running.add(run)
         if parsed.stream:
-            return GenerationResponse(run, headers, self)
+            return GenerationResponse(run, headers, lambda complete: _stream_outcome(outcome, run, complete))
+        return await self._answer_json(room, run, outcome, headers)
+
+    async def _answer_json(
+        self, room: ProtocolRoom, run: GenerationRun, outcome: RequestOutcome, headers: dict[str, str]
+    ) -> Response:
         try:
             completion = await run.collect()
-            await room.completed(parsed, run.response_id, completion, None)
+            await room.completed(run.parsed, run.response_id, completion, None)
+            body = room.json_body(run.parsed, run.response_id, completion)
         except GatewayError as err:
-            return self._error_response(room, err, record, headers, run)
+            run.error = err
         except asyncio.CancelledError:
-            record.outcome = "cancelled"
-            record.error_code = "client_disconnected"
-            self._finish(record, run)
+            outcome.cancelled()
             raise
-        run.note_completion(completion)
-        record.outcome = "success"
-        self._finish(record, run)
-        return JSONResponse(room.json_body(parsed, run.response_id, completion), headers=headers)
+        except Exception as exc:  # a bug of ours: the room's 500, audited as an error
+            run.error = internal_error(exc, run.record.request_id, "json")
+        if run.error is not None:
+            outcome.failed(run.error)
+            return error_response(room, run.error, headers)
+        outcome.succeeded()
+        return JSONResponse(body, headers=headers)
 
-    def _error_response(
-        self,
-        room: ProtocolRoom,
-        err: GatewayError,
-        record: RequestRecord,
-        headers: dict[str, str],
-        run: GenerationRun | None = None,
-    ) -> Response:
-        if record.outcome not in ("invalid", "refused"):
-            record.outcome = "error"
-        record.error_code = err.code
-        record.http_status = err.status
-        self._finish(record, run)
-        return error_response(room, err, headers)
-
-    def _finish(self, record: RequestRecord, run: GenerationRun | None = None) -> None:
-        """The single exit of every generation request: frees its slot, reports it once."""
-        self._capacity_holders.pop(record.request_id, None)
+    def _report(self, record: RequestRecord, run: GenerationRun | None) -> None:
+        """The single exit of every generation request (called once, by its
+        RequestOutcome): frees its slot, completes the record, reports it."""
+        self.running.discard(record.request_id)
         record.ended_at = time.time()
         record.duration_ms = (record.ended_at - record.started_at) * 1000
-        if record.error_code == "response_too_large":
-            record.budget_exceeded = True
+        if run is not None:
+            note_run(record, run)
         self.observer.on_finish(record)
         if self.capture is not None and run is not None:
-            self.capture.submit(run.capture_record())
+            self.capture.submit(capture_record(run))
+
+
+#: The old name, kept for imports elsewhere; it wires, it does not relay.
+Relay = GenerationService
+
+
+def _stream_outcome(outcome: RequestOutcome, run: GenerationRun, complete: bool) -> None:
+    """How a streamed request ended, decided once after its response stopped."""
+    if not complete:
+        outcome.cancelled()
+    elif run.error is not None:
+        outcome.failed(run.error, committed=run.committed)
+    else:
+        outcome.succeeded()
 
 
 def check_client_key(request: Request, keys: list[Any]) -> str | None:
@@ -177,19 +203,19 @@ class GenerationResponse:
 
     Holds the status line until the run's first output: a GatewayError then becomes a
     real HTTP error; bytes commit a 200 SSE stream. Races the stream against client
-    disconnect (as Starlette's StreamingResponse does) and records the request once.
+    disconnect (as Starlette's StreamingResponse does); when both have stopped it calls
+    ``on_complete(complete)`` once (``complete`` False: the client went away first).
     """
 
-    def __init__(self, run: GenerationRun, headers: dict[str, str], relay: Relay) -> None:
+    def __init__(self, run: GenerationRun, headers: dict[str, str], on_complete: Callable[[bool], None]) -> None:
         self.run = run
         self.headers = headers
-        self.relay = relay
+        self.on_complete = on_complete
+        self._complete = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        record = self.run.record
         sender = asyncio.create_task(self._send_stream(send))
         listener = asyncio.create_task(_wait_for_disconnect(receive))
-        self._complete = False
         try:
             await asyncio.wait({sender, listener}, return_when=asyncio.FIRST_COMPLETED)
             if not sender.done():
@@ -199,12 +225,13 @@ class GenerationResponse:
         except asyncio.CancelledError:
             sender.cancel()
             raise
+        except Exception as exc:  # writing failed in a way of ours: an error, not a disconnect
+            if self.run.error is None:
+                self.run.error = internal_error(exc, self.run.record.request_id, "send")
+            self._complete = True
         finally:
             listener.cancel()
-            if not self._complete:  # decided after the sender stopped: nothing overwrites it
-                record.outcome = "cancelled"
-                record.error_code = "client_disconnected"
-            self.relay._finish(record, self.run)
+            self.on_complete(self._complete)  # decided after the sender stopped
 
     async def _send_stream(self, send: Send) -> None:
         record = self.run.record

@@ -48,8 +48,9 @@ class ProtocolRoom(Protocol):
 
     def parse(self, body: bytes, query: dict[str, str]) -> ParsedRequest: ...
 
-    async def resolve(self, request: ParsedRequest) -> None:
-        """Complete the request with stored state (e.g. previous_response_id); may raise."""
+    async def resolve(self, request: ParsedRequest) -> ParsedRequest:
+        """The request completed with stored state (e.g. previous_response_id), as a new
+        request (the parsed one is left as it was); may raise."""
 
     async def completed(
         self, request: ParsedRequest, response_id: str, completion: Completion, encoder: StreamEncoder | None

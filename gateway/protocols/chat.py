@@ -134,8 +134,8 @@ class ChatRoom:
     def new_response_id(self) -> str:
         return "chatcmpl-" + secrets.token_hex(12)
 
-    async def resolve(self, request: ParsedRequest) -> None:
-        return None
+    async def resolve(self, request: ParsedRequest) -> ParsedRequest:
+        return request
 
     async def completed(self, request: ParsedRequest, response_id: str, completion: Completion, encoder: object) -> None:
         return None

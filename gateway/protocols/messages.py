@@ -123,8 +123,8 @@ class MessagesRoom:
     def new_response_id(self) -> str:
         return "msg_" + secrets.token_hex(12)
 
-    async def resolve(self, request: ParsedRequest) -> None:
-        return None
+    async def resolve(self, request: ParsedRequest) -> ParsedRequest:
+        return request
 
     async def completed(
         self, request: ParsedRequest, response_id: str, completion: Completion, encoder: object

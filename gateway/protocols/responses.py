@@ -12,6 +12,7 @@ from exactly what was streamed; no ``[DONE]``. Keepalive is a repeated
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from typing import Any
@@ -387,11 +388,12 @@ class ResponsesRoom:
     def new_response_id(self) -> str:
         return _new_id("resp_")
 
-    async def resolve(self, request: ParsedRequest) -> None:
-        """Prepend a stored response's conversation (input, then output)."""
+    async def resolve(self, request: ParsedRequest) -> ParsedRequest:
+        """A new request with the stored response's conversation (input, then output)
+        prepended."""
         previous = request.extra.get("previous_response_id")
-        if not previous or request.extra.get("resolved"):
-            return
+        if not previous:
+            return request
         record = await self.store.load(previous)
         if record is None:
             raise invalid_request(
@@ -403,9 +405,9 @@ class ResponsesRoom:
         prior = list(record.get("history") or []) + list(record.get("output") or [])
         at = request.extra["instructions_count"]
         messages = request.upstream_body["messages"]
-        request.upstream_body["messages"] = messages[:at] + prior + messages[at:]
-        request.extra["history"] = prior + request.extra["history"]
-        request.extra["resolved"] = True
+        upstream_body = {**request.upstream_body, "messages": messages[:at] + prior + messages[at:]}
+        extra = {**request.extra, "history": prior + request.extra["history"], "previous_response_id": None}
+        return dataclasses.replace(request, upstream_body=upstream_body, extra=extra)
 
     async def completed(
         self, request: ParsedRequest, response_id: str, completion: Completion, encoder: object

@@ -1,5 +1,6 @@
 """Compatible-mode tool-call repair: first locally where provably safe, then by asking
-the upstream again (the relay does that I/O; this module builds the request).
+the upstream again. :class:`RepairPolicy` decides each step (pure); the generation loop
+does the I/O of a regeneration; this module builds its request.
 
 Local repair (json-repair for the structure, jsonschema for the meaning) is accepted only
 when it invents nothing: markdown fences and prose around the object are stripped,
@@ -18,14 +19,15 @@ import json_repair
 import jsonschema
 import orjson
 
-from gateway.errors import GatewayError
-from gateway.stream.accumulator import ToolSlot, parse_arguments
+from gateway.errors import ErrorCode, GatewayError
+from gateway.stream.accumulator import ChatSSEAccumulator, ToolSlot, parse_arguments
+from gateway.stream.events import Completion
 
 REPAIR_MARKER = "[codebuddy2api repair]"
 _FENCE = re.compile(r"^\s*```[a-zA-Z0-9_-]*\s*\n?(.*?)\n?\s*```\s*$", re.DOTALL)
 
 #: Errors a regeneration can cure; anything else (budget, upstream failure) is final.
-REPAIRABLE_CODES = frozenset({"tool_call_invalid", "tool_identity_changed"})
+REPAIRABLE_CODES = frozenset({ErrorCode.TOOL_CALL_INVALID, ErrorCode.TOOL_IDENTITY_CHANGED})
 
 
 def tool_schemas(upstream_body: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -114,3 +116,55 @@ def regeneration_body(upstream_body: dict[str, Any], error: GatewayError) -> dic
         },
     ]
     return body
+
+
+def usage_dict(acc: ChatSSEAccumulator) -> dict[str, int]:
+    u = acc.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens} if u else {}
+
+
+class RepairPolicy:
+    """Decides, for each collected answer, whether it stands, is repaired locally, is
+    regenerated (returns the next upstream body) or fails. No I/O.
+
+    Once repair is involved, every attempt is logged in :attr:`log` (kind, attempt,
+    outcome, reason, usage) for the audit record.
+    """
+
+    def __init__(self, upstream_body: dict[str, Any], max_regenerations: int) -> None:
+        self.upstream_body = upstream_body
+        self.max_regenerations = max_regenerations
+        self.schemas = tool_schemas(upstream_body)
+        self.log: list[dict[str, Any]] = []
+
+    def decide(self, acc: ChatSSEAccumulator, attempt: int) -> Completion | dict[str, Any]:
+        """The validated answer of ``attempt`` (0 = original), or the body of the next
+        regeneration; raises the final GatewayError when neither is possible."""
+        kind = "original" if attempt == 0 else "regenerate"
+        usage = usage_dict(acc)
+        try:
+            completion = acc.seal()
+        except GatewayError as err:
+            if err.code not in REPAIRABLE_CODES:
+                raise
+            error = err
+        else:
+            if attempt:
+                self.log.append({"kind": kind, "attempt": attempt, "outcome": "valid", "usage": usage})
+            return completion
+        if error.code == ErrorCode.TOOL_CALL_INVALID and repair_slots_locally(acc.slots, self.schemas):
+            try:
+                completion = acc.seal()
+            except GatewayError:
+                pass
+            else:
+                self.log.append(
+                    {"kind": "local", "attempt": attempt, "outcome": "repaired", "reason": error.message, "usage": usage}
+                )
+                return completion
+        self.log.append({"kind": kind, "attempt": attempt, "outcome": "invalid", "reason": error.message, "usage": usage})
+        if attempt >= self.max_regenerations:
+            raise GatewayError(
+                error.kind, error.code, f"{error.message} (still invalid after {attempt} regeneration attempt(s))"
+            )
+        return regeneration_body(self.upstream_body, error)

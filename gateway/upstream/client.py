@@ -19,18 +19,16 @@ from httpx_sse import EventSource
 
 from gateway.errors import GatewayError
 from gateway.policy import StreamPolicy
+from gateway.stream.answer import DONE, Done
 from gateway.upstream.pool import Credential
 
-
-class Done:
-    """The upstream sent ``data: [DONE]``."""
+__all__ = ["ANSWERED", "DONE", "Answered", "Done", "UpstreamClient", "UpstreamItem"]
 
 
 class Answered:
     """The upstream answered 200 with its headers (the client's status may be committed)."""
 
 
-DONE = Done()
 ANSWERED = Answered()
 
 UpstreamItem = dict[str, Any] | Done | Answered

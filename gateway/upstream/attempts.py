@@ -1,0 +1,84 @@
+"""One upstream answer, with failover: pool + client + policy -> an async iterator of items.
+
+While the upstream has not answered 200 (so nothing reached the client), a failed attempt
+is reported to the pool and the next credential is tried, up to ``policy.failover_max``
+more times. Every attempt is logged in :attr:`UpstreamAttempts.log` (credential
+fingerprint, upstream name, HTTP status, error code, duration); the request record is
+not touched here — the generation copies the log when it reports the request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from gateway.errors import GatewayError
+from gateway.policy import StreamPolicy
+from gateway.upstream.client import ANSWERED, UpstreamClient, UpstreamItem
+from gateway.upstream.pool import UpstreamPool
+
+
+class UpstreamAttempts:
+    """Streams one upstream answer for a body, failing over between credentials."""
+
+    def __init__(self, pool: UpstreamPool, client: UpstreamClient, policy: StreamPolicy, session: str | None = None) -> None:
+        self.pool = pool
+        self.client = client
+        self.policy = policy
+        self.session = session
+        #: every attempt of this request (over every regeneration), oldest first
+        self.log: list[dict[str, Any]] = []
+        self.upstream_model: str | None = None  # the model name the last attempt sent
+
+    async def stream(self, body: dict[str, Any]) -> AsyncIterator[UpstreamItem]:
+        """Yield ANSWERED, then the chunks (and DONE) of one answer; raise GatewayError
+        when every allowed attempt failed or the answer broke after it began."""
+        pool = self.pool
+        model = str(body.get("model", ""))
+        tried: set[str] = set()
+        last_error: GatewayError | None = None
+        for _ in range(1 + self.policy.failover_max):
+            try:
+                lease = pool.acquire(model, tried, self.session)
+            except GatewayError as err:
+                # after a failed attempt, the client hears what the upstream said, unless
+                # every credential now cools down: then when to come back
+                raise (last_error if last_error is not None and err.kind != "rate_limit" else err) from None
+            credential = lease.credential
+            tried.add(credential.id)
+            upstream_body = dict(body, model=credential.upstream.upstream_model(model))
+            self.upstream_model = upstream_body["model"]
+            attempt: dict[str, Any] = {
+                "credential": credential.fingerprint, "upstream": credential.upstream.name, "status": None,
+            }
+            self.log.append(attempt)
+            started = time.monotonic()
+            answered = False
+            try:
+                async for item in self.client.stream_chat(credential, upstream_body, self.policy):
+                    if item is ANSWERED:
+                        answered = True
+                        attempt["status"] = 200
+                    yield item
+                return
+            except GatewayError as err:
+                attempt["status"] = err.upstream_status
+                attempt["error"] = err.code
+                if answered or not pool.report_failure(credential, model, err):
+                    raise
+                last_error = err
+            finally:
+                lease.release()
+                attempt["duration_ms"] = round((time.monotonic() - started) * 1000, 1)
+        raise self._after_failover(model, tried, last_error)
+
+    def _after_failover(self, model: str, tried: set[str], last_error: GatewayError | None) -> GatewayError:
+        """Failover is used up: when every credential now cools down, say when to retry."""
+        assert last_error is not None
+        try:
+            self.pool.acquire(model, tried).release()
+        except GatewayError as err:
+            if err.kind == "rate_limit":
+                return err
+        return last_error
