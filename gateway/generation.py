@@ -160,8 +160,9 @@ class GenerationRun:
             body = answer.begin()
         self.completion = answer.completion
         if streaming:
+            out = self._commit() + self._encode_all(events)
             self.terminated = True
-            yield self._commit() + self._encode_all(events)
+            yield out
 
     async def _read(self, body: dict[str, Any], keepalives: bool) -> AsyncIterator[bytes]:
         """One upstream answer: what the client may see meanwhile (opening frames,

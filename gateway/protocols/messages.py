@@ -225,12 +225,12 @@ class MessagesEncoder:
                 dumps({"type": "content_block_stop", "index": event.index}), "content_block_stop"
             )
         if isinstance(event, Finish):
-            self._ended = True
             delta = {
                 "type": "message_delta",
                 "delta": {"stop_reason": STOP_REASONS[event.finish_reason], "stop_sequence": None},
                 "usage": usage_json(event.usage, self.input_tokens, lambda: sum(map(count_text, self._outputs))),
             }
+            self._ended = True  # only once the frames exist: a failure above still gets its error event
             return sse(dumps(delta), "message_delta") + sse(
                 b'{"type":"message_stop"}', "message_stop"
             )
