@@ -110,7 +110,9 @@ class ToolRules:
 
 
 class ChatSSEAccumulator:
-    """Merges upstream chunks; enforces the output-byte budget; validates the terminal."""
+    """Fed the upstream's Chat Completions stream one parsed SSE chunk dict at a time
+    (``feed``; the SSE framing and JSON parsing happen in the upstream client): merges the
+    deltas, enforces the output-byte budget, validates the terminal (``seal``)."""
 
     def __init__(self, max_collect_bytes: int = 0, rules: ToolRules | None = None) -> None:
         self.max_collect_bytes = max_collect_bytes

@@ -88,10 +88,14 @@ def _status_error(status: int, detail: str, retry_after: int | None) -> GatewayE
 class UpstreamClient:
     """Sends chat requests upstream and yields their parsed SSE chunks."""
 
-    def __init__(self, max_connections: int = 1000, max_keepalive: int = 32) -> None:
+    def __init__(
+        self, max_connections: int = 1000, max_keepalive: int = 32, http: httpx.AsyncClient | None = None
+    ) -> None:
+        """``http``: an injected client (tests pass one on ``httpx.MockTransport``); by
+        default a pooled one. Either way this object owns it and closes it."""
         # a modest idle pool: httpcore scans every idle connection on each request, so a
         # large one costs more than the handshakes it saves (docs/performance.md)
-        self._http = httpx.AsyncClient(
+        self._http = http or httpx.AsyncClient(
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_keepalive),
             timeout=httpx.Timeout(120.0),
         )

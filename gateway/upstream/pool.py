@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -28,7 +29,11 @@ log = structlog.get_logger("gateway.pool")
 ANY_MODEL = "*"
 #: How long a credential is tried last after a 5xx or a connect failure (seconds). It is
 #: a penalty, not a cooldown: with nothing healthier left it is still used.
-SERVER_ERROR_COOLDOWN = 5.0
+SERVER_ERROR_PENALTY = 5.0
+#: Stickiness (session -> credential) is bounded: at most this many sessions, each
+#: forgotten after this many seconds without a request (least recently used go first).
+STICKY_MAX_SESSIONS = 10_000
+STICKY_TTL_SECONDS = 3600.0
 #: Cooldown after a 429 that carried no Retry-After (seconds).
 DEFAULT_RATE_LIMIT_COOLDOWN = 30.0
 
@@ -115,6 +120,41 @@ class Lease:
             self.credential.in_flight -= 1
 
 
+class StickySessions:
+    """session -> credential id, bounded by count (LRU) and by idle time (TTL)."""
+
+    def __init__(
+        self, clock: Callable[[], float], max_sessions: int = STICKY_MAX_SESSIONS, ttl: float = STICKY_TTL_SECONDS
+    ) -> None:
+        self.clock = clock
+        self.max_sessions = max_sessions
+        self.ttl = ttl
+        self._entries: OrderedDict[str, tuple[str, float]] = OrderedDict()  # oldest use first
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, session: str) -> str | None:
+        entry = self._entries.get(session)
+        if entry is None:
+            return None
+        if self.clock() - entry[1] > self.ttl:
+            del self._entries[session]
+            return None
+        return entry[0]
+
+    def put(self, session: str, credential_id: str) -> None:
+        now = self.clock()
+        self._entries[session] = (credential_id, now)
+        self._entries.move_to_end(session)
+        entries = self._entries
+        while entries:
+            oldest, (_, used) = next(iter(entries.items()))
+            if len(entries) <= self.max_sessions and now - used <= self.ttl:
+                break
+            del entries[oldest]
+
+
 class UpstreamPool:
     """Credential selection and health, shared by every request of one process."""
 
@@ -130,7 +170,7 @@ class UpstreamPool:
         self.max_in_flight = max_in_flight_per_credential
         self.clock = clock
         self._turn = itertools.count()
-        self._sticky: dict[str, str] = {}
+        self._sticky = StickySessions(clock)
         self._versions: dict[str, int] = {}  # credential id -> stored version last seen
         if store is not None:
             load_versions = getattr(store, "load_versions", None)
@@ -218,13 +258,14 @@ class UpstreamPool:
             raise self._exhausted(allowed, model, now, exclude)
         healthy = [c for c in usable if c.penalty_until <= now] or usable
         chosen = None
-        if session is not None and session in self._sticky:
-            chosen = next((c for c in healthy if c.id == self._sticky[session]), None)
+        if session is not None:
+            sticky = self._sticky.get(session)
+            chosen = next((c for c in healthy if c.id == sticky), None) if sticky else None
         if chosen is None:
             start = next(self._turn)
             chosen = healthy[start % len(healthy)]
         if session is not None:
-            self._sticky[session] = chosen.id
+            self._sticky.put(session, chosen.id)
         chosen.in_flight += 1
         return Lease(chosen, self)
 
@@ -259,7 +300,7 @@ class UpstreamPool:
         elif status == 503 and error.retry_after is not None:
             credential.cooldowns[ANY_MODEL] = now + float(error.retry_after)
         elif error.code in ("upstream_unreachable", "upstream_timeout") or (status is not None and status >= 500):
-            credential.penalty_until = now + SERVER_ERROR_COOLDOWN
+            credential.penalty_until = now + SERVER_ERROR_PENALTY
             return True
         else:
             return False

@@ -1,0 +1,143 @@
+"""UpstreamClient on httpx.MockTransport, and UpstreamAttempts' failover and attempt log
+(a real pool with a fake clock); no server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from gateway.errors import GatewayError
+from gateway.policy import StreamPolicy
+from gateway.settings import StreamMode
+from gateway.upstream.attempts import UpstreamAttempts
+from gateway.upstream.client import ANSWERED, DONE, UpstreamClient
+from gateway.upstream.pool import SERVER_ERROR_PENALTY, Credential, Upstream, UpstreamPool
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def policy(failover_max: int = 2, upstream_stream: str = "always") -> StreamPolicy:
+    return StreamPolicy(
+        mode=StreamMode.COMPATIBLE, max_collect_bytes=0, tool_repair_attempts=0, keepalive_interval=1,
+        connect_timeout=1, first_byte_timeout=1, idle_timeout=1, failover_max=failover_max,
+        upstream_stream=upstream_stream, engine_extras={},
+    )
+
+
+def sse_body(*chunks: dict[str, Any], done: bool = True) -> bytes:
+    out = b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks)
+    return out + (b"data: [DONE]\n\n" if done else b"")
+
+
+CHUNK = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}
+
+
+class Upstreams:
+    """A MockTransport handler answering per credential key, logging what it was sent."""
+
+    def __init__(self, answers: dict[str, httpx.Response]) -> None:
+        self.answers = answers
+        self.seen: list[dict[str, Any]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        key = request.headers["authorization"].removeprefix("Bearer ")
+        self.seen.append({"key": key, "url": str(request.url), "body": orjson.loads(request.content)})
+        return self.answers[key]
+
+
+def make(answers: dict[str, httpx.Response], keys: list[str]) -> tuple[UpstreamClient, UpstreamPool, Upstreams, list[float]]:
+    handler = Upstreams(answers)
+    client = UpstreamClient(http=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    now = [1000.0]
+    upstream = Upstream("u", "http://upstream.test/v1", model_map={"m": "real-m"})
+    pool = UpstreamPool([Credential(upstream, k) for k in keys], clock=lambda: now[0])
+    return client, pool, handler, now
+
+
+async def collect(attempts: UpstreamAttempts) -> list[Any]:
+    return [item async for item in attempts.stream(BODY)]
+
+
+async def test_client_streams_chunks_with_usage_requested() -> None:
+    ok = httpx.Response(200, content=sse_body(CHUNK), headers={"content-type": "text/event-stream"})
+    client, pool, handler, _ = make({"k1": ok}, ["k1"])
+    items = await collect(UpstreamAttempts(pool, client, policy()))
+    assert items == [ANSWERED, CHUNK, DONE]
+    sent = handler.seen[0]
+    assert sent["url"] == "http://upstream.test/v1/chat/completions"
+    assert sent["body"]["model"] == "real-m" and sent["body"]["stream"] is True
+    assert sent["body"]["stream_options"] == {"include_usage": True}
+
+
+async def test_client_buffered_answer_becomes_chunks() -> None:
+    answer = {"choices": [{"index": 0, "message": {"content": "whole"}, "finish_reason": "stop"}],
+              "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+    client, pool, handler, _ = make({"k1": httpx.Response(200, json=answer)}, ["k1"])
+    items = await collect(UpstreamAttempts(pool, client, policy(upstream_stream="never")))
+    assert items[0] is ANSWERED and items[-1] is DONE
+    assert items[1]["choices"][0]["delta"] == {"role": "assistant", "content": "whole"}
+    assert items[2] == {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+    assert handler.seen[0]["body"]["stream"] is False
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "kind"),
+    [(404, "upstream_not_found", "not_found"), (400, "upstream_rejected", "invalid_request"),
+     (401, "upstream_auth_failed", "upstream"), (503, "upstream_unavailable", "overloaded"),
+     (504, "upstream_timeout", "timeout"), (500, "upstream_error", "upstream")],
+)
+async def test_client_maps_upstream_statuses(status: int, code: str, kind: str) -> None:
+    failing = httpx.Response(status, json={"error": {"message": "nope"}})
+    client, pool, _, _ = make({"k1": failing}, ["k1"])
+    with pytest.raises(GatewayError) as caught:
+        await collect(UpstreamAttempts(pool, client, policy(failover_max=0)))
+    assert (caught.value.code, caught.value.kind, caught.value.upstream_status) == (code, kind, status)
+
+
+async def test_client_rejects_a_frame_that_is_not_json() -> None:
+    bad = httpx.Response(200, content=b"data: {nope\n\n", headers={"content-type": "text/event-stream"})
+    client, pool, _, _ = make({"k1": bad}, ["k1"])
+    with pytest.raises(GatewayError) as caught:
+        await collect(UpstreamAttempts(pool, client, policy()))
+    assert caught.value.code == "upstream_bad_frame"
+
+
+async def test_failover_after_a_5xx_logs_both_attempts_and_penalises_the_first() -> None:
+    ok = httpx.Response(200, content=sse_body(CHUNK), headers={"content-type": "text/event-stream"})
+    client, pool, handler, now = make({"k1": httpx.Response(500, text="boom"), "k2": ok}, ["k1", "k2"])
+    attempts = UpstreamAttempts(pool, client, policy())
+    items = await collect(attempts)
+    assert items == [ANSWERED, CHUNK, DONE]
+    assert [s["key"] for s in handler.seen] == ["k1", "k2"]
+    assert [(a["status"], a.get("error")) for a in attempts.log] == [(500, "upstream_error"), (200, None)]
+    assert all(a["credential"].startswith("fp_") and "k1" not in str(a) for a in attempts.log)
+    assert attempts.upstream_model == "real-m"
+    assert pool.credentials[0].penalty_until == now[0] + SERVER_ERROR_PENALTY
+    assert [c.in_flight for c in pool.credentials] == [0, 0]  # every lease released
+
+
+async def test_a_client_error_is_not_failed_over() -> None:
+    client, pool, handler, _ = make({"k1": httpx.Response(400, json={"error": {"message": "bad"}})}, ["k1", "k2"])
+    with pytest.raises(GatewayError) as caught:
+        await collect(UpstreamAttempts(pool, client, policy()))
+    assert caught.value.code == "upstream_rejected" and len(handler.seen) == 1
+
+
+async def test_every_credential_rate_limited_says_when_to_retry() -> None:
+    limited = httpx.Response(429, headers={"retry-after": "7"}, json={"error": {"message": "slow down"}})
+    client, pool, handler, _ = make({"k1": limited, "k2": limited}, ["k1", "k2"])
+    with pytest.raises(GatewayError) as caught:
+        await collect(UpstreamAttempts(pool, client, policy()))
+    assert caught.value.kind == "rate_limit" and caught.value.retry_after == 7
+    assert len(handler.seen) == 2
+
+
+async def test_no_failover_once_the_upstream_answered() -> None:
+    cut = httpx.Response(200, content=sse_body(CHUNK, done=False), headers={"content-type": "text/event-stream"})
+    client, pool, handler, _ = make({"k1": cut, "k2": cut}, ["k1", "k2"])
+    attempts = UpstreamAttempts(pool, client, policy())
+    items = await collect(attempts)  # a stream without [DONE] is not an error here (the accumulator judges it)
+    assert items == [ANSWERED, CHUNK] and len(handler.seen) == 1 and len(attempts.log) == 1
