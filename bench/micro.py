@@ -70,6 +70,7 @@ def pipeline(protocol: str) -> Callable[[int], None]:
     from gateway.protocols.messages import MessagesRoom
     from gateway.protocols.responses import ResponsesRoom
     from gateway.store.db import Database
+    from gateway.store.responses import ResponseStore
     from gateway.stream.accumulator import ChatSSEAccumulator
     from gateway.stream.realtime import RealtimeScheduler
 
@@ -78,7 +79,7 @@ def pipeline(protocol: str) -> Callable[[int], None]:
         "chat": (ChatRoom(), b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'),
         "messages": (MessagesRoom(),
                      b'{"model":"m","max_tokens":100,"stream":true,"messages":[{"role":"user","content":"hi"}]}'),
-        "responses": (ResponsesRoom(Database(tmp / "micro.sqlite3")), b'{"model":"m","stream":true,"input":"hi"}'),
+        "responses": (ResponsesRoom(ResponseStore(Database(tmp / "micro.sqlite3"))), b'{"model":"m","stream":true,"input":"hi"}'),
     }
     room, body = rooms[protocol]
 

@@ -16,15 +16,17 @@ from starlette.staticfiles import StaticFiles
 from gateway.protocols.base import ProtocolRoom
 from gateway.protocols.chat import ChatRoom
 from gateway.protocols.responses import ResponsesRoom
-from gateway.protocols.messages import MessagesRoom, count_tokens_endpoint
+from gateway.protocols.messages import MessagesRoom
 from gateway.admin import admin_mount, auth_routes
 from gateway.observability.observer import Observability, metrics_endpoint
 from gateway.models_api import keyed, list_models
-from gateway.protocols.chat import error_json as openai_error
+from gateway.protocols.openai_shapes import error_json as openai_error
 from gateway.protocols.messages import error_json as anthropic_error
 from gateway.relay import GenerationService
+from gateway.routes import count_tokens_endpoint, generation_endpoint, retrieve_response_endpoint
 from gateway.servers import bind_loopback, start_embedded, stop_embedded
 from gateway.store.db import open_database
+from gateway.store.responses import ResponseStore
 from gateway.store.saved_settings import SavedSettings
 from gateway.settings import LiveSettings, Settings, Source, load_settings
 from gateway.store.credentials import CredentialState
@@ -99,21 +101,19 @@ def create_app(settings: Settings | None = None, sources: dict[str, Source] | No
                 await stop_embedded(*simulator)
 
     def generation(room: ProtocolRoom):  # type: ignore[no-untyped-def]
-        async def endpoint(request: Request) -> Response:
-            return await relay.handle(room, request)  # type: ignore[return-value]
-
-        return endpoint
+        return generation_endpoint(relay, room)
 
     async def healthz(request: Request) -> Response:
         if getattr(request.app.state, "ready", False):
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "starting"}, status_code=503)
 
-    responses_room = ResponsesRoom(db)
+    response_store = ResponseStore(db)
+    responses_room = ResponsesRoom(response_store)
     routes = [
         Route("/v1/chat/completions", generation(ChatRoom()), methods=["POST"]),
         Route("/v1/responses", generation(responses_room), methods=["POST"]),
-        Route("/v1/responses/{response_id}", keyed(responses_room.retrieve_endpoint(), openai_error), methods=["GET"]),
+        Route("/v1/responses/{response_id}", keyed(retrieve_response_endpoint(response_store), openai_error), methods=["GET"]),
         Route("/v1/messages", generation(MessagesRoom()), methods=["POST"]),
         Route("/v1/messages/count_tokens", keyed(count_tokens_endpoint, anthropic_error), methods=["POST"]),
         Route("/v1/models", keyed(list_models, openai_error), methods=["GET"]),

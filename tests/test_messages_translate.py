@@ -66,7 +66,7 @@ def test_tools_and_choice_translation() -> None:
     assert body["tool_choice"] == "required" and body["parallel_tool_calls"] is False
     assert parsed.rules.choice == "required" and parsed.rules.parallel is False
     assert parsed.rules.declared == {"get_weather", "get_time"}
-    assert parsed.extra["dropped_tools"] == ["str_replace_based_edit_tool", "computer"]
+    assert parsed.facts.dropped_tools == ("str_replace_based_edit_tool", "computer")
     named = parse(tools=TOOLS, tool_choice={"type": "tool", "name": "get_time"})
     assert named.upstream_body["tool_choice"] == {
         "type": "function",

@@ -9,7 +9,7 @@ a :class:`~gateway.errors.GatewayError` in its own error shape.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import orjson
 from pydantic import ValidationError
@@ -19,16 +19,22 @@ from gateway.stream.accumulator import ToolRules
 from gateway.stream.events import Completion, Event
 
 
-@dataclass(slots=True)
-class ParsedRequest:
-    """A validated client request, translated for the upstream."""
+FactsT = TypeVar("FactsT")
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest(Generic[FactsT]):
+    """A validated client request, translated for the upstream. Frozen: a step that
+    completes it (``resolve``) returns a new one."""
 
     protocol: str
     model: str
     stream: bool
     upstream_body: dict[str, Any]  # the Chat Completions body, minus stream settings
     rules: ToolRules = field(default_factory=ToolRules)
-    extra: dict[str, Any] = field(default_factory=dict)  # room-specific facts for its encoder
+    #: the room's own facts for its encoder and JSON answer: a frozen dataclass per room
+    #: (``ChatFacts``, ``MessagesFacts``, ``ResponsesFacts``)
+    facts: FactsT = None  # type: ignore[assignment]
 
 
 class StreamEncoder(Protocol):

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import secrets
 import time
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from gateway.errors import GatewayError, invalid_request
 from gateway.protocols.base import ParsedRequest, dumps, load_json_object, sse, validation_error
+from gateway.protocols.openai_shapes import assistant_message, error_json, usage_json
 from gateway.stream.accumulator import ToolRules
 from gateway.stream.events import (
     BlockDelta,
@@ -29,18 +31,6 @@ from gateway.stream.events import (
     Keepalive,
     Usage,
 )
-
-ERROR_TYPES = {
-    "invalid_request": "invalid_request_error",
-    "authentication": "authentication_error",
-    "permission": "permission_error",
-    "not_found": "not_found_error",
-    "rate_limit": "rate_limit_error",
-    "upstream": "api_error",
-    "timeout": "api_error",
-    "overloaded": "server_error",
-    "internal": "server_error",
-}
 
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keepalive\n\n"
@@ -102,13 +92,20 @@ def _tool_rules(body: _ChatBody) -> ToolRules:
     return ToolRules(declared=declared, choice=choice, parallel=body.parallel_tool_calls is not False)
 
 
+@dataclass(frozen=True, slots=True)
+class ChatFacts:
+    """What the Chat encoder needs beyond the upstream body."""
+
+    include_usage: bool = False  # stream_options.include_usage: a usage chunk before [DONE]
+
+
 class ChatRoom:
     """The ``/v1/chat/completions`` protocol room."""
 
     name = "chat"
     sequential_blocks = False
 
-    def parse(self, body: bytes, query: dict[str, str]) -> ParsedRequest:
+    def parse(self, body: bytes, query: dict[str, str]) -> ParsedRequest[ChatFacts]:
         raw = load_json_object(body)
         try:
             parsed = _ChatBody.model_validate(raw)
@@ -128,7 +125,7 @@ class ChatRoom:
             stream=parsed.stream,
             upstream_body=upstream,
             rules=_tool_rules(parsed),
-            extra={"include_usage": include_usage},
+            facts=ChatFacts(include_usage=include_usage),
         )
 
     def new_response_id(self) -> str:
@@ -141,7 +138,7 @@ class ChatRoom:
         return None
 
     def encoder(self, request: ParsedRequest, response_id: str) -> ChatEncoder:
-        return ChatEncoder(response_id, request.model, request.extra.get("include_usage", False))
+        return ChatEncoder(response_id, request.model, request.facts.include_usage)
 
     def json_body(self, request: ParsedRequest, response_id: str, completion: Completion) -> dict:
         message = assistant_message(completion)
@@ -159,42 +156,6 @@ class ChatRoom:
 
     def error_body(self, error: GatewayError) -> dict:
         return error_json(error)
-
-
-def assistant_message(completion: Completion) -> dict[str, Any]:
-    """An answer as a Chat Completions assistant message (JSON answers, and the history a
-    stored Responses answer adds to the next turn)."""
-    message: dict[str, Any] = {"role": "assistant", "content": completion.text or None}
-    if completion.reasoning:
-        message["reasoning_content"] = completion.reasoning
-    if completion.tool_calls:
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in completion.tool_calls
-        ]
-    return message
-
-
-def error_json(error: GatewayError) -> dict:
-    """The OpenAI error shape, shared by Chat and Responses."""
-    return {
-        "error": {
-            "message": error.message,
-            "type": ERROR_TYPES.get(error.kind, "api_error"),
-            "param": error.param,
-            "code": error.code,
-        }
-    }
-
-
-def usage_json(usage: Usage) -> dict[str, Any]:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.total_tokens,
-        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-    }
 
 
 class ChatEncoder:

@@ -1,4 +1,5 @@
-"""Anthropic Messages: the room (parse, stream encoder, JSON answer, errors) and count_tokens.
+"""Anthropic Messages: the room (parse, stream encoder, JSON answer, errors); the
+count_tokens endpoint is in gateway/routes.py.
 
 Wire contracts the anthropic SDK's stream accumulator enforces (see
 docs/protocols/messages.md): every frame has an ``event:`` line (frames without one are
@@ -14,10 +15,9 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
 
 from gateway.errors import GatewayError
 from gateway.protocols.base import ParsedRequest, dumps, sse
@@ -97,13 +97,31 @@ def usage_json(usage: Usage | None, estimate_in: Callable[[], int], estimate_out
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class MessagesFacts:
+    """What the Messages encoder and JSON answer need beyond the upstream body.
+
+    ``message_start`` gets a quick estimate (tokenizing a 70 KB Claude Code request on
+    the event loop for every call is not worth it: ``message_delta`` carries the
+    upstream's real count); the o200k count runs only when the upstream gives none.
+    """
+
+    input_estimate: int = 0
+    dropped_tools: tuple[str, ...] = ()  # server tools the gateway cannot run, left out
+
+
+def _input_counter(request: ParsedRequest[MessagesFacts]) -> Callable[[], int]:
+    """The o200k count of the translated request, computed only if called."""
+    return lambda: count_chat_tokens(request.upstream_body)
+
+
 class MessagesRoom:
     """The ``/v1/messages`` protocol room."""
 
     name = "messages"
     sequential_blocks = True
 
-    def parse(self, body: bytes, query: dict[str, str]) -> ParsedRequest:
+    def parse(self, body: bytes, query: dict[str, str]) -> ParsedRequest[MessagesFacts]:
         # ``?beta=true`` (Claude Code, SDK beta client) changes nothing here.
         t = translate(body)
         return ParsedRequest(
@@ -112,12 +130,7 @@ class MessagesRoom:
             stream=t.stream,
             upstream_body=t.body,
             rules=t.rules,
-            # message_start gets a quick estimate (tokenizing a 70 KB Claude Code request on
-            # the event loop for every call is not worth it: message_delta carries the
-            # upstream's real count); the o200k count only when the upstream gives none
-            extra={"input_estimate": quick_token_estimate(t.body),
-                   "input_tokens": lambda body=t.body: count_chat_tokens(body),
-                   "dropped_tools": t.dropped_tools},
+            facts=MessagesFacts(input_estimate=quick_token_estimate(t.body), dropped_tools=tuple(t.dropped_tools)),
         )
 
     def new_response_id(self) -> str:
@@ -132,7 +145,7 @@ class MessagesRoom:
         return None
 
     def encoder(self, request: ParsedRequest, response_id: str) -> MessagesEncoder:
-        return MessagesEncoder(response_id, request.model, request.extra["input_estimate"], request.extra["input_tokens"])
+        return MessagesEncoder(response_id, request.model, request.facts.input_estimate, _input_counter(request))
 
     def json_body(self, request: ParsedRequest, response_id: str, completion: Completion) -> dict:
         content: list[dict[str, Any]] = []
@@ -164,7 +177,7 @@ class MessagesRoom:
             "stop_reason": STOP_REASONS[completion.finish_reason],
             "stop_sequence": None,
             "usage": usage_json(
-                completion.usage, request.extra["input_tokens"], estimate_out
+                completion.usage, _input_counter(request), estimate_out
             ),
         }
 
@@ -240,16 +253,3 @@ class MessagesEncoder:
             self._ended = True
             return sse(dumps(error_json(event.error)), "error")
         return b""
-
-
-async def count_tokens_endpoint(request: Request) -> Response:
-    """``POST /v1/messages/count_tokens``: the translated request's o200k_base count.
-
-    Same validation and translation as ``/v1/messages`` (``max_tokens`` optional, as in
-    Anthropic's API); nothing is sent upstream.
-    """
-    try:
-        t = translate(await request.body(), count_only=True)
-    except GatewayError as err:
-        return JSONResponse(error_json(err), status_code=err.status)
-    return JSONResponse({"input_tokens": count_chat_tokens(t.body)})

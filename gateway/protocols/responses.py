@@ -1,5 +1,5 @@
 """OpenAI Responses: the room (parse, stored-state hooks), the stream encoder, JSON
-answers, errors, and the ``GET /v1/responses/{id}`` endpoint.
+answers, errors (the ``GET /v1/responses/{id}`` endpoint is in gateway/routes.py).
 
 Wire contracts (see docs/protocols/responses.md): ``sequence_number`` on every event,
 contiguous from 0 (also on ``error`` and ``response.failed``); ``response.created`` then
@@ -15,18 +15,16 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import time
-from typing import Any
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import structlog
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
 
 from gateway.errors import GatewayError, invalid_request
 from gateway.protocols.base import ParsedRequest, dumps, load_json_object, sse
-from gateway.protocols.chat import assistant_message, error_json
+from gateway.protocols.openai_shapes import assistant_message, error_json
 from gateway.protocols.responses_translate import ToolMap, seal_reasoning, translate
-from gateway.store.db import Database
-from gateway.store.responses import ResponseStore
 from gateway.stream.events import (
     BlockDelta,
     BlockStart,
@@ -187,10 +185,10 @@ def _failed_error(error: GatewayError) -> dict[str, Any]:
 class ResponsesEncoder:
     """Canonical events -> Responses SSE events; one response id, one sequence counter."""
 
-    def __init__(self, request: ParsedRequest, response_id: str) -> None:
-        self.echo: dict[str, Any] = request.extra["echo"]
-        self.tool_map: ToolMap = request.extra["tool_map"]
-        self.envelope: bool = request.extra["envelope"]
+    def __init__(self, facts: ResponsesFacts, response_id: str) -> None:
+        self.echo: dict[str, Any] = facts.echo
+        self.tool_map: ToolMap = facts.tool_map
+        self.envelope: bool = facts.envelope
         self.response_id = response_id
         self.created_at = int(time.time())
         self._seq = 0
@@ -354,6 +352,33 @@ class ResponsesEncoder:
 
 # -- the room -----------------------------------------------------------------------------
 
+#: JSON answers built but not yet asked for twice (json_body and completed); a bound, not a cache.
+_BUILT_KEPT = 256
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesFacts:
+    """What the Responses encoder, JSON answer and store need beyond the upstream body."""
+
+    echo: dict[str, Any]  # the request fields the Response object repeats
+    tool_map: ToolMap  # upstream tool name -> (client name, namespace)
+    envelope: bool  # include reasoning.encrypted_content
+    store: bool
+    previous_response_id: str | None
+    instructions_count: int  # leading system messages (stored history goes after them)
+    history: tuple[dict[str, Any], ...]  # chat messages before this turn's output
+    dropped_tools: tuple[str, ...] = ()
+    resolved: bool = False  # previous_response_id already prepended
+
+
+class ResponseStorage(Protocol):
+    """Where stored responses live (``gateway.store.responses.ResponseStore``; tests may
+    pass a dict-backed one)."""
+
+    async def save(self, response_id: str, record: dict[str, Any]) -> None: ...
+
+    async def load(self, response_id: str) -> dict[str, Any] | None: ...
+
 
 class ResponsesRoom:
     """The ``/v1/responses`` protocol room."""
@@ -361,10 +386,11 @@ class ResponsesRoom:
     name = "responses"
     sequential_blocks = True
 
-    def __init__(self, db: Database) -> None:
-        self.store = ResponseStore(db)
+    def __init__(self, store: ResponseStorage) -> None:
+        self.store = store
+        self._built: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
-    def parse(self, body: bytes, query: dict[str, str]) -> ParsedRequest:
+    def parse(self, body: bytes, query: dict[str, str]) -> ParsedRequest[ResponsesFacts]:
         raw = load_json_object(body)
         t = translate(raw)
         return ParsedRequest(
@@ -373,26 +399,27 @@ class ResponsesRoom:
             stream=t.body.stream,
             upstream_body=t.upstream,
             rules=t.rules,
-            extra={
-                "echo": _echo(raw, t.body),
-                "tool_map": t.tool_map,
-                "envelope": t.include_reasoning_envelope,
-                "store": t.body.store is not False,
-                "previous_response_id": t.body.previous_response_id,
-                "instructions_count": t.instructions_count,
-                "history": t.input_messages,
-                "dropped_tools": t.dropped_tools,
-            },
+            facts=ResponsesFacts(
+                echo=_echo(raw, t.body),
+                tool_map=t.tool_map,
+                envelope=t.include_reasoning_envelope,
+                store=t.body.store is not False,
+                previous_response_id=t.body.previous_response_id,
+                instructions_count=t.instructions_count,
+                history=tuple(t.input_messages),
+                dropped_tools=tuple(t.dropped_tools),
+            ),
         )
 
     def new_response_id(self) -> str:
         return _new_id("resp_")
 
-    async def resolve(self, request: ParsedRequest) -> ParsedRequest:
+    async def resolve(self, request: ParsedRequest[ResponsesFacts]) -> ParsedRequest[ResponsesFacts]:
         """A new request with the stored response's conversation (input, then output)
-        prepended."""
-        previous = request.extra.get("previous_response_id")
-        if not previous:
+        prepended; the parsed one is left as it was."""
+        facts = request.facts
+        previous = facts.previous_response_id
+        if not previous or facts.resolved:
             return request
         record = await self.store.load(previous)
         if record is None:
@@ -403,25 +430,25 @@ class ResponsesRoom:
                 code="previous_response_not_found",
             )
         prior = list(record.get("history") or []) + list(record.get("output") or [])
-        at = request.extra["instructions_count"]
+        at = facts.instructions_count
         messages = request.upstream_body["messages"]
         upstream_body = {**request.upstream_body, "messages": messages[:at] + prior + messages[at:]}
-        extra = {**request.extra, "history": prior + request.extra["history"], "previous_response_id": None}
-        return dataclasses.replace(request, upstream_body=upstream_body, extra=extra)
+        facts = dataclasses.replace(facts, history=(*prior, *facts.history), resolved=True)
+        return dataclasses.replace(request, upstream_body=upstream_body, facts=facts)
 
     async def completed(
-        self, request: ParsedRequest, response_id: str, completion: Completion, encoder: object
+        self, request: ParsedRequest[ResponsesFacts], response_id: str, completion: Completion, encoder: object
     ) -> None:
+        """Store the answer (``store: true``): the streamed final object, or the JSON one."""
         if isinstance(encoder, ResponsesEncoder) and encoder.final is not None:
             final = encoder.final
         else:
-            final = self._build(request, response_id, completion)
-            request.extra["final"] = final
-        if not request.extra.get("store"):
+            final = self._final(request, response_id, completion)
+        if not request.facts.store:
             return
         record = {
             "response": final,
-            "history": request.extra["history"],
+            "history": list(request.facts.history),
             "output": [assistant_message(completion)],
         }
         try:
@@ -429,33 +456,42 @@ class ResponsesRoom:
         except Exception:  # the answer was delivered; a failed save must not turn it into an error
             log.exception("response_store_failed", response_id=response_id)
 
-    def encoder(self, request: ParsedRequest, response_id: str) -> ResponsesEncoder:
-        return ResponsesEncoder(request, response_id)
+    def encoder(self, request: ParsedRequest[ResponsesFacts], response_id: str) -> ResponsesEncoder:
+        return ResponsesEncoder(request.facts, response_id)
 
-    def json_body(self, request: ParsedRequest, response_id: str, completion: Completion) -> dict:
-        final = request.extra.get("final")
-        return final if final is not None else self._build(request, response_id, completion)
+    def json_body(self, request: ParsedRequest[ResponsesFacts], response_id: str, completion: Completion) -> dict:
+        return self._final(request, response_id, completion)
+
+    def _final(self, request: ParsedRequest[ResponsesFacts], response_id: str, completion: Completion) -> dict[str, Any]:
+        """The JSON answer, built once per response whichever of ``json_body`` and
+        ``completed`` asks first (so the stored object is the one the client got)."""
+        built = self._built.pop(response_id, None)
+        if built is not None:
+            return built
+        built = self._build(request, response_id, completion)
+        self._built[response_id] = built
+        while len(self._built) > _BUILT_KEPT:
+            self._built.popitem(last=False)
+        return built
 
     def _build(
-        self, request: ParsedRequest, response_id: str, completion: Completion
+        self, request: ParsedRequest[ResponsesFacts], response_id: str, completion: Completion
     ) -> dict[str, Any]:
         """The JSON answer: reasoning item, message item, function_call items."""
+        facts = request.facts
         output: list[dict[str, Any]] = []
         if completion.reasoning:
-            output.append(
-                reasoning_item(_new_id("rs_"), completion.reasoning, request.extra["envelope"])
-            )
+            output.append(reasoning_item(_new_id("rs_"), completion.reasoning, facts.envelope))
         if completion.text:
             output.append(message_item(_new_id("msg_"), completion.text, "completed"))
-        tool_map: ToolMap = request.extra["tool_map"]
         for call in completion.tool_calls:
-            name = _client_name(tool_map, call.name)
+            name = _client_name(facts.tool_map, call.name)
             output.append(
                 function_call_item(_new_id("fc_"), call.id, name, call.arguments, "completed")
             )
         status, reason = _terminal(completion.finish_reason)
         return response_object(
-            request.extra["echo"],
+            facts.echo,
             response_id,
             int(time.time()),
             status,
@@ -466,21 +502,3 @@ class ResponsesRoom:
 
     def error_body(self, error: GatewayError) -> dict:
         return error_json(error)
-
-    def retrieve_endpoint(self):  # type: ignore[no-untyped-def]
-        """``GET /v1/responses/{response_id}``: a stored response, or an OpenAI 404."""
-
-        async def retrieve(request: Request) -> Response:
-            response_id = request.path_params["response_id"]
-            record = await self.store.load(response_id)
-            if record is None or not isinstance(record.get("response"), dict):
-                err = GatewayError(
-                    "not_found",
-                    "response_not_found",
-                    f"No response found with id '{response_id}'.",
-                    param="response_id",
-                )
-                return JSONResponse(error_json(err), status_code=404)
-            return JSONResponse(record["response"])
-
-        return retrieve

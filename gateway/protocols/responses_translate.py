@@ -371,13 +371,9 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 # -- input items -----------------------------------------------------------------------
 
 
-def _refuse(message: str, param: str, code: str) -> GatewayError:
-    return invalid_request(message, param=param, code=code)
-
-
 def _image_part(part: dict[str, Any], param: str) -> dict[str, Any]:
     if part.get("file_id"):
-        raise _refuse(
+        raise invalid_request(
             "input_image with file_id is not supported (no Files API here); send image_url",
             f"{param}.file_id",
             "file_id_not_supported",
@@ -410,13 +406,13 @@ def _content_parts(content: list[Any], param: str) -> list[dict[str, Any]]:
         elif kind == "input_image":
             parts.append(_image_part(part, where))
         elif kind == "input_file":
-            raise _refuse(
+            raise invalid_request(
                 "input_file parts are not supported by this gateway",
                 where,
                 "input_file_not_supported",
             )
         else:
-            raise _refuse(
+            raise invalid_request(
                 f"unsupported content part type {kind!r}",
                 f"{where}.type",
                 "unsupported_content_part",
@@ -567,13 +563,13 @@ def _input_messages(value: str | list[Any] | None, tool_map: ToolMap) -> list[di
         elif kind == "reasoning":
             builder.reasoning_item(item)
         elif kind == "item_reference":
-            raise _refuse(
+            raise invalid_request(
                 "item_reference is not supported: send the referenced items themselves",
                 param,
                 "item_reference_not_supported",
             )
         else:
-            raise _refuse(
+            raise invalid_request(
                 f"unsupported input item type {kind!r}", f"{param}.type", "unsupported_input_item"
             )
     builder._flush_images()

@@ -1,0 +1,62 @@
+"""The HTTP endpoints of the /v1 API, apart from the protocol rooms they use.
+
+A generation route hands its room and request to the
+:class:`~gateway.relay.GenerationService`; the other /v1 endpoints (stored responses,
+count_tokens) are small handlers over a room's translation or storage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.errors import GatewayError
+from gateway.protocols.base import ProtocolRoom
+from gateway.protocols.messages import error_json as anthropic_error
+from gateway.protocols.messages_translate import translate as translate_messages
+from gateway.protocols.openai_shapes import error_json as openai_error
+from gateway.protocols.responses import ResponseStorage
+from gateway.protocols.tokens import count_chat_tokens
+from gateway.relay import GenerationService
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def generation_endpoint(service: GenerationService, room: ProtocolRoom) -> Endpoint:
+    """``POST /v1/chat/completions | /v1/responses | /v1/messages``."""
+
+    async def endpoint(request: Request) -> Response:
+        return await service.handle(room, request)  # type: ignore[return-value]
+
+    return endpoint
+
+
+def retrieve_response_endpoint(store: ResponseStorage) -> Endpoint:
+    """``GET /v1/responses/{response_id}``: a stored response, or an OpenAI 404."""
+
+    async def retrieve(request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        record = await store.load(response_id)
+        if record is None or not isinstance(record.get("response"), dict):
+            err = GatewayError(
+                "not_found", "response_not_found", f"No response found with id '{response_id}'.", param="response_id"
+            )
+            return JSONResponse(openai_error(err), status_code=404)
+        return JSONResponse(record["response"])
+
+    return retrieve
+
+
+async def count_tokens_endpoint(request: Request) -> Response:
+    """``POST /v1/messages/count_tokens``: the translated request's o200k_base count.
+
+    Same validation and translation as ``/v1/messages`` (``max_tokens`` optional, as in
+    Anthropic's API); nothing is sent upstream.
+    """
+    try:
+        t = translate_messages(await request.body(), count_only=True)
+    except GatewayError as err:
+        return JSONResponse(anthropic_error(err), status_code=err.status)
+    return JSONResponse({"input_tokens": count_chat_tokens(t.body)})
