@@ -22,7 +22,20 @@ from gateway.record import RequestRecord
 from gateway.settings import StreamMode
 from gateway.upstream.client import ANSWERED, DONE
 
-ROOMS = {"chat": ChatRoom, "messages": MessagesRoom, "responses": lambda: ResponsesRoom(None)}  # type: ignore[arg-type]
+class DictStore:
+    """A ResponseStorage in memory."""
+
+    def __init__(self) -> None:
+        self.saved: dict[str, dict[str, Any]] = {}
+
+    async def save(self, response_id: str, record: dict[str, Any]) -> None:
+        self.saved[response_id] = record
+
+    async def load(self, response_id: str) -> dict[str, Any] | None:
+        return self.saved.get(response_id)
+
+
+ROOMS = {"chat": ChatRoom, "messages": MessagesRoom, "responses": lambda: ResponsesRoom(DictStore())}
 BODIES = {
     "chat": {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]},
     "messages": {"model": "m", "stream": True, "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]},
