@@ -67,6 +67,8 @@ class ErrorCode(StrEnum):
     INVALID_JSON = "invalid_json"
     INVALID_API_KEY = "invalid_api_key"
     CAPACITY_EXCEEDED = "capacity_exceeded"
+    UPSTREAM_UNREACHABLE = "upstream_unreachable"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
     TOOL_CALL_INVALID = "tool_call_invalid"
     TOOL_IDENTITY_CHANGED = "tool_identity_changed"
     RESPONSE_TOO_LARGE = "response_too_large"

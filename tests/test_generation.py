@@ -43,6 +43,10 @@ BODIES = {
 }
 
 
+#: with usage, Messages never falls back to tokenizing (loading o200k takes seconds)
+USAGE = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+
+
 def chunk(content: str | None = None, finish: str | None = None) -> dict[str, Any]:
     delta = {"content": content} if content is not None else {}
     return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
@@ -116,7 +120,7 @@ async def run_stream(run: GenerationRun, release: asyncio.Event | None = None) -
 @pytest.mark.parametrize("protocol", ["chat", "messages", "responses"])
 async def test_keepalive_before_the_upstream_answers_follows_the_opening_frames(protocol: str, mode: str) -> None:
     release = asyncio.Event()
-    attempts = FakeAttempts([chunk("Hel"), chunk("lo"), chunk(finish="stop"), DONE], release)
+    attempts = FakeAttempts([chunk("Hel"), chunk("lo"), chunk(finish="stop"), USAGE, DONE], release)
     run = make_run(protocol, mode, attempts)
     outputs = await run_stream(run, release)
     assert run.record.keepalives >= 1 and run.error is None
@@ -143,7 +147,7 @@ async def test_keepalive_before_the_upstream_answers_follows_the_opening_frames(
 @pytest.mark.parametrize("mode", ["compatible", "realtime"])
 async def test_ttft_is_the_first_content_frame(mode: str) -> None:
     release = asyncio.Event()
-    attempts = FakeAttempts([chunk("Hi"), chunk(finish="stop"), DONE], release)
+    attempts = FakeAttempts([chunk("Hi"), chunk(finish="stop"), USAGE, DONE], release)
     run = make_run("messages", mode, attempts)
     seen_before_content: list[float | None] = []
     content_seen = False

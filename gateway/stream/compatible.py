@@ -1,8 +1,9 @@
 """Compatible mode: collect the whole answer, validate it, then replay it.
 
-Collecting happens in the relay (it owns the I/O and the keepalive timer); this module
-holds the parts that need none: turning a validated :class:`Completion` back into
-canonical block events, in a fixed order (reasoning, text, tool calls).
+Collecting is :class:`gateway.stream.answer.CompatibleAnswer` (fed by the generation
+loop, which owns the I/O and the keepalive timer); this module turns a validated
+:class:`Completion` back into canonical block events, in a fixed order (reasoning, text,
+tool calls).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ model, under their in-flight cap and allowed to serve the model; optional sticki
 keeps one conversation on one credential while it stays healthy. Failures before the
 first client byte are reported back here: 401/403 disables a credential until an admin
 re-enables it, 429 cools it down (per credential and model) for Retry-After seconds,
-5xx and connect errors cool it down briefly. State changes are persisted through a
+5xx and connect errors put it last for a few seconds (a penalty, not a cooldown). State changes are persisted through a
 :class:`CredentialStateStore` so they survive a restart.
 """
 
@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from gateway.errors import GatewayError
+from gateway.errors import ErrorCode, GatewayError
 
 log = structlog.get_logger("gateway.pool")
 
@@ -299,7 +299,7 @@ class UpstreamPool:
             credential.cooldowns[model] = now + float(wait)
         elif status == 503 and error.retry_after is not None:
             credential.cooldowns[ANY_MODEL] = now + float(error.retry_after)
-        elif error.code in ("upstream_unreachable", "upstream_timeout") or (status is not None and status >= 500):
+        elif error.code in (ErrorCode.UPSTREAM_UNREACHABLE, ErrorCode.UPSTREAM_TIMEOUT) or (status is not None and status >= 500):
             credential.penalty_until = now + SERVER_ERROR_PENALTY
             return True
         else:

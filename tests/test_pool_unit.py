@@ -1,0 +1,101 @@
+"""UpstreamPool fed directly with a fake clock: selection, cooldowns, penalties, disabling,
+stickiness (no server; the end-to-end pool tests are in test_pool.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.errors import GatewayError
+from gateway.upstream.pool import (
+    DEFAULT_RATE_LIMIT_COOLDOWN,
+    SERVER_ERROR_PENALTY,
+    Credential,
+    Upstream,
+    UpstreamPool,
+)
+
+
+def pool(*keys: str, models: frozenset[str] | None = None) -> tuple[UpstreamPool, list[float]]:
+    now = [1000.0]
+    upstream = Upstream("u", "http://u.test/v1", models=models)
+    return UpstreamPool([Credential(upstream, k) for k in keys], clock=lambda: now[0]), now
+
+
+def upstream_error(status: int, retry_after: int | None = None, code: str = "upstream_error") -> GatewayError:
+    return GatewayError("upstream", code, "x", retry_after=retry_after, upstream_status=status)
+
+
+def pick(p: UpstreamPool, model: str = "m", **kwargs: object) -> str:
+    lease = p.acquire(model, **kwargs)  # type: ignore[arg-type]
+    lease.release()
+    return lease.credential.api_key or ""
+
+
+def test_round_robin_and_leases() -> None:
+    p, _ = pool("a", "b")
+    assert [pick(p) for _ in range(4)] == ["a", "b", "a", "b"]
+    lease = p.acquire("m")
+    assert p.in_flight == 1
+    lease.release()
+    lease.release()  # released exactly once
+    assert p.in_flight == 0
+
+
+def test_429_cools_the_model_down_until_retry_after() -> None:
+    p, now = pool("a", "b")
+    a = p.credentials[0]
+    assert p.report_failure(a, "m", upstream_error(429, retry_after=20)) is True
+    assert {pick(p) for _ in range(4)} == {"b"} and pick(p, "other") in {"a", "b"}
+    now[0] += 21
+    assert {pick(p) for _ in range(4)} == {"a", "b"}
+
+
+def test_429_without_retry_after_uses_the_default_and_all_cooling_says_when() -> None:
+    p, now = pool("a")
+    p.report_failure(p.credentials[0], "m", upstream_error(429))
+    with pytest.raises(GatewayError) as caught:
+        p.acquire("m")
+    assert caught.value.kind == "rate_limit" and caught.value.retry_after == int(DEFAULT_RATE_LIMIT_COOLDOWN)
+    now[0] += DEFAULT_RATE_LIMIT_COOLDOWN + 1
+    assert pick(p) == "a"
+
+
+def test_a_5xx_is_a_penalty_not_a_refusal() -> None:
+    p, now = pool("a", "b")
+    p.report_failure(p.credentials[0], "m", upstream_error(500))
+    assert {pick(p) for _ in range(4)} == {"b"}
+    p.credentials[1].disabled = True
+    assert pick(p) == "a"  # penalised, yet still used when nothing healthier is left
+    p.credentials[1].disabled = False
+    now[0] += SERVER_ERROR_PENALTY + 0.1
+    assert {pick(p) for _ in range(4)} == {"a", "b"}
+
+
+def test_401_disables_and_a_client_error_teaches_nothing() -> None:
+    p, _ = pool("a", "b")
+    assert p.report_failure(p.credentials[0], "m", upstream_error(401)) is True
+    assert p.credentials[0].disabled and {pick(p) for _ in range(3)} == {"b"}
+    assert p.report_failure(p.credentials[1], "m", upstream_error(400, code="upstream_rejected")) is False
+    p.credentials[1].disabled = True
+    with pytest.raises(GatewayError) as caught:
+        p.acquire("m")
+    assert caught.value.code == "no_upstream_available"
+
+
+def test_unknown_model_and_exhausted_failover() -> None:
+    p, _ = pool("a", models=frozenset({"m"}))
+    with pytest.raises(GatewayError) as caught:
+        p.acquire("other")
+    assert caught.value.code == "model_not_available"
+    with pytest.raises(GatewayError) as caught:
+        p.acquire("m", exclude={p.credentials[0].id})
+    assert caught.value.code == "failover_exhausted"
+
+
+def test_stickiness_keeps_a_session_while_it_is_healthy() -> None:
+    p, _ = pool("a", "b", "c")
+    first = pick(p, session="s1")
+    assert [pick(p, session="s1") for _ in range(3)] == [first] * 3
+    p.report_failure(next(c for c in p.credentials if c.api_key == first), "m", upstream_error(500))
+    moved = pick(p, session="s1")
+    assert moved != first and pick(p, session="s1") == moved
