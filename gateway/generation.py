@@ -58,9 +58,12 @@ _QueueItem = UpstreamItem | _Ended | object
 
 
 async def _pump(items: AsyncIterator[UpstreamItem], queue: asyncio.Queue[_QueueItem]) -> None:
+    """Move one upstream answer's items into the queue. Cancelled (client gone, abort),
+    it closes the upstream at once, even while waiting on a full queue."""
     try:
-        async for item in items:
-            await queue.put(item)
+        async with contextlib.aclosing(items):  # type: ignore[type-var]
+            async for item in items:
+                await queue.put(item)
     except Exception as exc:  # GatewayError or a bug of ours; the loop reports both
         await queue.put(_Ended(exc))
     else:

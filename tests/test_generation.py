@@ -223,3 +223,20 @@ def test_internal_error_hides_the_message_from_the_client() -> None:
     with structlog.testing.capture_logs():
         err = internal_error(ValueError("secret sk-123 in a message"), "req_x", "parse")
     assert err.status == 500 and err.code == "internal_error" and "sk-123" not in err.message
+
+
+async def test_abort_closes_the_upstream_even_while_the_queue_is_full() -> None:
+    attempts = FakeAttempts([chunk("x") for _ in range(500)], hang=True)
+    run = make_run("chat", "realtime", attempts, keepalive=60)
+    stream = run.stream()
+    first = await stream.__anext__()  # the consumer then stalls (a slow client)
+    assert isinstance(first, bytes)
+    for _ in range(200):
+        await asyncio.sleep(0)
+    assert run._queue.full() and not attempts.closed  # the pump waits on the full queue
+    run.abort(GatewayError("overloaded", "server_shutting_down", "the gateway is shutting down"))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert attempts.closed  # closed at once, not whenever the generator is collected
+    rest = [out async for out in stream]
+    assert rest and b"server_shutting_down" in rest[-1]  # type: ignore[operator]
