@@ -8,6 +8,7 @@ from pathlib import Path
 
 import structlog
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
@@ -18,6 +19,12 @@ from gateway.protocols.chat import ChatRoom
 from gateway.protocols.responses import ResponsesRoom
 from gateway.protocols.messages import MessagesRoom
 from gateway.admin import admin_mount, auth_routes
+from gateway.admin.auth import AdminAccess, login_base_url
+from gateway.admin.common import admin_error
+from gateway.admin.surface import AdminSurface
+from gateway.body_limit import BodyLimit
+from gateway.errors import GatewayError
+from gateway.redact import SECRETS, RedactingSend
 from gateway.observability.observer import Observability, metrics_endpoint
 from gateway.models_api import keyed, list_models
 from gateway.protocols.openai_shapes import error_json as openai_error
@@ -52,9 +59,37 @@ def webui_routes() -> list[BaseRoute]:
     return [Route("/", home, methods=["GET"]), Mount("/ui", app=StaticFiles(directory=WEBUI_DIR, html=True))]
 
 
-def create_app(settings: Settings | None = None, sources: dict[str, Source] | None = None) -> Starlette:
+def error_for_path(path: str, err: GatewayError) -> Response:
+    """An error in the shape of the route it answers (for layers in front of the routes)."""
+    if path.startswith("/v1/messages"):
+        return JSONResponse(anthropic_error(err), status_code=err.status)
+    if path.startswith("/v1/"):
+        return JSONResponse(openai_error(err), status_code=err.status)
+    return admin_error(err.status, err.code, err.message)
+
+
+def settings_secrets(settings: Settings) -> list[str]:
+    """Every secret a settings object holds, for :data:`gateway.redact.SECRETS`."""
+    from urllib.parse import urlsplit
+
+    out = [key.get_secret_value() for key in settings.api_key]
+    if settings.upstream_api_key is not None:
+        out += [k.strip() for k in settings.upstream_api_key.get_secret_value().split(",")]
+    if settings.admin_token is not None:
+        out.append(settings.admin_token.get_secret_value())
+    if settings.database_url is not None:
+        url = settings.database_url.get_secret_value()
+        out += [url, urlsplit(url).password or ""]
+    return out
+
+
+def create_app(
+    settings: Settings | None = None, sources: dict[str, Source] | None = None, admin_login_token: str | None = None
+) -> Starlette:
     """Build the gateway. With no upstream URL configured, it starts the built-in
-    simulator on a free loopback port and sends upstream traffic there."""
+    simulator on a free loopback port and sends upstream traffic there. Without an
+    ``--admin-token``, the admin token is ``admin_login_token`` (the CLI's, shared by its
+    workers) or one generated here; ``app.state.admin_login_url`` is its login URL."""
     if settings is None:
         settings, sources = load_settings()
     db = open_database(settings.database_url, settings.data_dir)
@@ -66,6 +101,14 @@ def create_app(settings: Settings | None = None, sources: dict[str, Source] | No
     credential_state = CredentialState(db)
     # several processes on one store (PostgreSQL replicas, --workers): shared cap and health
     replication = Replication(db, settings.replica_id, lambda: relay.in_flight) if db.shared or settings.workers > 1 else None
+    access = AdminAccess.from_settings(settings.admin_token, admin_login_token)
+    owner = f"app-{id(live)}"  # this app's share of the process-wide secret set
+    SECRETS.set(owner + ":admin", [access.token, access.signing_key.hex()])
+    live.listeners.append(lambda current: SECRETS.set(owner + ":settings", settings_secrets(current)))
+    SECRETS.set(owner + ":settings", settings_secrets(live.current))
+
+    def track_pool() -> None:
+        SECRETS.set(owner + ":pool", [c.api_key for c in relay.pool.credentials if c.api_key])
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -78,6 +121,8 @@ def create_app(settings: Settings | None = None, sources: dict[str, Source] | No
             simulator = await start_embedded(create_simulator_app(), sock)
             simulator_url = app.state.simulator_url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
         relay.pool = build_pool(settings, credential_state, simulator_url)
+        relay.pool.on_change = track_pool
+        track_pool()
         if replication is not None:
             await replication.start(relay.pool)
             relay.capacity = replication.capacity
@@ -99,6 +144,8 @@ def create_app(settings: Settings | None = None, sources: dict[str, Source] | No
             db.close()
             if simulator is not None:
                 await stop_embedded(*simulator)
+            for share in ("admin", "settings", "pool"):
+                SECRETS.drop(f"{owner}:{share}")
 
     def generation(room: ProtocolRoom):  # type: ignore[no-untyped-def]
         return generation_endpoint(relay, room)
@@ -123,7 +170,14 @@ def create_app(settings: Settings | None = None, sources: dict[str, Source] | No
         admin_mount(),
         *webui_routes(),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    middleware = [  # outermost first; all inside Starlette's error middleware
+        Middleware(RedactingSend),
+        Middleware(AdminSurface, public_urls=settings.public_url, bind_host=settings.host),
+        Middleware(BodyLimit, limit=settings.max_body_bytes, render=error_for_path),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
+    app.state.admin_access = access
+    app.state.admin_login_url = access.login_url(login_base_url(settings.host, settings.port, settings.public_url))
     app.state.live = live
     app.state.db = db
     app.state.relay = relay

@@ -4,7 +4,8 @@ Records go through a bounded queue to a writer thread (off the hot path), which 
 them to ``capture-<seq>.jsonl`` in the capture directory, flushes and ``fsync``s once per
 batch (so a crash loses at most the batch being written, never an acknowledged one), and
 starts a new file past ``max_bytes``. Records hold the translated upstream body, the
-assembled answer and the engine's token data; never a header, so never a key.
+assembled answer and the engine's token data; never a header, and every configured secret
+is masked on the way to disk (:mod:`gateway.redact`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
+from gateway.redact import SECRETS
 
 _STOP = object()
 BATCH_SECONDS = 0.05
@@ -70,7 +73,7 @@ class CaptureWriter:
         if not records:
             return
         for record in records:
-            self._file.write(orjson.dumps(record) + b"\n")
+            self._file.write(SECRETS.bytes(orjson.dumps(record)) + b"\n")
         self._file.flush()
         os.fsync(self._file.fileno())
         self.written += len(records)

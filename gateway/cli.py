@@ -14,7 +14,7 @@ import shutil
 import sys
 from typing import Any, NoReturn
 
-from gateway.admin.auth import is_loopback
+from gateway.admin.auth import AdminAccess, is_loopback, login_base_url
 from gateway.settings import CLI_FIELDS, Settings, SettingsError, StreamMode, load_settings
 
 
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
             serve.add_argument(flag, dest=name, choices=["auto", "always", "never"], help=help_text)
         elif name == "log_level":
             serve.add_argument(flag, dest=name, choices=["debug", "info", "warning", "error"], help=help_text)
-        elif name in ("upstream_url", "api_key"):
+        elif name in ("upstream_url", "api_key", "public_url"):
             serve.add_argument(flag, dest=name, action="append", default=None, help=help_text)
         elif name == "allow_open":
             serve.add_argument(flag, dest=name, action="store_true", default=None, help=help_text)
@@ -155,21 +155,34 @@ def serve(settings: Settings, sources: dict, cli_values: dict[str, Any] | None =
     common: dict[str, Any] = dict(
         host=settings.host, port=settings.port, log_level=settings.log_level, log_config=None, access_log=True
     )
+    access = AdminAccess.from_settings(settings.admin_token)  # one token for every worker
+    announce_admin_login(settings, access)
     if settings.workers > 1:
-        prepare_workers(settings, cli_values or {})
+        prepare_workers(settings, cli_values or {}, access)
         uvicorn.run(WORKER_APP, factory=True, workers=settings.workers, **common)
         return
     from gateway.app import create_app
 
-    uvicorn.run(create_app(settings, sources), **common)
+    uvicorn.run(create_app(settings, sources, admin_login_token=access.token if access.generated else None), **common)
+
+
+def announce_admin_login(settings: Settings, access: AdminAccess) -> None:
+    """The generated admin token's login URL, once, on stderr: printed, not logged (the log
+    pipeline masks every secret, this one included)."""
+    url = access.login_url(login_base_url(settings.host, settings.port, settings.public_url))
+    if url is not None:
+        print(f"codebuddy2api: admin console (token for this run only; no --admin-token set): {url}",
+              file=sys.stderr, flush=True)
 
 
 #: The environment variable carrying the resolved CLI values to worker processes (JSON).
 CLI_VALUES_ENV = "CODEBUDDY2API_WORKER_CLI_VALUES"
+#: ... and the admin token generated for this run (so a session works on every worker).
+ADMIN_LOGIN_TOKEN_ENV = "CODEBUDDY2API_WORKER_ADMIN_LOGIN_TOKEN"
 WORKER_APP = "gateway.cli:worker_app"
 
 
-def prepare_workers(settings: Settings, cli_values: dict[str, Any]) -> None:
+def prepare_workers(settings: Settings, cli_values: dict[str, Any], access: AdminAccess | None = None) -> None:
     """Before workers spawn: a fresh prometheus multiprocess dir, the CLI values for
     :func:`worker_app`, and the database migrated once (workers must not race on it)."""
     from gateway.store.db import open_database
@@ -179,6 +192,8 @@ def prepare_workers(settings: Settings, cli_values: dict[str, Any]) -> None:
     metrics_dir.mkdir(parents=True)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir.resolve())
     os.environ[CLI_VALUES_ENV] = json.dumps({k: v for k, v in cli_values.items() if v is not None})
+    if access is not None and access.generated:
+        os.environ[ADMIN_LOGIN_TOKEN_ENV] = access.token
     open_database(settings.database_url, settings.data_dir).close()
 
 
@@ -191,7 +206,7 @@ def worker_app() -> Any:
     cli_values = json.loads(os.environ.get(CLI_VALUES_ENV) or "{}")
     settings, sources = load_settings(cli_values)
     configure_logging(settings.log_level)
-    return create_app(settings, sources)
+    return create_app(settings, sources, admin_login_token=os.environ.get(ADMIN_LOGIN_TOKEN_ENV))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ invalid_request    400     invalid_json, invalid_request, invalid_type, invalid_
                            upstream_rejected (the upstream's 400/413/422)
 authentication     401     invalid_api_key
 not_found          404     upstream_not_found, response_not_found
+too_large          413     request_too_large (the body is over --max-body-bytes)
 rate_limit         429     upstream_rate_limited, no_upstream_available (all cool down)
 upstream           502     upstream_error, upstream_unreachable, upstream_disconnected,
                            upstream_bad_frame, upstream_auth_failed, upstream_incomplete,
@@ -40,6 +41,7 @@ ErrorKind = Literal[
     "authentication",  # 401
     "permission",  # 403
     "not_found",  # 404
+    "too_large",  # 413: the request body is over --max-body-bytes
     "rate_limit",  # 429 (Retry-After carried)
     "upstream",  # 502: the upstream failed or answered something unusable
     "timeout",  # 504: the upstream did not answer in time
@@ -52,6 +54,7 @@ STATUS_BY_KIND: dict[ErrorKind, int] = {
     "authentication": 401,
     "permission": 403,
     "not_found": 404,
+    "too_large": 413,
     "rate_limit": 429,
     "upstream": 502,
     "timeout": 504,
@@ -72,6 +75,7 @@ class ErrorCode(StrEnum):
     TOOL_CALL_INVALID = "tool_call_invalid"
     TOOL_IDENTITY_CHANGED = "tool_identity_changed"
     RESPONSE_TOO_LARGE = "response_too_large"
+    REQUEST_TOO_LARGE = "request_too_large"
     UPSTREAM_INCOMPLETE = "upstream_incomplete"
     EMPTY_RESPONSE = "empty_response"
     SERVER_SHUTTING_DOWN = "server_shutting_down"

@@ -18,6 +18,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from gateway.body_limit import BodyTooLarge
 from gateway.capture import CaptureWriter
 from gateway.errors import ErrorCode, GatewayError
 from gateway.generation import GenerationRun, RunningGenerations, capture_record, note_run
@@ -80,18 +81,21 @@ class GenerationService:
         headers = {"x-request-id": record.request_id, "x-codebuddy2api-stream-mode": policy.mode.value}
         run: GenerationRun | None = None
         outcome = RequestOutcome(record, lambda: self._report(record, run))
-        try:
+        try:  # from the headers, before a byte of the body is read
+            record.client_key_fingerprint = check_client_key(request, settings.api_key)
             body = await request.body()
+        except GatewayError as err:
+            outcome.refused(err)
+            return error_response(room, err, headers)
+        except BodyTooLarge as exc:
+            err = exc.error()
+            outcome.invalid(err)
+            return error_response(room, err, headers)
         except ClientDisconnect:
             outcome.cancelled(http_status=499)
             return Response(status_code=499)
         if settings.audit_bodies:
             record.bodies = {"request": body.decode("utf-8", "replace")}
-        try:
-            record.client_key_fingerprint = check_client_key(request, settings.api_key)
-        except GatewayError as err:
-            outcome.refused(err)
-            return error_response(room, err, headers)
         try:
             parsed = room.parse(body, dict(request.query_params))
             record.model = parsed.model

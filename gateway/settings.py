@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -80,6 +81,10 @@ class Settings(BaseSettings):
         None, description="postgresql://user:pass@host:port/db (shared by replicas); none = SQLite in the data dir"
     )
     replica_id: str | None = Field(None, description="this replica's name in the replicas table; none = host-pid-random")
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="largest request body accepted (413 past it)")
+    public_url: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="URL(s) the gateway is reached at besides loopback (admin Host/Origin allow-list)"
+    )
 
 
     @field_validator("upstream_url", "api_key", mode="before")
@@ -90,6 +95,19 @@ class Settings(BaseSettings):
             return [v.strip() for v in value.split(",") if v.strip()]
         return value
 
+    @field_validator("public_url", mode="before")
+    @classmethod
+    def _split_urls(cls, value: Any) -> Any:
+        """Repeatable and comma-separated alike; each must be an http(s) URL with a host."""
+        from urllib.parse import urlsplit
+
+        items = [value] if isinstance(value, str) else list(value or [])
+        urls = [v.strip().rstrip("/") for item in items for v in str(item).split(",") if v.strip()]
+        for url in urls:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"{url!r} is not an http(s) URL with a host name")
+        return urls
 
     @field_validator("database_url")
     @classmethod
@@ -150,6 +168,9 @@ CLI_FIELDS: dict[str, str] = {
     "workers": "worker processes (>1: prometheus multiprocess mode, app built per worker)",
     "database_url": "PostgreSQL URL shared by several replicas (default: SQLite in --data-dir)",
     "replica_id": "this replica's name among replicas sharing the database (default: host-pid-random)",
+    "max_body_bytes": "largest request body accepted, in bytes (default 32 MiB; 413 past it)",
+    "public_url": "URL the gateway is reached at besides loopback, e.g. https://gw.example.com (repeatable or comma list):"
+                  " the admin API and WebUI answer only loopback names and these",
 }
 
 
@@ -237,6 +258,7 @@ class LiveSettings:
         self._current = settings
         self.sources: dict[str, Source] = dict(sources)
         self.revision = 0
+        self.listeners: list[Callable[[Settings], None]] = []  # told of every new current value
         if saved is not None:
             self._apply(*saved.load())
 
@@ -277,6 +299,8 @@ class LiveSettings:
         for key in usable:
             sources[key] = "saved"
         self._current, self.sources, self.revision = new, sources, revision
+        for listener in self.listeners:
+            listener(new)
 
     def update(
         self, changes: dict[str, Any], revision: int | None = None, actor: str = "admin", unset: tuple[str, ...] = ()

@@ -74,6 +74,12 @@ class Gateway:
     def base_url(self) -> str:
         return self.url + "/v1"
 
+    @property
+    def admin(self) -> dict[str, str]:
+        """Headers that authenticate to the admin API: the app's admin token (configured,
+        or generated at start-up: loopback alone is no credential)."""
+        return {"authorization": f"Bearer {self.app.state.admin_access.token}"}
+
 
 @dataclass
 class Simulator:

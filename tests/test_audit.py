@@ -179,7 +179,7 @@ def audit_rows(gw: Gateway, expected: int, timeout: float = 8.0, **params: Any) 
     """Poll the admin API until ``expected`` rows are written (the writer is asynchronous)."""
     deadline = time.monotonic() + timeout
     while True:
-        body = httpx.get(gw.url + "/admin/api/audit", params={"limit": 1000, **params}).json()
+        body = httpx.get(gw.url + "/admin/api/audit", params={"limit": 1000, **params}, headers=gw.admin).json()
         if body["total"] >= expected or time.monotonic() > deadline:
             return body["data"]  # type: ignore[no-any-return]
         time.sleep(0.02)
@@ -284,16 +284,17 @@ def test_metrics_agree_with_the_audit_table(burst_result: BurstResult) -> None:
 def test_admin_list_filters_and_pages_newest_first(burst_result: BurstResult) -> None:
     gw, rows = burst_result.gateway, burst_result.rows
     api = gw.url + "/admin/api/audit"
-    invalid = httpx.get(api, params={"outcome": "invalid"}).json()
+    admin = httpx.Client(headers=gw.admin)
+    invalid = admin.get(api, params={"outcome": "invalid"}).json()
     assert invalid["total"] == sum(r["outcome"] == "invalid" for r in rows.values()) > 0
     assert {r["outcome"] for r in invalid["data"]} == {"invalid"}
     mode = gw.live.current.stream_mode.value
-    assert httpx.get(api, params={"mode": mode}).json()["total"] == len(rows)
-    assert httpx.get(api, params={"protocol": "chat", "model": "echo"}).json()["total"] == sum(
+    assert admin.get(api, params={"mode": mode}).json()["total"] == len(rows)
+    assert admin.get(api, params={"protocol": "chat", "model": "echo"}).json()["total"] == sum(
         r["protocol"] == "chat" and r["model"] == "echo" for r in rows.values()
     )
-    page1 = httpx.get(api, params={"limit": 5}).json()
-    page2 = httpx.get(api, params={"limit": 5, "offset": 5}).json()
+    page1 = admin.get(api, params={"limit": 5}).json()
+    page2 = admin.get(api, params={"limit": 5, "offset": 5}).json()
     assert page1["has_more"] and len(page1["data"]) == len(page2["data"]) == 5
     listed = page1["data"] + page2["data"]
     assert len({r["request_id"] for r in listed}) == 10
@@ -301,26 +302,26 @@ def test_admin_list_filters_and_pages_newest_first(burst_result: BurstResult) ->
     assert starts == sorted(starts, reverse=True)
     newest = max(r["started_at"] for r in rows.values())
     assert page1["data"][0]["started_at"] == newest
-    assert httpx.get(api, params={"since": newest + 1}).json()["total"] == 0
+    assert admin.get(api, params={"since": newest + 1}).json()["total"] == 0
     iso = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(newest + 3600))
-    assert httpx.get(api, params={"until": iso}).json()["total"] == len(rows)
-    bad = httpx.get(api, params={"limit": "lots"})
+    assert admin.get(api, params={"until": iso}).json()["total"] == len(rows)
+    bad = admin.get(api, params={"limit": "lots"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
-    assert httpx.get(api, params={"since": "yesterday"}).json()["error"]["param"] == "since"
+    assert admin.get(api, params={"since": "yesterday"}).json()["error"]["param"] == "since"
 
 
 def test_admin_get_one_record(burst_result: BurstResult) -> None:
     gw = burst_result.gateway
     some = burst_result.sent[0].request_id
-    response = httpx.get(f"{gw.url}/admin/api/audit/{some}")
+    response = httpx.get(f"{gw.url}/admin/api/audit/{some}", headers=gw.admin)
     assert response.status_code == 200 and response.json() == burst_result.rows[some]
-    missing = httpx.get(gw.url + "/admin/api/audit/req_nope")
+    missing = httpx.get(gw.url + "/admin/api/audit/req_nope", headers=gw.admin)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "audit_not_found"
 
 
 def test_admin_aggregate(burst_result: BurstResult) -> None:
     gw, rows = burst_result.gateway, list(burst_result.rows.values())
-    agg = httpx.get(gw.url + "/admin/api/audit/aggregate", params={"window": 3600}).json()
+    agg = httpx.get(gw.url + "/admin/api/audit/aggregate", params={"window": 3600}, headers=gw.admin).json()
     by_outcome = Counter(r["outcome"] for r in rows)
     assert agg["requests"] == len(rows) and agg["by_outcome"] == dict(by_outcome)
     assert agg["error_rate"] == pytest.approx(by_outcome["error"] / len(rows))
@@ -331,33 +332,35 @@ def test_admin_aggregate(burst_result: BurstResult) -> None:
     assert chat["ttfb_ms_p50"] == percentile(ttfbs, 50) and chat["ttfb_ms_p95"] == percentile(ttfbs, 95)
     assert chat["ttfb_ms_p50"] <= chat["ttfb_ms_p95"]
     assert sum(s["requests"] for s in series.values()) == len(rows)
-    assert httpx.get(gw.url + "/admin/api/audit/aggregate", params={"window": 0}).status_code == 400
+    assert httpx.get(gw.url + "/admin/api/audit/aggregate", params={"window": 0}, headers=gw.admin).status_code == 400
 
 
 def test_admin_export_streams_jsonl(burst_result: BurstResult) -> None:
     gw = burst_result.gateway
-    with httpx.stream("GET", gw.url + "/admin/api/audit/export") as response:
+    with httpx.stream("GET", gw.url + "/admin/api/audit/export", headers=gw.admin) as response:
         assert response.headers["content-type"].startswith("application/x-ndjson")
         lines = [line for line in response.iter_lines() if line]
     exported = [json.loads(line) for line in lines]
     assert {r["request_id"] for r in exported} == set(burst_result.rows)
     assert [r["started_at"] for r in exported] == sorted(r["started_at"] for r in exported)
     newest = max(r["started_at"] for r in exported)
-    later = httpx.get(gw.url + "/admin/api/audit/export", params={"since": newest})
+    later = httpx.get(gw.url + "/admin/api/audit/export", params={"since": newest}, headers=gw.admin)
     assert [json.loads(x)["started_at"] for x in later.text.splitlines()] == [newest]
 
 
-def test_admin_api_refuses_non_loopback_clients(burst_result: BurstResult) -> None:
-    app = burst_result.gateway.app
+def test_admin_api_wants_the_token_even_from_loopback(burst_result: BurstResult) -> None:
+    gateway = burst_result.gateway
+    app = gateway.app
 
-    async def call(host: str) -> httpx.Response:
+    async def call(host: str, headers: dict[str, str]) -> httpx.Response:
         transport = httpx.ASGITransport(app=app, client=(host, 4242))
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
-            return await http.get("/admin/api/audit/req_nope")
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+            return await http.get("/admin/api/audit/req_nope", headers=headers)
 
-    outside = asyncio.run(call("203.0.113.7"))
-    assert outside.status_code == 403 and outside.json()["error"]["code"] == "admin_forbidden"
-    assert asyncio.run(call("::1")).status_code == 404  # loopback gets through to the route
+    for host in ("203.0.113.7", "127.0.0.1", "::1"):  # loopback is no credential (any web page reaches it)
+        refused = asyncio.run(call(host, {}))
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "admin_login_required"
+    assert asyncio.run(call("::1", gateway.admin)).status_code == 404  # the token gets through to the route
 
 
 # -- shutdown, secrets, writer units -----------------------------------------------------
@@ -438,7 +441,7 @@ def test_secrets_never_reach_audit_metrics_or_logs(
     )
     rows = audit_rows(gw, len(ids))
     assert {r["request_id"] for r in rows} == set(ids)
-    exported = httpx.get(gw.url + "/admin/api/audit/export").text
+    exported = httpx.get(gw.url + "/admin/api/audit/export", headers=gw.admin).text
     metrics = httpx.get(gw.url + "/metrics").text
     db_dir = gw.live.current.data_dir
     raw_db = b"".join(p.read_bytes() for p in db_dir.iterdir() if p.name.startswith("codebuddy2api.sqlite3"))

@@ -107,7 +107,7 @@ def test_three_turn_rollout_is_captured_with_token_data(server_loop: ServerLoop,
     second = records[1]["upstream_request"]["messages"]
     assert second[-2]["tool_calls"][0]["id"] == records[0]["answer"]["tool_calls"][0]["id"]
     assert second[-1] == {"role": "tool", "tool_call_id": records[0]["answer"]["tool_calls"][0]["id"], "content": "18 C and sunny"}
-    admin = httpx.get(gateway.url + "/admin/api/capture/export", params={"rollout": rollout})
+    admin = httpx.get(gateway.url + "/admin/api/capture/export", params={"rollout": rollout}, headers=gateway.admin)
     assert [json.loads(line) for line in admin.text.splitlines()] == records
     text = "\n".join(p.read_text() for p in capture.glob("*.jsonl"))
     assert UPSTREAM_KEY not in text and CLIENT_KEY not in text

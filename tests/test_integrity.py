@@ -95,7 +95,7 @@ def test_matrix(budget_gateways: dict[str, Gateway], protocol: str, mode: str, c
 def audit_rows(gateway: Gateway, model: str) -> list[dict[str, Any]]:
     """The newest audit record for ``model`` once the background writer has stored it."""
     def newest() -> list[dict[str, Any]]:
-        return httpx.get(gateway.url + "/admin/api/audit", params={"model": model, "limit": 1}).json()["data"]
+        return httpx.get(gateway.url + "/admin/api/audit", params={"model": model, "limit": 1}, headers=gateway.admin).json()["data"]
 
     wait_for(newest)
     return newest()

@@ -131,6 +131,7 @@ def test_serve_with_two_workers_aggregates_metrics(tmp_path: Path) -> None:
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     base = f"http://127.0.0.1:{port}"
+    early: list[str] = []  # stderr lines read before the end
     try:
         deadline = time.monotonic() + 25
         while True:
@@ -160,17 +161,27 @@ def test_serve_with_two_workers_aggregates_metrics(tmp_path: Path) -> None:
             assert sum(v for (n, _), v in samples.items() if n == "codebuddy2api_in_flight_requests") == 0
             assert samples[("codebuddy2api_stream_mode", (("mode", "realtime"),))] == 1  # the CLI flag reached workers
             assert sum(v for (n, _), v in samples.items() if n == "codebuddy2api_request_duration_seconds_count") == sent
-        audit = httpx.get(base + "/admin/api/audit").json()
+        # no --admin-token: the CLI generated one for this run, printed its login URL once,
+        # and every worker accepts it (new connections: either worker may answer)
+        assert proc.stderr is not None
+        while not (early and "admin console" in early[-1]):
+            early.append(proc.stderr.readline())
+            assert early[-1], "no login URL on stderr"
+        token = early[-1].rsplit("?token=", 1)[1].strip()
+        admin = {"authorization": f"Bearer {token}", "connection": "close"}
+        assert httpx.get(base + "/admin/api/audit", headers={"connection": "close"}).status_code == 401
+        audit = httpx.get(base + "/admin/api/audit", headers=admin).json()
         deadline = time.monotonic() + 5
         while audit["total"] < sent and time.monotonic() < deadline:
             time.sleep(0.05)
-            audit = httpx.get(base + "/admin/api/audit").json()
+            audit = httpx.get(base + "/admin/api/audit", headers=admin).json()
+        assert all(httpx.get(base + "/admin/api/status", headers=admin).status_code == 200 for _ in range(6))
         assert audit["total"] == sent and {r["mode"] for r in audit["data"]} == {"realtime"}
         assert (data / "prometheus-multiproc").is_dir()
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=15)
-    lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    lines = [json.loads(line) for line in "".join(early).splitlines() + err.splitlines() if line.startswith("{")]
     assert sum(1 for line in lines if line.get("event") == "request") == sent  # one JSON line per request
     assert any(line.get("logger") == "uvicorn.access" and line.get("path") == "/metrics" for line in lines)
 

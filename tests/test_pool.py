@@ -112,7 +112,7 @@ def test_cooldowns_and_disabled_state_survive_a_restart(server_loop: ServerLoop,
     first = gateway_on(server_loop, tmp_path, [a.url + "/v1", b.url + "/v1"], upstream_api_key="sk-up-1")
     response = httpx.post(first.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES})
     assert response.status_code == 429
-    listed = httpx.get(first.url + "/admin/api/credentials").json()["credentials"]
+    listed = httpx.get(first.url + "/admin/api/credentials", headers=first.admin).json()["credentials"]
     assert {c["upstream"]: (c["disabled"], bool(c["cooldowns"])) for c in listed} == {
         "upstream0": (False, True), "upstream1": (True, False)}
     assert "sk-up-1" not in str(listed) and listed[0]["fingerprint"] == fingerprint("sk-up-1")
@@ -124,13 +124,13 @@ def test_cooldowns_and_disabled_state_survive_a_restart(server_loop: ServerLoop,
     refused = httpx.post(second.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES})
     assert refused.status_code == 429 and int(refused.headers["retry-after"]) > 100
     assert chat_calls(a) == [] and chat_calls(b) == []
-    ids = {c["upstream"]: c["id"] for c in httpx.get(second.url + "/admin/api/credentials").json()["credentials"]}
-    enabled = httpx.post(second.url + f"/admin/api/credentials/{ids['upstream1']}/enable").json()
+    ids = {c["upstream"]: c["id"] for c in httpx.get(second.url + "/admin/api/credentials", headers=second.admin).json()["credentials"]}
+    enabled = httpx.post(second.url + f"/admin/api/credentials/{ids['upstream1']}/enable", json={}, headers=second.admin).json()
     assert enabled["disabled"] is False
     assert stream_text(second, "m")  # served by the re-enabled credential; model m still cools on upstream0
     assert len(chat_calls(b)) == 1 and chat_calls(b)[0]["key_fingerprint"] == fingerprint("sk-up-1")
-    httpx.post(second.url + f"/admin/api/credentials/{ids['upstream0']}/reset")
-    assert all(not c["cooldowns"] for c in httpx.get(second.url + "/admin/api/credentials").json()["credentials"])
+    httpx.post(second.url + f"/admin/api/credentials/{ids['upstream0']}/reset", json={}, headers=second.admin)
+    assert all(not c["cooldowns"] for c in httpx.get(second.url + "/admin/api/credentials", headers=second.admin).json()["credentials"])
 
 
 def test_all_disabled_is_503(server_loop: ServerLoop, upstreams: list[Simulator], tmp_path: Path) -> None:
@@ -206,9 +206,9 @@ def test_status_counts_in_flight_by_protocol_and_mode(server_loop: ServerLoop, u
                       json={"model": "text;chunk=2;delay=0.05", "max_tokens": 50, "messages": MESSAGES, "stream": True}) as response:
         lines = response.iter_lines()  # keep a reference: a collected iterator closes the response
         assert next(lines) == "event: message_start"
-        status = httpx.get(gateway.url + "/admin/api/status").json()
+        status = httpx.get(gateway.url + "/admin/api/status", headers=gateway.admin).json()
         assert status["in_flight"] == 1
         assert status["in_flight_by_protocol"] == {"messages": 1} and status["in_flight_by_mode"] == {"realtime": 1}
     wait_for(lambda: gateway.app.state.relay.in_flight == 0, timeout=2)
-    status = httpx.get(gateway.url + "/admin/api/status").json()
+    status = httpx.get(gateway.url + "/admin/api/status", headers=gateway.admin).json()
     assert status["in_flight"] == 0 and status["in_flight_by_mode"] == {}

@@ -92,11 +92,11 @@ def chat(gateway: Gateway, model: str = "text", stream: bool = False) -> httpx.R
 
 
 def test_a_settings_change_on_a_reaches_b_next_request(pair: Pair) -> None:
-    view = httpx.get(pair.a.url + "/admin/api/settings").json()
+    view = httpx.get(pair.a.url + "/admin/api/settings", headers=pair.a.admin).json()
     mode = view["settings"]["stream_mode"]["value"]
     other = "realtime" if mode == "compatible" else "compatible"
     changed = httpx.put(pair.a.url + "/admin/api/settings", json={"revision": view["revision"],
-                                                                   "changes": {"stream_mode": other}})
+                                                                   "changes": {"stream_mode": other}}, headers=pair.a.admin)
     assert changed.status_code == 200
     assert chat(pair.a, stream=True).headers["x-codebuddy2api-stream-mode"] == other  # the writer: at once
     time.sleep(REVISION_MAX_AGE + 0.1)  # the documented bound for every other replica
@@ -106,11 +106,11 @@ def test_a_settings_change_on_a_reaches_b_next_request(pair: Pair) -> None:
     text = "".join(chunk.choices[0].delta.content or "" for chunk in raw.parse() if chunk.choices)
     assert text.startswith("Hello from the codebuddy2api simulator.")
     assert pair.b.live.revision == changed.json()["revision"]
-    history = httpx.get(pair.b.url + "/admin/api/settings/history").json()["history"]
+    history = httpx.get(pair.b.url + "/admin/api/settings/history", headers=pair.b.admin).json()["history"]
     assert history[0]["changes"]["stream_mode"]["new"] == other  # one history, shared
     # and back, through B this time
     back = httpx.put(pair.b.url + "/admin/api/settings", json={"revision": pair.b.live.revision,
-                                                                "changes": {"stream_mode": mode}})
+                                                                "changes": {"stream_mode": mode}}, headers=pair.b.admin)
     assert back.status_code == 200
     wait_for(lambda: pair.a.live.current.stream_mode.value == mode, timeout=REVISION_MAX_AGE + 0.5)
 
@@ -131,7 +131,7 @@ def test_a_cooldown_learned_on_a_is_respected_on_b(pair: Pair) -> None:
     assert pair.chat_calls() == 1  # B never asked the upstream
     assert chat(pair.b, model="text").status_code == 200  # cooldowns are per model
     # an admin reset on B reaches A the same way
-    reset = httpx.post(pair.b.url + f"/admin/api/credentials/{credential.id}/reset")
+    reset = httpx.post(pair.b.url + f"/admin/api/credentials/{credential.id}/reset", json={}, headers=pair.b.admin)
     assert reset.status_code == 200 and reset.json()["cooldowns"] == {}
     twin = pair.a.app.state.relay.pool.credentials[0]
     wait_for(lambda: not twin.cooling_until("cool-model", time.time()), timeout=CREDENTIAL_POLL + 1)
@@ -146,7 +146,7 @@ def test_audit_rows_from_both_replicas_land_once_in_one_table(pair: Pair) -> Non
         sent[response.headers["x-request-id"]] = "error" if response.status_code == 400 else "success"
 
     def audit_of(gateway: Gateway) -> dict[str, Any]:
-        rows = httpx.get(gateway.url + "/admin/api/audit", params={"limit": 1000}).json()["data"]
+        rows = httpx.get(gateway.url + "/admin/api/audit", params={"limit": 1000}, headers=gateway.admin).json()["data"]
         return {r["request_id"]: r for r in rows if r["request_id"] in sent}
 
     wait_for(lambda: len(audit_of(pair.a)) == len(sent))
@@ -156,15 +156,15 @@ def test_audit_rows_from_both_replicas_land_once_in_one_table(pair: Pair) -> Non
         counts = conn.execute("SELECT request_id, COUNT(*) FROM audit GROUP BY request_id").fetchall()
     assert {rid: n for rid, n in counts if rid in sent} == dict.fromkeys(sent, 1)  # exactly one row each
     for gateway in (pair.a, pair.b):  # the aggregates (and the WebUI dashboard) see both replicas
-        aggregate = httpx.get(gateway.url + "/admin/api/audit/aggregate", params={"window": 3600}).json()
+        aggregate = httpx.get(gateway.url + "/admin/api/audit/aggregate", params={"window": 3600}, headers=gateway.admin).json()
         assert aggregate["requests"] >= len(sent)
         assert aggregate["by_outcome"].get("error", 0) >= list(sent.values()).count("error")
-    total = httpx.get(pair.a.url + "/admin/api/audit", params={"limit": 1}).json()["total"]
-    assert httpx.get(pair.b.url + "/admin/api/audit/aggregate", params={"window": 3600}).json()["requests"] == total
-    status = httpx.get(pair.b.url + "/admin/api/status", params={"window": 3600})
+    total = httpx.get(pair.a.url + "/admin/api/audit", params={"limit": 1}, headers=pair.a.admin).json()["total"]
+    assert httpx.get(pair.b.url + "/admin/api/audit/aggregate", params={"window": 3600}, headers=pair.b.admin).json()["requests"] == total
+    status = httpx.get(pair.b.url + "/admin/api/status", params={"window": 3600}, headers=pair.b.admin)
     if status.status_code != 404:  # the WebUI's status route (SQLite-flavoured SQL) runs on PostgreSQL
         assert status.status_code == 200 and status.json()["requests"] == total
-    series = httpx.get(pair.a.url + "/admin/api/audit/timeseries", params={"window": 3600, "bucket": 600})
+    series = httpx.get(pair.a.url + "/admin/api/audit/timeseries", params={"window": 3600, "bucket": 600}, headers=pair.a.admin)
     if series.status_code != 404:
         assert series.status_code == 200 and series.json()["total"]["summary"]["requests"] == total
 
@@ -228,7 +228,7 @@ def _free_port() -> int:
 
 
 def test_two_serve_processes_share_one_database(postgres_schema: str, tmp_path: Path) -> None:
-    env = {**os.environ, "CODEBUDDY2API_DATABASE_URL": postgres_schema}
+    env = {**os.environ, "CODEBUDDY2API_DATABASE_URL": postgres_schema, "CODEBUDDY2API_ADMIN_TOKEN": "replicas-admin-token"}
     ports = [_free_port(), _free_port()]
     procs = [
         subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port), "--data-dir",
@@ -243,7 +243,8 @@ def test_two_serve_processes_share_one_database(postgres_schema: str, tmp_path: 
         with psycopg.connect(postgres_schema) as conn:
             wait_for(lambda: conn.execute("SELECT COUNT(*) FROM replicas").fetchone()[0] == 2)
             assert [r[0] for r in conn.execute("SELECT replica_id FROM replicas ORDER BY 1")] == ["proc-a", "proc-b"]
-        put = httpx.put(urls[0] + "/admin/api/settings", json={"revision": 0, "changes": {"stream_mode": "realtime"}})
+        put = httpx.put(urls[0] + "/admin/api/settings", json={"revision": 0, "changes": {"stream_mode": "realtime"}},
+                        headers={"authorization": "Bearer replicas-admin-token"})
         assert put.status_code == 200
         time.sleep(REVISION_MAX_AGE + 0.1)
         response = httpx.post(urls[1] + "/v1/chat/completions", json={"model": "text", "messages": MESSAGES})
@@ -300,7 +301,7 @@ def test_a_store_outage_keeps_requests_flowing(server_loop: ServerLoop, postgres
             served = chat(gateway)
             assert served.status_code == 200
             rid = served.headers["x-request-id"]
-            wait_for(lambda: httpx.get(gateway.url + f"/admin/api/audit/{rid}").status_code == 200)
+            wait_for(lambda: httpx.get(gateway.url + f"/admin/api/audit/{rid}", headers=gateway.admin).status_code == 200)
             assert audit.write_errors == 3
         finally:
             server_loop.run(stop_embedded(*server))

@@ -107,13 +107,13 @@ def gateway_on(server_loop: ServerLoop, simulator: Simulator, data: Path, **over
 
 
 def put(gateway: Gateway, body: dict[str, Any], **kwargs: Any) -> httpx.Response:
-    return httpx.put(gateway.url + "/admin/api/settings", json=body, **kwargs)
+    return httpx.put(gateway.url + "/admin/api/settings", json=body, **kwargs, headers=gateway.admin)
 
 
 def test_settings_api_toggle_lock_conflict_and_secret(server_loop: ServerLoop, simulator: Simulator, tmp_path: Path) -> None:
     gateway = gateway_on(server_loop, simulator, tmp_path, locked=["keepalive_interval"])
     other = gateway_on(server_loop, simulator, tmp_path)  # a second worker on the same store
-    view = httpx.get(gateway.url + "/admin/api/settings").json()
+    view = httpx.get(gateway.url + "/admin/api/settings", headers=gateway.admin).json()
     assert view["revision"] == 0
     assert view["settings"]["stream_mode"] == {**view["settings"]["stream_mode"], "value": "compatible",
                                                "source": "default", "locked": None}
@@ -140,7 +140,7 @@ def test_settings_api_toggle_lock_conflict_and_secret(server_loop: ServerLoop, s
     keyed = put(gateway, {"revision": 1, "changes": {"api_key": ["ck-saved-secret-1"]}})
     assert keyed.status_code == 200 and keyed.json()["settings"]["api_key"]["value"] == ["set (1)"]
     assert "ck-saved-secret-1" not in keyed.text
-    history = httpx.get(gateway.url + "/admin/api/settings/history").text
+    history = httpx.get(gateway.url + "/admin/api/settings/history", headers=gateway.admin).text
     assert "ck-saved-secret-1" not in history and "[redacted]" in history
     denied = httpx.post(other.base_url + "/chat/completions", json={"model": "text", "messages": [{"role": "user", "content": "x"}]})
     assert denied.status_code == 401
@@ -161,7 +161,7 @@ def test_offline_key_removal_bumps_the_revision_and_keeps_the_store_sound(server
     assert report == {"removed": "api_key", "revision": 2, "integrity_check": "ok"}
     # the running gateway picks the new revision up on its next request; other values stay
     assert httpx.post(gateway.base_url + "/chat/completions", json=body).status_code == 200
-    view = httpx.get(gateway.url + "/admin/api/settings").json()
+    view = httpx.get(gateway.url + "/admin/api/settings", headers=gateway.admin).json()
     assert view["revision"] == 2 and view["settings"]["max_collect_bytes"]["value"] == 4096
     shown = subprocess.run([sys.executable, "-m", "gateway", "settings", "show", "--data-dir", str(tmp_path)],
                            capture_output=True, text=True, timeout=30)

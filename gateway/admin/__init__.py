@@ -1,8 +1,10 @@
 """The admin JSON API under ``/admin/api`` (used by the WebUI), behind one access guard.
 
 Every admin route is mounted by :func:`admin_mount`, so access control lives in one place:
-:class:`AdminGuard`, which asks :func:`gateway.admin.auth.check_admin` (loopback only
-without an admin token; the token or the WebUI session cookie with one).
+:class:`AdminGuard`, which asks :func:`gateway.admin.auth.check_admin` (the admin token,
+configured or generated at start-up, or the WebUI session cookie). Host, Origin and
+content-type are checked before that, for the whole admin surface, by
+:class:`gateway.admin.surface.AdminSurface`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class AdminGuard:
             request = Request(scope)
             allowed, actor, reason = check_admin(request)
             if not allowed:
-                status = 403 if "origin" in reason or "loopback" in reason else 401
+                status = 403 if "origin" in reason else 401
                 kind = "permission_error" if status == 403 else "authentication_error"
                 body = {"error": {"type": kind, "code": "admin_forbidden" if status == 403 else "admin_login_required",
                                   "message": reason}}

@@ -1,11 +1,14 @@
 """Who may use the admin API and the WebUI.
 
-With no ``--admin-token``: loopback clients only. With one: ``Authorization: Bearer
-<token>`` (scripts), or the WebUI's session cookie, which ``POST /admin/login`` hands out
-in exchange for the token: HttpOnly, SameSite=Strict, scoped to ``/admin``, signed with a
-key derived from the token (stateless, so every worker and replica accepts it; changing
-the token logs every session out). A state-changing request that rides on the cookie must
-carry an ``Origin`` equal to the gateway's own.
+Always a token: ``--admin-token``, or without one a random token generated at start-up
+(Jupyter's pattern) and shown once as a login URL (``.../ui/?token=...``) on stderr;
+loopback alone is no credential (any web page the operator opens can reach loopback).
+Scripts send ``Authorization: Bearer <token>``; the WebUI exchanges the token, with
+``POST /admin/login``, for a session cookie: HttpOnly, SameSite=Strict, scoped to
+``/admin``, signed with a key derived from the token (stateless, so every worker and
+replica accepts it; a new token logs every session out). A state-changing request that
+rides on the cookie must carry an ``Origin`` equal to the gateway's own. Host, Origin and
+content-type are checked before any of this by :mod:`gateway.admin.surface`.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import secrets
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -38,18 +43,54 @@ def is_loopback(host: str | None) -> bool:
     return address.is_loopback
 
 
-def _admin_token(scope: Scope) -> str | None:
-    token = scope["app"].state.live.current.admin_token
-    return token.get_secret_value() if token is not None else None
+@dataclass(frozen=True)
+class AdminAccess:
+    """The admin token in force: configured, or generated for this run."""
+
+    token: str
+    generated: bool
+
+    @classmethod
+    def from_settings(cls, configured: Any, generated: str | None = None) -> AdminAccess:
+        """``--admin-token`` when set; else ``generated`` (handed down to workers) or a new one."""
+        if configured is not None and configured.get_secret_value():
+            return cls(configured.get_secret_value(), generated=False)
+        return cls(generated or secrets.token_urlsafe(32), generated=True)
+
+    def login_url(self, base_url: str) -> str | None:
+        """The URL that logs a browser in; None for a configured token (never printed)."""
+        return f"{base_url.rstrip('/')}/ui/?token={self.token}" if self.generated else None
+
+    @property
+    def signing_key(self) -> bytes:
+        return session_key(self.token)
 
 
-def _key(token: str) -> bytes:
+def login_base_url(host: str, port: int, public_urls: list[str]) -> str:
+    """Where an operator opens the WebUI: the first public URL, else the bound address
+    (loopback for a wildcard bind)."""
+    if public_urls:
+        return public_urls[0]
+    if host in ("", "0.0.0.0", "::") or is_loopback(host):
+        host = "127.0.0.1" if host != "::1" else "[::1]"
+    elif ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def _admin_token(scope: Scope) -> str:
+    access: AdminAccess = scope["app"].state.admin_access
+    return access.token
+
+
+def session_key(token: str) -> bytes:
+    """The session cookie's signing key (a secret in its own right)."""
     return hashlib.sha256(b"codebuddy2api-admin-session:" + token.encode()).digest()
 
 
 def make_session(token: str, now: float | None = None) -> str:
     expires = int((now or time.time()) + SESSION_SECONDS)
-    signature = hmac.new(_key(token), str(expires).encode(), hashlib.sha256).hexdigest()
+    signature = hmac.new(session_key(token), str(expires).encode(), hashlib.sha256).hexdigest()
     return f"{expires}.{signature}"
 
 
@@ -59,50 +100,36 @@ def valid_session(token: str, value: str | None) -> bool:
     expires, _, signature = value.partition(".")
     if not expires.isdigit() or int(expires) < time.time():
         return False
-    expected = hmac.new(_key(token), expires.encode(), hashlib.sha256).hexdigest()
+    expected = hmac.new(session_key(token), expires.encode(), hashlib.sha256).hexdigest()
     return hmac.compare_digest(signature, expected)
-
-
-def _own_origin(request: Request) -> str:
-    return f"{request.url.scheme}://{request.headers.get('host', request.url.netloc)}"
 
 
 def check_admin(request: Request) -> tuple[bool, str, str]:
     """(allowed, actor, reason when refused)."""
     token = _admin_token(request.scope)
-    if token is None:
-        client = request.client.host if request.client else None
-        if is_loopback(client):
-            return True, "loopback", ""
-        return False, "", "the admin API answers loopback clients only (no --admin-token is set)"
     auth = request.headers.get("authorization") or ""
     if auth[:7].lower() == "bearer " and hmac.compare_digest(auth[7:].strip().encode(), token.encode()):
         return True, "admin-token", ""
     if valid_session(token, request.cookies.get(COOKIE)):
-        if request.method in UNSAFE_METHODS and request.headers.get("origin") != _own_origin(request):
+        # its value was checked against our own origins by gateway.admin.surface; a browser
+        # always sends one on a write, so a cookie-borne write without one is not a browser's
+        if request.method in UNSAFE_METHODS and request.headers.get("origin") is None:
             return False, "", "a state-changing request must come from the gateway's own origin"
         return True, "admin-session", ""
-    return False, "", "log in with the admin token first"
+    return False, "", "log in with the admin token first (the login URL printed at start-up, or --admin-token)"
 
 
 async def login(request: Request) -> Response:
     token = _admin_token(request.scope)
-    if token is None:
-        return JSONResponse({"authenticated": is_loopback(request.client.host if request.client else None),
-                             "auth_required": False})
-    origin = request.headers.get("origin")
-    if origin is not None and origin != _own_origin(request):
-        return JSONResponse({"error": {"type": "permission_error", "code": "bad_origin",
-                                       "message": "login must come from the gateway's own origin"}}, status_code=403)
     try:
         payload: Any = await request.json()
     except ValueError:
         payload = None
     given = payload.get("token") if isinstance(payload, dict) else None
     if not isinstance(given, str) or not hmac.compare_digest(given.encode(), token.encode()):
-        return JSONResponse({"error": {"type": "authentication_error", "code": "bad_admin_token",
+        return JSONResponse({"error": {"type": "authentication_error", "code": "bad_admin_token", "param": "token",
                                        "message": "that is not the admin token"}}, status_code=401)
-    response = JSONResponse({"authenticated": True, "auth_required": True})
+    response = JSONResponse({"authenticated": True, "auth_required": True, "actor": "admin-session"})
     response.set_cookie(COOKIE, make_session(token), max_age=SESSION_SECONDS, path="/admin", httponly=True,
                         samesite="strict", secure=request.url.scheme == "https")
     return response
@@ -116,8 +143,7 @@ async def logout(request: Request) -> Response:
 
 async def session(request: Request) -> Response:
     allowed, actor, _ = check_admin(request)
-    return JSONResponse({"authenticated": allowed, "actor": actor,
-                         "auth_required": _admin_token(request.scope) is not None})
+    return JSONResponse({"authenticated": allowed, "actor": actor, "auth_required": True})
 
 
 def auth_routes() -> list[BaseRoute]:

@@ -15,6 +15,8 @@ from typing import Any, TextIO
 
 import structlog
 
+from gateway.redact import redact_log_event
+
 #: Keys whose values are never rendered, whoever logs them.
 SECRET_KEYS = frozenset(
     {"authorization", "api_key", "upstream_api_key", "x-api-key", "admin_token", "password", "token", "secret"}
@@ -25,7 +27,7 @@ _state: dict[str, int] = {}  # the level configure_logging set, re-applied by ro
 
 
 def redact_secrets(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    """Replace the value of any secret-named key: a last line of defence, not the plan."""
+    """Replace the value of any secret-named key, whatever it holds (configured or not)."""
     for key in list(event_dict):
         if key.lower() in SECRET_KEYS:
             event_dict[key] = "[redacted]"
@@ -55,6 +57,7 @@ def _shared_processors() -> list[structlog.typing.Processor]:
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         redact_secrets,
+        redact_log_event,
     ]
 
 
@@ -69,6 +72,7 @@ def make_formatter(json: bool) -> structlog.stdlib.ProcessorFormatter:
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
             structlog.processors.format_exc_info,
+            redact_log_event,  # a traceback may quote a secret
             renderer,
         ],
     )

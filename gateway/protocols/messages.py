@@ -41,6 +41,7 @@ ERROR_TYPES = {
     "authentication": "authentication_error",
     "permission": "permission_error",
     "not_found": "not_found_error",
+    "too_large": "request_too_large",
     "rate_limit": "rate_limit_error",
     "upstream": "api_error",
     "timeout": "api_error",

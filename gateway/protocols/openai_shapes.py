@@ -15,6 +15,7 @@ ERROR_TYPES = {
     "authentication": "authentication_error",
     "permission": "permission_error",
     "not_found": "not_found_error",
+    "too_large": "invalid_request_error",
     "rate_limit": "rate_limit_error",
     "upstream": "api_error",
     "timeout": "api_error",

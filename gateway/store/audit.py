@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
+
+from gateway.redact import SECRETS
 import structlog
 
 from gateway.store.db import Store, upsert
@@ -80,11 +82,11 @@ def _row(record: dict[str, Any]) -> tuple[Any, ...]:
         str(record.get("protocol") or ""),
         str(record.get("mode") or ""),
         1 if record.get("streamed") else 0,
-        str(record.get("model") or ""),
+        SECRETS.text(str(record.get("model") or "")),
         str(record.get("outcome") or ""),
         record.get("error_code"),
         int(record.get("http_status") or 0),
-        orjson.dumps(record, default=str).decode(),
+        SECRETS.text(orjson.dumps(record, default=str).decode()),  # error messages, attempts, bodies
     )
 
 

@@ -2,7 +2,8 @@
 
 The upstream is always asked for ``stream: true`` with ``include_usage``. Its failures
 are translated here, at the boundary, into :class:`~gateway.errors.GatewayError` with the
-most specific kind (so a 429 keeps its Retry-After, a 400 stays the client's fault).
+most specific kind (so a 429 keeps its Retry-After, a 400 stays the client's fault), and
+their text passes :data:`gateway.redact.SECRETS` (an upstream may echo our key).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from httpx_sse import EventSource
 
 from gateway.errors import GatewayError
 from gateway.policy import StreamPolicy
+from gateway.redact import SECRETS
 from gateway.stream.answer import DONE, Done
 from gateway.upstream.pool import Credential
 
@@ -61,7 +63,7 @@ def _upstream_message(body: bytes) -> str:
 
 def status_error(status: int, body: bytes, retry_after: int | None) -> GatewayError:
     """An upstream HTTP error status as the error the client should see."""
-    error = _status_error(status, _upstream_message(body), retry_after)
+    error = _status_error(status, SECRETS.text(_upstream_message(body)), retry_after)
     error.upstream_status = status
     return error
 
@@ -172,7 +174,7 @@ class UpstreamClient:
                 except orjson.JSONDecodeError:
                     raise GatewayError("upstream", "upstream_bad_frame", "the upstream sent a frame that is not JSON") from None
                 if isinstance(chunk, dict):
-                    yield chunk
+                    yield SECRETS.value(chunk) if chunk.get("error") else chunk
         except httpx.TimeoutException:
             raise GatewayError("timeout", "upstream_idle_timeout", "the upstream went silent mid-answer") from None
         except httpx.HTTPError as exc:
@@ -209,7 +211,7 @@ async def _json_answer(response: httpx.Response) -> dict[str, Any]:
     if not isinstance(answer, dict):
         raise GatewayError("upstream", "upstream_bad_frame", "the upstream answer is not a JSON object")
     if answer.get("error"):
-        return {"error": answer["error"]}
+        return {"error": SECRETS.value(answer["error"])}
     return answer
 
 

@@ -172,6 +172,7 @@ class UpstreamPool:
         self._turn = itertools.count()
         self._sticky = StickySessions(clock)
         self._versions: dict[str, int] = {}  # credential id -> stored version last seen
+        self.on_change: Callable[[], None] | None = None  # called when a credential is added
         if store is not None:
             load_versions = getattr(store, "load_versions", None)
             if load_versions is not None:
@@ -206,6 +207,7 @@ class UpstreamPool:
                                  and c.upstream.base_url == base_url), None) or Upstream(name, base_url)
                 self.credentials.append(Credential(upstream, key, id=credential_id))
                 known.add(credential_id)
+                self._changed()
         for credential in self.credentials:
             entry = states.get(credential.id)
             if entry is None or entry[0] <= self._versions.get(credential.id, -1):
@@ -234,6 +236,12 @@ class UpstreamPool:
     def add(self, credential: Credential) -> None:
         self.credentials.append(credential)
         self._persist(credential)
+        self._changed()
+
+    def _changed(self) -> None:
+        """The set of credentials changed (their keys feed gateway.redact)."""
+        if self.on_change is not None:
+            self.on_change()
 
     def get(self, credential_id: str) -> Credential:
         for credential in self.credentials:

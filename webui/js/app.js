@@ -67,7 +67,8 @@ function showLogin(message) {
     },
   },
   h("h1", null, "codebuddy2api"),
-  h("p.muted", null, "This gateway has an admin token. Enter it to open the admin console."),
+  h("p.muted", null, "Enter the admin token (--admin-token), or open the login URL the gateway printed "
+    + "at start-up: without --admin-token it makes a new token each run."),
   message ? h("p.notice.warn", null, message) : null,
   h("label", { for: "token" }, "Admin token"),
   input,
@@ -77,40 +78,51 @@ function showLogin(message) {
   input.focus();
 }
 
-function showRefused() {
-  topbar.hidden = true;
-  replace(main, h("section.login-page", null, h("div.login-card", null,
-    h("h1", null, "codebuddy2api"),
-    h("p.notice.error", null,
-      "The admin console answers loopback clients only: no admin token is configured. "
-      + "Open it from the gateway's own machine, or start the gateway with --admin-token."))));
-}
-
 async function enter() {
   topbar.hidden = false;
-  document.getElementById("who").textContent =
-    session.actor === "loopback" ? "local access (no admin token)" : "signed in";
-  document.getElementById("logout").hidden = !session.auth_required;
+  document.getElementById("who").textContent = "signed in";
+  document.getElementById("logout").hidden = false;
   if (!location.hash || location.hash === "#" || location.hash === "#/") {
     history.replaceState(null, "", "#/dashboard");
   }
   route();
 }
 
-async function start() {
+/** The start-up login URL (/ui/?token=...): drop the token from the address bar and
+ *  history at once, then exchange it for the session cookie like the form does. */
+async function loginFromUrl() {
+  const params = new URLSearchParams(location.search);
+  const token = params.get("token");
+  if (!token) return false;
+  params.delete("token");
+  const rest = params.toString();
+  history.replaceState(null, "", location.pathname + (rest ? `?${rest}` : "") + location.hash);
   try {
-    session = await get("/admin/session");
+    session = await api("POST", "/admin/login", { token });
+    return true;
   } catch (exc) {
-    replace(main, h("p.notice.error", null, `Cannot reach the gateway: ${exc.message}`));
-    return;
+    showLogin(exc.status === 401 ? "That login link is not valid (a new token is made at every start)." : exc.message);
+    return null;
+  }
+}
+
+async function start() {
+  const fromUrl = await loginFromUrl();
+  if (fromUrl === null) return;
+  if (!fromUrl) {
+    try {
+      session = await get("/admin/session");
+    } catch (exc) {
+      replace(main, h("p.notice.error", null, `Cannot reach the gateway: ${exc.message}`));
+      return;
+    }
   }
   if (session.authenticated) await enter();
-  else if (session.auth_required) showLogin();
-  else showRefused();
+  else showLogin();
 }
 
 setUnauthorizedHandler(() => {
-  if (session && session.auth_required && session.authenticated) { // once, however many calls fail
+  if (session && session.authenticated) { // once, however many calls fail
     session = { ...session, authenticated: false };
     showLogin("Your session has ended; log in again.");
   }

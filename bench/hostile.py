@@ -1,0 +1,206 @@
+"""The gateway's memory under hostile input (issue #14): not a timed test, a measurement.
+
+Starts one gateway (``python -m gateway serve`` with a client key and the built-in
+simulator) from the source tree given by ``--repo`` (default: this one, so the same script
+measures ``main`` and a branch alike), then reads the VmRSS of its process tree:
+
+1. idle: after start-up and one valid request per protocol;
+2. after 2,000 malformed bodies (authenticated: wrong types, out-of-range numbers, invalid
+   JSON, deep nesting, a 2 MB ``system``) spread over the three generation routes and
+   ``count_tokens``;
+3. during and after 8 concurrent unauthenticated 50 MB bodies (raw sockets; each client
+   sends in 1 MiB pieces until the server answers or closes).
+
+Prints one JSON object (and writes it to ``bench/results/hostile-<label>.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from procs import Server, free_port, memory_kib
+
+BENCH = Path(__file__).resolve().parent
+RESULTS = BENCH / "results"
+KEY = "bench-hostile-key"
+MiB = 1024 * 1024
+ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens")
+
+
+def malformed_bodies() -> list[bytes]:
+    """A fixed mix of bad bodies, the kinds issue #14 found (2,000 in all)."""
+    deep = "[" * 1000 + '"x"' + "]" * 1000  # as text: json.dumps itself recurses too deep
+    base_chat = {"model": "text", "messages": [{"role": "user", "content": "hi"}]}
+    variants: list[Any] = [
+        b"{not json", b"", b"[]", b"null", b'"text"', b"\xff\xfe",
+        {**base_chat, "max_tokens": "str"}, {**base_chat, "max_tokens": []}, {**base_chat, "max_tokens": {}},
+        {**base_chat, "max_tokens": -1}, {**base_chat, "max_tokens": 2**70}, {**base_chat, "temperature": -1},
+        {**base_chat, "temperature": 2**70}, {**base_chat, "messages": "hi"}, {**base_chat, "messages": [1, 2]},
+        {**base_chat, "tools": [{"type": "function", "function": {"name": "f", "parameters": "no"}}]},
+        ('{"model": "text", "messages": [{"role": "user", "content": "x"}], "deep": ' + deep + "}").encode(),
+        ('{"model": "text", "messages": ' + deep + "}").encode(),
+        {"model": "text", "max_tokens": 16, "system": "s" * (2 * MiB), "messages": [{"role": "user", "content": 3}]},
+        {"model": 5, "input": {"a": 1}}, {"model": "text", "messages": [{"role": "bogus", "content": "x"}]},
+    ]
+    out = [v if isinstance(v, bytes) else json.dumps(v).encode() for v in variants]
+    return [out[i % len(out)] for i in range(2000)]
+
+
+def post(base: str, path: str, body: bytes, key: str | None = KEY, timeout: float = 60) -> int:
+    headers = {"content-type": "application/json"}
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+        headers["x-api-key"] = key
+    request = urllib.request.Request(base + path, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            response.read()
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        exc.read()
+        return int(exc.code)
+
+
+def big_upload(port: int, path: str, size: int, result: dict[str, Any]) -> None:
+    """Send ``size`` bytes (Content-Length declared) without a key; note how much went
+    out before the server answered or closed, and the status it gave."""
+    piece = b"x" * MiB
+    sent = 0
+    start = time.monotonic()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=120)
+    try:
+        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
+                f"content-length: {size}\r\n\r\n").encode()
+        sock.sendall(head)
+        sock.setblocking(False)
+        answer = b""
+        while sent < size:
+            try:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                answer += chunk
+                break  # answered before the whole body went out
+            except BlockingIOError:
+                pass
+            try:
+                sent += sock.send(piece[: min(MiB, size - sent)])
+            except BlockingIOError:
+                time.sleep(0.001)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        sock.setblocking(True)
+        sock.settimeout(120)
+        try:
+            while b"\r\n" not in answer:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                answer += chunk
+        except (ConnectionResetError, TimeoutError):
+            pass
+    finally:
+        sock.close()
+    status = answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/1.1 ") else None
+    result.update(sent_bytes=sent, status=status, seconds=round(time.monotonic() - start, 2))
+
+
+def mib(kib: int) -> float:
+    return round(kib / 1024, 1)
+
+
+def run(repo: Path, label: str) -> dict[str, Any]:
+    port = free_port()
+    tmp = Path(tempfile.mkdtemp(prefix="cb2a-hostile-"))
+    server = Server(
+        "gateway",
+        [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--api-key", KEY,
+         "--data-dir", str(tmp / "data"), "--log-level", "warning"],
+        port, "/healthz", tmp / "gateway.log",
+        env={"PYTHONPATH": str(repo)},
+    )
+    server.proc = None
+    cwd = os.getcwd()
+    os.chdir(repo)  # python -m gateway resolves from the tree under test
+    try:
+        server.start()
+    finally:
+        os.chdir(cwd)
+    out: dict[str, Any] = {"label": label, "repo": str(repo)}
+    try:
+        server.wait_ready()
+        base = server.base
+        chat = json.dumps({"model": "text", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        msgs = json.dumps({"model": "text", "max_tokens": 32, "messages": [{"role": "user", "content": "hi"}]}).encode()
+        resp = json.dumps({"model": "text", "input": "hi"}).encode()
+        out["warmup_status"] = [post(base, "/v1/chat/completions", chat), post(base, "/v1/messages", msgs),
+                                post(base, "/v1/responses", resp)]
+        time.sleep(1)
+        out["idle_mib"] = mib(memory_kib(server.pid)["rss_kib"])
+
+        statuses: dict[str, int] = {}
+        bodies = malformed_bodies()
+        for i, body in enumerate(bodies):
+            status = post(base, ROUTES[i % len(ROUTES)], body)
+            statuses[str(status)] = statuses.get(str(status), 0) + 1
+        time.sleep(1)
+        out["malformed_statuses"] = statuses
+        out["after_malformed_mib"] = mib(memory_kib(server.pid)["rss_kib"])
+
+        results: list[dict[str, Any]] = [{} for _ in range(8)]
+        peak = [0]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], memory_kib(server.pid)["rss_kib"])
+                time.sleep(0.02)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        uploads = [threading.Thread(target=big_upload, args=(port, ROUTES[i % 3], 50 * 1000 * 1000, results[i]))
+                   for i in range(8)]
+        started = time.monotonic()
+        for t in uploads:
+            t.start()
+        for t in uploads:
+            t.join()
+        out["big_seconds"] = round(time.monotonic() - started, 2)
+        time.sleep(0.5)
+        done.set()
+        sampler.join()
+        out["big_peak_mib"] = mib(peak[0])
+        time.sleep(2)
+        out["after_big_mib"] = mib(memory_kib(server.pid)["rss_kib"])
+        out["big_uploads"] = results
+    finally:
+        server.stop()
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repo", type=Path, default=BENCH.parent, help="source tree whose gateway is measured")
+    parser.add_argument("--label", default="current")
+    args = parser.parse_args()
+    result = run(args.repo.resolve(), args.label)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"hostile-{args.label}.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

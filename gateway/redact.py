@@ -1,0 +1,127 @@
+"""The one redaction point: every configured secret, masked in any text the gateway emits.
+
+:data:`SECRETS` holds the live set: each owner (an app's settings, its credential pool, its
+admin token) replaces its own share whenever that changes, and the masks apply the union.
+The boundaries call it: bytes to clients and the admin API (:class:`RedactingSend`), the
+log pipeline (a structlog processor), audit rows, capture records, and upstream error text
+as it enters the gateway. One process-wide set because the log pipeline is process-wide;
+holding another app's secrets too only ever masks more.
+
+Secrets shorter than :data:`MIN_SECRET_LEN` are not masked (they would mangle ordinary
+text); ``settings.py`` validation is the place to refuse such keys, not this.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterable, MutableMapping
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+MASK = "[redacted]"
+MIN_SECRET_LEN = 6
+
+
+class SecretSet:
+    """Secrets by owner, and one compiled pattern over all of them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_owner: dict[str, frozenset[str]] = {}
+        self._text: re.Pattern[str] | None = None
+        self._bytes: re.Pattern[bytes] | None = None
+
+    def set(self, owner: str, secrets: Iterable[str | None]) -> None:
+        """Replace ``owner``'s share of the set."""
+        share = frozenset(s for s in secrets if s and len(s) >= MIN_SECRET_LEN)
+        with self._lock:
+            if self._by_owner.get(owner) == share:
+                return
+            self._by_owner[owner] = share
+            every = sorted(set().union(*self._by_owner.values()), key=len, reverse=True)  # longest first
+            alternatives = "|".join(re.escape(s) for s in every)
+            self._text = re.compile(alternatives) if every else None
+            self._bytes = re.compile(alternatives.encode()) if every else None
+
+    def drop(self, owner: str) -> None:
+        self.set(owner, ())
+
+    def text(self, value: str) -> str:
+        pattern = self._text
+        return pattern.sub(MASK, value) if pattern is not None else value
+
+    def bytes(self, value: bytes) -> bytes:
+        pattern = self._bytes
+        return pattern.sub(MASK.encode(), value) if pattern is not None else value
+
+    def value(self, value: Any) -> Any:
+        """Strings anywhere inside dicts, lists and tuples (a copy only where one changed)."""
+        if self._text is None:
+            return value
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, dict):
+            return {k: self.value(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.value(v) for v in value)
+        return value
+
+
+SECRETS = SecretSet()
+
+
+def redact_log_event(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """structlog processor: every configured secret masked in every value (and traceback)."""
+    for key, value in event_dict.items():
+        if isinstance(value, (str, dict, list, tuple)):
+            event_dict[key] = SECRETS.value(value)
+    return event_dict
+
+
+class RedactingSend:
+    """Pure ASGI middleware: every response body passes :data:`SECRETS` on its way out.
+
+    Only ``/v1/`` and ``/admin`` responses (the static WebUI files hold no secret). A
+    one-piece body (every JSON answer) is masked whole and its ``content-length``
+    corrected; a streamed body is masked piece by piece (each SSE write is whole frames).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope.get("path", "").startswith(("/v1/", "/admin")):
+            await self.app(scope, receive, send)
+            return
+        held: Message | None = None
+
+        async def masking_send(message: Message) -> None:
+            nonlocal held
+            if message["type"] == "http.response.start":
+                held = message
+                return
+            if message["type"] == "http.response.body":
+                body = SECRETS.bytes(message.get("body", b""))
+                if held is not None:
+                    start, held = held, None
+                    if not message.get("more_body", False):
+                        start = _with_length(start, len(body))
+                    await send(start)
+                message = {**message, "body": body}
+            elif held is not None:
+                await send(held)
+                held = None
+            await send(message)
+
+        await self.app(scope, receive, masking_send)
+        if held is not None:
+            await send(held)
+
+
+def _with_length(start: Message, length: int) -> Message:
+    headers = [(k, v) for k, v in start.get("headers", ()) if k.lower() != b"content-length"]
+    if any(k.lower() == b"content-length" for k, _ in start.get("headers", ())):
+        headers.append((b"content-length", str(length).encode()))
+    return {**start, "headers": headers}
