@@ -128,10 +128,9 @@ def test_serve_with_two_workers_aggregates_metrics(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway", "serve", "--workers", "2", "--port", str(port), "--data-dir", str(data),
          "--stream-mode", "realtime"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=env, stdout=subprocess.DEVNULL, stderr=(tmp_path / "stderr").open("w"), text=True,
     )
     base = f"http://127.0.0.1:{port}"
-    early: list[str] = []  # stderr lines read before the end
     try:
         deadline = time.monotonic() + 25
         while True:
@@ -163,11 +162,9 @@ def test_serve_with_two_workers_aggregates_metrics(tmp_path: Path) -> None:
             assert sum(v for (n, _), v in samples.items() if n == "codebuddy2api_request_duration_seconds_count") == sent
         # no --admin-token: the CLI generated one for this run, printed its login URL once,
         # and every worker accepts it (new connections: either worker may answer)
-        assert proc.stderr is not None
-        while not (early and "admin console" in early[-1]):
-            early.append(proc.stderr.readline())
-            assert early[-1], "no login URL on stderr"
-        token = early[-1].rsplit("?token=", 1)[1].strip()
+        login = [line for line in (tmp_path / "stderr").read_text().splitlines() if "admin console" in line]
+        assert len(login) == 1, "one login URL on stderr"
+        token = login[0].rsplit("?token=", 1)[1].strip()
         admin = {"authorization": f"Bearer {token}", "connection": "close"}
         assert httpx.get(base + "/admin/api/audit", headers={"connection": "close"}).status_code == 401
         audit = httpx.get(base + "/admin/api/audit", headers=admin).json()
@@ -180,8 +177,8 @@ def test_serve_with_two_workers_aggregates_metrics(tmp_path: Path) -> None:
         assert (data / "prometheus-multiproc").is_dir()
     finally:
         proc.terminate()
-        _, err = proc.communicate(timeout=15)
-    lines = [json.loads(line) for line in "".join(early).splitlines() + err.splitlines() if line.startswith("{")]
+        proc.wait(timeout=15)
+    lines = [json.loads(line) for line in (tmp_path / "stderr").read_text().splitlines() if line.startswith("{")]
     assert sum(1 for line in lines if line.get("event") == "request") == sent  # one JSON line per request
     assert any(line.get("logger") == "uvicorn.access" and line.get("path") == "/metrics" for line in lines)
 

@@ -343,17 +343,38 @@ def test_credentials_add_disable_enable_reset(page: Any, ui: Gateway, shots: Pat
     assert state[added["id"]]["disabled"] is True
 
 
-def test_without_an_admin_token_a_loopback_browser_needs_no_login(
+def test_without_an_admin_token_loopback_needs_the_login_url_and_its_writes_work(
     browser: Any, server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    open_gateway = start_gateway(server_loop, simulator, tmp_path_factory)
+    """Loopback is no credential: the console asks for a login; the start-up login URL
+    (generated token) enters, leaves no token in the address bar, and the page's own
+    same-origin JSON writes (with the cookie) are accepted and persisted."""
+    gateway = start_gateway(server_loop, simulator, tmp_path_factory)
+    access = gateway.app.state.admin_access
+    assert access.generated and gateway.app.state.admin_login_url.endswith("/ui/?token=" + access.token)
     context = browser.new_context(viewport=VIEWPORT)
     try:
         page = context.new_page()
-        page.goto(open_gateway.url + "/ui/#/settings")
+        page.goto(gateway.url + "/ui/#/settings")
+        page.wait_for_selector("#token")  # no way in without the token, loopback or not
+        assert page.is_hidden("#topbar")
+
+        page.goto(f"{gateway.url}/ui/?token={access.token}#/settings")
         page.wait_for_selector("#field-max_collect_bytes")
-        assert page.text_content("#who") == "local access (no admin token)"
-        assert page.is_hidden("#logout") and page.locator("#token").count() == 0
+        assert access.token not in page.url and page.url.endswith("/ui/#/settings")
+        assert page.text_content("#who") == "signed in" and page.is_visible("#logout")
+        [cookie] = context.cookies()
+        assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/admin"
+
+        page.check("[data-testid=mode-realtime]")
+        page.click("#save-settings")
+        page.wait_for_selector(".notice.ok:has-text('Saved: stream_mode')")
+        assert gateway.app.state.live.saved.load()[1]["stream_mode"] == "realtime"  # in the store
+        history = httpx.get(gateway.url + "/admin/api/settings/history", headers=gateway.admin).json()["history"]
+        assert history[0]["actor"] == "admin-session"
+
+        page.goto(gateway.url + "/ui/?token=not-the-token#/dashboard")
+        assert "not valid" in page.wait_for_selector(".notice.warn").text_content()
     finally:
         context.close()
 

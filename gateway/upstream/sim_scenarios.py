@@ -406,11 +406,22 @@ def _script_plan(opts: Options, scripts: Mapping[str, ScriptSpec]) -> Plan:
     return Plan(spec.status, dict(spec.headers), frames, opts)
 
 
+def _echo_auth_plan(opts: Options, authorization: str) -> Plan:
+    """A careless upstream whose error quotes the Authorization header it was sent
+    (``echo_auth``, status 400 unless ``;status=N``): what the gateway must never relay."""
+    message = f"Invalid request: header 'Authorization: {authorization}' is not accepted for this model"
+    return Plan(opts.status or 400, {}, [error_body(message, "invalid_request_error", "invalid_header")], opts)
+
+
 def build_plan(
-    model: str, request_body: Mapping[str, Any], scripts: Mapping[str, ScriptSpec] | None = None
+    model: str, request_body: Mapping[str, Any], scripts: Mapping[str, ScriptSpec] | None = None,
+    authorization: str = "",
 ) -> Plan:
-    """Pure: decide status, headers and frames for one request (ValueError on bad options)."""
+    """Pure: decide status, headers and frames for one request (ValueError on bad options).
+    ``authorization`` is the request's header, which only ``echo_auth`` looks at."""
     opts = parse_model(model)
+    if opts.scenario == "echo_auth":
+        return _echo_auth_plan(opts, authorization)
     if opts.scenario.startswith("script:"):
         return _script_plan(opts, scripts or {})
     if opts.scenario in _ERRORS:

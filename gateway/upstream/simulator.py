@@ -218,7 +218,8 @@ async def chat_completions(request: Request) -> Response:
     model = _sim(request).fault_model or str(body.get("model") or "echo")
     stream = body.get("stream") is True
     try:
-        plan = build_plan(model, body if stream else _with_usage(body), _sim(request).scripts)
+        plan = build_plan(model, body if stream else _with_usage(body), _sim(request).scripts,
+                          request.headers.get("authorization", ""))
     except ValueError as exc:
         return _bad_request(str(exc))
     if plan.options.ttfb > 0:
