@@ -9,7 +9,8 @@ measures ``main`` and a branch alike), then reads the VmRSS of its process tree:
    JSON, deep nesting, a 2 MB ``system``) spread over the three generation routes and
    ``count_tokens``;
 3. during and after 8 concurrent unauthenticated 50 MB bodies (raw sockets; each client
-   sends in 1 MiB pieces until the server answers or closes).
+   sends in 1 MiB pieces until the server answers or closes);
+4. the same with the client key (the body limit's case rather than the key's).
 
 Prints one JSON object (and writes it to ``bench/results/hostile-<label>.json``).
 """
@@ -73,16 +74,17 @@ def post(base: str, path: str, body: bytes, key: str | None = KEY, timeout: floa
         return int(exc.code)
 
 
-def big_upload(port: int, path: str, size: int, result: dict[str, Any]) -> None:
-    """Send ``size`` bytes (Content-Length declared) without a key; note how much went
-    out before the server answered or closed, and the status it gave."""
+def big_upload(port: int, path: str, size: int, result: dict[str, Any], key: str | None = None) -> None:
+    """Send ``size`` bytes (Content-Length declared), with or without the client key; note
+    how much went out before the server answered or closed, and the status it gave."""
     piece = b"x" * MiB
     sent = 0
     start = time.monotonic()
     sock = socket.create_connection(("127.0.0.1", port), timeout=120)
     try:
+        auth = f"authorization: Bearer {key}\r\nx-api-key: {key}\r\n" if key else ""
         head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
-                f"content-length: {size}\r\n\r\n").encode()
+                f"{auth}content-length: {size}\r\n\r\n").encode()
         sock.sendall(head)
         sock.setblocking(False)
         answer = b""
@@ -115,6 +117,35 @@ def big_upload(port: int, path: str, size: int, result: dict[str, Any]) -> None:
         sock.close()
     status = answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/1.1 ") else None
     result.update(sent_bytes=sent, status=status, seconds=round(time.monotonic() - start, 2))
+
+
+def concurrent_uploads(server: Server, port: int, key: str | None, phase: str) -> dict[str, Any]:
+    """8 clients at once, 50 MB each; RSS sampled every 20 ms meanwhile, and 2 s after."""
+    results: list[dict[str, Any]] = [{} for _ in range(8)]
+    peak = [0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], memory_kib(server.pid)["rss_kib"])
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    uploads = [threading.Thread(target=big_upload, args=(port, ROUTES[i % 3], 50 * 1000 * 1000, results[i], key))
+               for i in range(8)]
+    started = time.monotonic()
+    for t in uploads:
+        t.start()
+    for t in uploads:
+        t.join()
+    seconds = round(time.monotonic() - started, 2)
+    time.sleep(0.5)
+    done.set()
+    sampler.join()
+    time.sleep(2)
+    return {f"{phase}_seconds": seconds, f"{phase}_peak_mib": mib(peak[0]),
+            f"after_{phase}_mib": mib(memory_kib(server.pid)["rss_kib"]), f"{phase}_uploads": results}
 
 
 def mib(kib: int) -> float:
@@ -159,32 +190,8 @@ def run(repo: Path, label: str) -> dict[str, Any]:
         out["malformed_statuses"] = statuses
         out["after_malformed_mib"] = mib(memory_kib(server.pid)["rss_kib"])
 
-        results: list[dict[str, Any]] = [{} for _ in range(8)]
-        peak = [0]
-        done = threading.Event()
-
-        def sample() -> None:
-            while not done.is_set():
-                peak[0] = max(peak[0], memory_kib(server.pid)["rss_kib"])
-                time.sleep(0.02)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        uploads = [threading.Thread(target=big_upload, args=(port, ROUTES[i % 3], 50 * 1000 * 1000, results[i]))
-                   for i in range(8)]
-        started = time.monotonic()
-        for t in uploads:
-            t.start()
-        for t in uploads:
-            t.join()
-        out["big_seconds"] = round(time.monotonic() - started, 2)
-        time.sleep(0.5)
-        done.set()
-        sampler.join()
-        out["big_peak_mib"] = mib(peak[0])
-        time.sleep(2)
-        out["after_big_mib"] = mib(memory_kib(server.pid)["rss_kib"])
-        out["big_uploads"] = results
+        for phase, key in (("big", None), ("big_keyed", KEY)):
+            out.update(concurrent_uploads(server, port, key, phase))
     finally:
         server.stop()
     return out

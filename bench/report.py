@@ -496,6 +496,7 @@ def render() -> int:
     pk = ", ".join(f"{k} {v}" for k, v in m["packages"].items() if v) + (
         "" if m["packages"].get("uvloop") else "; no uvloop/httptools: uvicorn runs asyncio + h11")
     analysis = (BENCH / "analysis.md").read_text() if (BENCH / "analysis.md").exists() else ""
+    hostile = (BENCH / "hostile.md").read_text() if (BENCH / "hostile.md").exists() else ""  # bench/hostile.py
     images = plots(fg)
     parts = [
         "# Performance",
@@ -595,6 +596,8 @@ def render() -> int:
         micro_section(data.get("micro")),
         "",
         analysis.strip(),
+        "",
+        hostile.strip(),
         "",
     ]
     DOC.write_text("\n".join(parts))
