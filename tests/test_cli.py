@@ -82,7 +82,7 @@ def test_serve_runs_on_the_builtin_simulator(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--data-dir", str(tmp_path / "data"),
          "--stream-mode", "realtime"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env, stdout=subprocess.PIPE, stderr=(tmp_path / "stderr").open("w"), text=True,
     )
     try:
         deadline = time.monotonic() + 20
@@ -92,8 +92,17 @@ def test_serve_runs_on_the_builtin_simulator(tmp_path: Path) -> None:
                     break
             except httpx.TransportError:
                 pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()
             time.sleep(0.1)
+        # no --admin-token: one login URL on stderr, with a token generated for this run
+        [login] = [line for line in (tmp_path / "stderr").read_text().splitlines() if "admin console" in line]
+        url = login.split(": ", 2)[-1]
+        assert url.startswith(f"http://127.0.0.1:{port}/ui/?token=")
+        token = url.rsplit("=", 1)[1]
+        settings_api = f"http://127.0.0.1:{port}/admin/api/settings"
+        assert httpx.get(settings_api).status_code == 401  # loopback alone is no credential
+        assert httpx.get(settings_api, headers={"authorization": f"Bearer {token}"}).status_code == 200
+        assert httpx.get(url).status_code == 200  # the WebUI page (its access-log line must not show the token)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", _strict_response_validation=True)
         with client.chat.completions.stream(model="any-model", messages=[{"role": "user", "content": "ping"}]) as stream:
             text = stream.get_final_completion().choices[0].message.content
@@ -102,6 +111,32 @@ def test_serve_runs_on_the_builtin_simulator(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+    logged = (tmp_path / "stderr").read_text()
+    assert logged.count(token) == 1  # printed once, never logged (the access line of /ui/?token= included)
+
+
+def test_public_url_is_repeatable_and_comma_separated() -> None:
+    settings, _ = load_settings({"public_url": ["https://a.example", "https://b.example/, http://c.example:8080"]})
+    assert settings.public_url == ["https://a.example", "https://b.example", "http://c.example:8080"]
+    with pytest.raises(SettingsError, match="--public-url"):
+        load_settings({"public_url": ["gw.example.com"]})  # no scheme: not a URL
+
+
+def test_the_login_url_is_announced_only_for_a_generated_token(capsys: pytest.CaptureFixture[str]) -> None:
+    from pydantic import SecretStr
+
+    from gateway.admin.auth import AdminAccess
+    from gateway.cli import announce_admin_login
+
+    settings, _ = load_settings({"host": "0.0.0.0", "port": 9000, "public_url": ["https://gw.example.com"]})
+    generated = AdminAccess.from_settings(None)
+    announce_admin_login(settings, generated)
+    assert capsys.readouterr().err.strip().endswith(f": https://gw.example.com/ui/?token={generated.token}")
+    announce_admin_login(settings, AdminAccess.from_settings(SecretStr("configured-admin-token")))
+    assert capsys.readouterr().err == ""  # a configured token is never printed
+    local, _ = load_settings({"host": "0.0.0.0", "port": 9000})
+    announce_admin_login(local, generated)
+    assert f"http://127.0.0.1:9000/ui/?token={generated.token}" in capsys.readouterr().err
 
 
 def test_open_bind_without_client_keys_is_refused() -> None:

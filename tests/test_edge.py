@@ -379,3 +379,46 @@ def test_the_secret_set_masks_every_owner_and_forgets_a_dropped_one() -> None:
     assert secrets.text(text) == f"x {MASK}-longer y {MASK} z short"
     secrets.drop("a")
     assert secrets.text(text) == text
+
+
+def test_responses_are_masked_on_the_way_out_with_a_correct_length() -> None:
+    """RedactingSend on its own: a one-piece JSON body (content-length fixed) and a streamed
+    body, on /v1 and /admin; other paths (the static WebUI) pass untouched."""
+    import asyncio
+
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    from gateway.redact import SECRETS, RedactingSend
+
+    secret = "sk-leaky-handler-5150"
+
+    async def leaky_json(request: Any) -> Any:
+        return JSONResponse({"message": f"key {secret} here"})
+
+    async def leaky_stream(request: Any) -> Any:
+        async def frames() -> Any:
+            yield f"data: {secret}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(frames(), media_type="text/event-stream")
+
+    app = RedactingSend(Starlette(routes=[Route("/v1/json", leaky_json), Route("/admin/api/x", leaky_json),
+                                          Route("/v1/stream", leaky_stream), Route("/ui/x", leaky_json)]))
+
+    async def fetch(path: str) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http:
+            return await http.get(path)
+
+    SECRETS.set("test-redacting-send", [secret])
+    try:
+        for path in ("/v1/json", "/admin/api/x"):
+            response = asyncio.run(fetch(path))
+            assert response.json() == {"message": f"key {MASK} here"}
+            assert int(response.headers["content-length"]) == len(response.content)
+        streamed = asyncio.run(fetch("/v1/stream"))
+        assert streamed.text == f"data: {MASK}\n\ndata: [DONE]\n\n"
+        assert secret in asyncio.run(fetch("/ui/x")).text  # static files are not rewritten
+    finally:
+        SECRETS.drop("test-redacting-send")
