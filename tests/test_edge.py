@@ -226,6 +226,10 @@ def test_a_50_mb_body_is_answered_without_being_read(keyed: tuple[Gateway, Count
     error = json.loads(body)
     assert (error["error"]["type"] if path.startswith("/v1/messages") else error["error"]["code"]) in (
         "authentication_error", "invalid_api_key")
+    if path != "/v1/messages/count_tokens":  # a generation request: its one audit record
+        refused_id = headers["x-request-id"]
+        wait_for(lambda: len(audit_rows(gateway, refused_id)) == 1)
+        assert audit_rows(gateway, refused_id)[0]["outcome"] == "refused"
 
     authed = {"content-type": "application/json", "authorization": f"Bearer {KEY}", "x-api-key": KEY}
     status, headers, body, sent = raw_post(gateway.url, path, authed, pieces(50 * MB), 50 * MB)
