@@ -3,7 +3,8 @@
 
 Generation routes check the client key inside the relay (so a refused request still gets
 its audit record); ``count_tokens``, stored responses and the model list are wrapped here
-with the same constant-time check and the room's own error shape.
+with the same constant-time check and the room's own error shape. Both look at the headers
+only, before a byte of the body is read (``gateway/body_limit.py`` bounds what is read after).
 """
 
 from __future__ import annotations
