@@ -73,7 +73,7 @@ class CaptureWriter:
         if not records:
             return
         for record in records:
-            self._file.write(SECRETS.bytes(orjson.dumps(record)) + b"\n")
+            self._file.write(SECRETS.mask_bytes(orjson.dumps(record)) + b"\n")
         self._file.flush()
         os.fsync(self._file.fileno())
         self.written += len(records)

@@ -48,24 +48,24 @@ class SecretSet:
     def drop(self, owner: str) -> None:
         self.set(owner, ())
 
-    def text(self, value: str) -> str:
+    def mask(self, value: str) -> str:
         pattern = self._text
         return pattern.sub(MASK, value) if pattern is not None else value
 
-    def bytes(self, value: bytes) -> bytes:
+    def mask_bytes(self, value: bytes) -> bytes:
         pattern = self._bytes
         return pattern.sub(MASK.encode(), value) if pattern is not None else value
 
-    def value(self, value: Any) -> Any:
+    def mask_value(self, value: Any) -> Any:
         """Strings anywhere inside dicts, lists and tuples (a copy only where one changed)."""
         if self._text is None:
             return value
         if isinstance(value, str):
-            return self.text(value)
+            return self.mask(value)
         if isinstance(value, dict):
-            return {k: self.value(v) for k, v in value.items()}
+            return {k: self.mask_value(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            return type(value)(self.value(v) for v in value)
+            return type(value)(self.mask_value(v) for v in value)
         return value
 
 
@@ -76,7 +76,7 @@ def redact_log_event(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> M
     """structlog processor: every configured secret masked in every value (and traceback)."""
     for key, value in event_dict.items():
         if isinstance(value, (str, dict, list, tuple)):
-            event_dict[key] = SECRETS.value(value)
+            event_dict[key] = SECRETS.mask_value(value)
     return event_dict
 
 
@@ -103,7 +103,7 @@ class RedactingSend:
                 held = message
                 return
             if message["type"] == "http.response.body":
-                body = SECRETS.bytes(message.get("body", b""))
+                body = SECRETS.mask_bytes(message.get("body", b""))
                 if held is not None:
                     start, held = held, None
                     if not message.get("more_body", False):

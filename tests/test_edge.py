@@ -361,14 +361,14 @@ def test_every_kind_of_configured_secret_is_masked(secretive: Gateway) -> None:
     added = "sk-added-at-runtime-777"
     assert httpx.post(secretive.url + "/admin/api/credentials", headers=secretive.admin,
                       json={"base_url": "http://127.0.0.1:9/v1", "api_key": added, "upstream": "late"}).status_code == 201
-    secretive.app.state.relay.pool.disable([c for c in secretive.app.state.relay.pool.credentials
-                                            if c.upstream.name == "late"][0].id)
+    pool = secretive.app.state.relay.pool
+    pool.disable(next(c for c in pool.credentials if c.upstream.name == "late").id)  # unreachable: never picked
     saved = "ck-saved-later-31337"
     put = httpx.put(secretive.url + "/admin/api/settings", headers=secretive.admin,
                     json={"revision": secretive.live.revision, "changes": {"api_key": [KEY, saved]}})
     assert put.status_code == 200
     for secret in (KEY, UPSTREAM_KEY, access.token, access.signing_key.hex(), added, saved):
-        assert SECRETS.text(f"<{secret}>") == f"<{MASK}>"
+        assert SECRETS.mask(f"<{secret}>") == f"<{MASK}>"
 
 
 def test_the_secret_set_masks_every_owner_and_forgets_a_dropped_one() -> None:
@@ -376,13 +376,13 @@ def test_the_secret_set_masks_every_owner_and_forgets_a_dropped_one() -> None:
     secrets.set("a", ["alpha-secret-1", None, "short"])  # under 6 characters: not masked
     secrets.set("b", ["alpha-secret-1-longer"])
     text = "x alpha-secret-1-longer y alpha-secret-1 z short"
-    assert secrets.text(text) == f"x {MASK} y {MASK} z short"  # the longer one first, whole
-    assert secrets.bytes(text.encode()) == f"x {MASK} y {MASK} z short".encode()
-    assert secrets.value({"k": ["alpha-secret-1", 3]}) == {"k": [MASK, 3]}
+    assert secrets.mask(text) == f"x {MASK} y {MASK} z short"  # the longer one first, whole
+    assert secrets.mask_bytes(text.encode()) == f"x {MASK} y {MASK} z short".encode()
+    assert secrets.mask_value({"k": ["alpha-secret-1", 3]}) == {"k": [MASK, 3]}
     secrets.drop("b")
-    assert secrets.text(text) == f"x {MASK}-longer y {MASK} z short"
+    assert secrets.mask(text) == f"x {MASK}-longer y {MASK} z short"
     secrets.drop("a")
-    assert secrets.text(text) == text
+    assert secrets.mask(text) == text
 
 
 def test_responses_are_masked_on_the_way_out_with_a_correct_length() -> None:

@@ -82,11 +82,11 @@ def _row(record: dict[str, Any]) -> tuple[Any, ...]:
         str(record.get("protocol") or ""),
         str(record.get("mode") or ""),
         1 if record.get("streamed") else 0,
-        SECRETS.text(str(record.get("model") or "")),
+        SECRETS.mask(str(record.get("model") or "")),
         str(record.get("outcome") or ""),
         record.get("error_code"),
         int(record.get("http_status") or 0),
-        SECRETS.text(orjson.dumps(record, default=str).decode()),  # error messages, attempts, bodies
+        SECRETS.mask(orjson.dumps(record, default=str).decode()),  # error messages, attempts, bodies
     )
 
 

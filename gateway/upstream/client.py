@@ -63,7 +63,7 @@ def _upstream_message(body: bytes) -> str:
 
 def status_error(status: int, body: bytes, retry_after: int | None) -> GatewayError:
     """An upstream HTTP error status as the error the client should see."""
-    error = _status_error(status, SECRETS.text(_upstream_message(body)), retry_after)
+    error = _status_error(status, SECRETS.mask(_upstream_message(body)), retry_after)
     error.upstream_status = status
     return error
 
@@ -174,7 +174,7 @@ class UpstreamClient:
                 except orjson.JSONDecodeError:
                     raise GatewayError("upstream", "upstream_bad_frame", "the upstream sent a frame that is not JSON") from None
                 if isinstance(chunk, dict):
-                    yield SECRETS.value(chunk) if chunk.get("error") else chunk
+                    yield SECRETS.mask_value(chunk) if chunk.get("error") else chunk
         except httpx.TimeoutException:
             raise GatewayError("timeout", "upstream_idle_timeout", "the upstream went silent mid-answer") from None
         except httpx.HTTPError as exc:
@@ -211,7 +211,7 @@ async def _json_answer(response: httpx.Response) -> dict[str, Any]:
     if not isinstance(answer, dict):
         raise GatewayError("upstream", "upstream_bad_frame", "the upstream answer is not a JSON object")
     if answer.get("error"):
-        return {"error": SECRETS.value(answer["error"])}
+        return {"error": SECRETS.mask_value(answer["error"])}
     return answer
 
 
