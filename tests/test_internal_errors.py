@@ -23,7 +23,7 @@ USER = [{"role": "user", "content": "hi there"}]
 def audit_row(gw: Gateway, request_id: str) -> dict[str, Any]:
     deadline = time.monotonic() + 8
     while True:
-        response = httpx.get(f"{gw.url}/admin/api/audit/{request_id}")
+        response = httpx.get(f"{gw.url}/admin/api/audit/{request_id}", headers=gw.admin)
         if response.status_code == 200 or time.monotonic() > deadline:
             assert response.status_code == 200, response.text
             return response.json()  # type: ignore[no-any-return]
