@@ -36,7 +36,10 @@ from gateway.store.db import open_database
 from gateway.store.responses import ResponseStore
 from gateway.store.saved_settings import SavedSettings
 from gateway.settings import LiveSettings, Settings, Source, load_settings
-from gateway.store.credentials import CredentialState
+from gateway.store.credentials import CredentialState, CredentialStateWriter
+from gateway.store.spill import SpillJournal
+from gateway.readiness import readyz
+from gateway.upstream.prober import CredentialProber
 from gateway.store.replicas import Replication
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.config import build_pool
@@ -96,7 +99,8 @@ def create_app(
     saved = SavedSettings(db)
     live = LiveSettings(settings, sources or {}, saved)
     upstream = UpstreamClient()
-    observability = Observability(live, db)
+    journal = SpillJournal(settings.spill_dir or settings.data_dir / "spill", settings.spill_max_bytes)
+    observability = Observability(live, db, journal=journal)
     relay = GenerationService(live, upstream, observability.observer)
     credential_state = CredentialState(db)
     # several processes on one store (PostgreSQL replicas, --workers): shared cap and health
@@ -123,6 +127,10 @@ def create_app(
         relay.pool = build_pool(settings, credential_state, simulator_url)
         relay.pool.on_change = track_pool
         track_pool()
+        state_writer = relay.pool.writer = CredentialStateWriter(credential_state, on_saved=relay.pool.saved)
+        await state_writer.start()
+        prober = CredentialProber(lambda: relay.pool, upstream, settings.credential_probe_interval)
+        await prober.start()
         if replication is not None:
             await replication.start(relay.pool)
             relay.capacity = replication.capacity
@@ -134,10 +142,12 @@ def create_app(
             yield
         finally:
             app.state.ready = False
+            await prober.aclose()
             await upstream.aclose()
             if relay.capture is not None:
                 relay.capture.close()  # drains: every finished call is on disk
             await observability.aclose()  # drains the audit queue
+            await state_writer.aclose()
             if replication is not None:
                 await replication.aclose()
             saved.close()
@@ -151,11 +161,13 @@ def create_app(
         return generation_endpoint(relay, room)
 
     async def healthz(request: Request) -> Response:
+        """Liveness: the process is up and its lifespan ran (``/readyz`` says whether it
+        should take traffic)."""
         if getattr(request.app.state, "ready", False):
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "starting"}, status_code=503)
 
-    response_store = ResponseStore(db)
+    response_store = ResponseStore(db, observability.durable)  # spills like the audit
     responses_room = ResponsesRoom(response_store)
     routes = [
         Route("/v1/chat/completions", generation(ChatRoom()), methods=["POST"]),
@@ -165,6 +177,7 @@ def create_app(
         Route("/v1/messages/count_tokens", keyed(count_tokens_endpoint, anthropic_error), methods=["POST"]),
         Route("/v1/models", keyed(list_models, openai_error), methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         *auth_routes(),
         admin_mount(),

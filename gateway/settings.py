@@ -85,6 +85,12 @@ class Settings(BaseSettings):
     public_url: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="URL(s) the gateway is reached at besides loopback (admin Host/Origin allow-list)"
     )
+    spill_dir: Path | None = Field(None, description="spill journal directory; none = <data_dir>/spill")
+    spill_max_bytes: int = Field(32 * 1024 * 1024, ge=4096, description="the spill journal's bound (reserved on disk)")
+    shutdown_timeout: float = Field(30.0, ge=0, description="seconds open requests may run on after SIGTERM")
+    credential_probe_interval: float = Field(
+        5.0, gt=0, description="first re-probe of a credential disabled by a 401/403 (seconds; doubles up to 300)"
+    )
 
 
     @field_validator("upstream_url", "api_key", mode="before")
@@ -171,6 +177,10 @@ CLI_FIELDS: dict[str, str] = {
     "max_body_bytes": "largest request body accepted, in bytes (default 32 MiB; 413 past it)",
     "public_url": "URL the gateway is reached at besides loopback, e.g. https://gw.example.com (repeatable or comma list):"
                   " the admin API and WebUI answer only loopback names and these",
+    "spill_dir": "where audit rows and stored responses go while the store cannot write (default: <data-dir>/spill)",
+    "spill_max_bytes": "the spill journal's bound, reserved on disk at start-up",
+    "shutdown_timeout": "on SIGTERM, seconds open requests may finish before they are ended with an error event",
+    "credential_probe_interval": "seconds before re-probing a credential disabled by a 401/403 (doubles up to 300)",
 }
 
 

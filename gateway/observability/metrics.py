@@ -120,7 +120,8 @@ class Metrics:
             p + "audit_dropped", "Audit records dropped because the queue was full", registry=r
         )
         self.audit_write_errors = Counter(
-            p + "audit_write_errors", "Audit records lost to a database error", registry=r
+            p + "audit_write_errors", "Audit records lost: neither the store nor the spill journal took them",
+            registry=r,
         )
         self.config_revision = Gauge(
             p + "config_revision", "Revision of the saved settings in force", registry=r, multiprocess_mode="livemax"
@@ -129,8 +130,31 @@ class Metrics:
             p + "stream_mode", "1 for the stream mode in force for new requests", ["mode"],
             registry=r, multiprocess_mode="livemax",
         )
+        # durability: rows the store could not take (gateway/store/spill.py)
+        self.records_spilled = Counter(
+            p + "records_spilled", "Rows written to the spill journal because the store failed", ["kind"], registry=r
+        )
+        self.records_replayed = Counter(
+            p + "records_replayed", "Spilled rows replayed into the store after it recovered", ["kind"], registry=r
+        )
+        self.records_lost = Counter(
+            p + "records_lost", "Rows lost: the store and the spill journal both failed", ["kind"], registry=r
+        )
+        self.store_writable = Gauge(
+            p + "store_writable", "1 while the store takes writes", registry=r, multiprocess_mode="livemin"
+        )
+        self.spill_entries = Gauge(
+            p + "spill_entries", "Rows in the spill journal waiting for the store", registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.shutdown_cut = Counter(
+            p + "shutdown_cut_requests", "Requests ended by the shutdown deadline", registry=r
+        )
         for protocol in PROTOCOLS:
             self.in_flight.labels(protocol)
+        for kind in ("audit", "response"):
+            for counter in (self.records_spilled, self.records_replayed, self.records_lost):
+                counter.labels(kind)
 
     # -- request events ----------------------------------------------------------------
 

@@ -17,8 +17,10 @@ from starlette.responses import Response
 
 from gateway.observability.logging import route_uvicorn_logs
 from gateway.observability.metrics import Metrics
-from gateway.store.audit import AuditWriter
+from gateway.store.audit import AUDIT_UPSERT, AuditWriter
 from gateway.store.db import Database
+from gateway.store.responses import RESPONSE_UPSERT
+from gateway.store.spill import DurableWriter, SpillJournal
 
 if TYPE_CHECKING:
     from gateway.record import RequestRecord
@@ -81,11 +83,22 @@ class GatewayObserver:
 
 
 class Observability:
-    """Metrics + audit writer + observer for one app, with their lifecycle."""
+    """Metrics + the durable writer (store, else spill journal) + audit writer + observer
+    for one app, with their lifecycle."""
 
-    def __init__(self, live: LiveSettings, db: Database, flush_interval: float = 0.05) -> None:
+    def __init__(
+        self, live: LiveSettings, db: Database, flush_interval: float = 0.05, journal: SpillJournal | None = None
+    ) -> None:
         self.live = live
         self.metrics = Metrics()
+        m = self.metrics
+        self.journal = journal
+        self.durable = DurableWriter(
+            db, journal, {"audit": AUDIT_UPSERT, "response": RESPONSE_UPSERT},
+            on_spilled=lambda kind, n: m.records_spilled.labels(kind).inc(n),
+            on_lost=lambda kind, n: m.records_lost.labels(kind).inc(n),
+            on_replayed=lambda kind, n: m.records_replayed.labels(kind).inc(n),
+        )
         self.audit = AuditWriter(
             db,
             retention_days=lambda: float(live.current.audit_retention_days),
@@ -94,21 +107,29 @@ class Observability:
             flush_interval=flush_interval,
             on_drop=self.metrics.audit_dropped.inc,
             on_write_error=self.metrics.audit_write_errors.inc,
+            durable=self.durable,
         )
         self.observer = GatewayObserver(self.metrics, self.audit)
 
     async def start(self) -> None:
         route_uvicorn_logs()  # after any embedded server detached uvicorn.access
+        await self.durable.start()  # replays what an earlier run spilled
         await self.audit.start()
 
     async def aclose(self) -> None:
-        """Drain the audit queue (before the database closes)."""
+        """Drain the audit queue (before the database closes); what the store still
+        cannot take stays in the spill journal for the next start."""
         await self.audit.aclose()
+        await self.durable.aclose()
+        if self.journal is not None:
+            self.journal.close()
         self.metrics.refresh(self.live, 0)
         self.metrics.process_exit()
 
     def exposition(self) -> tuple[bytes, str]:
         self.metrics.refresh(self.live, self.audit.depth)
+        self.metrics.store_writable.set(1 if self.durable.store_writable else 0)
+        self.metrics.spill_entries.set(self.durable.spill_entries)
         return self.metrics.render()
 
 

@@ -2,8 +2,10 @@
 
 :meth:`AuditWriter.submit` runs on the event loop and only appends a snapshot of the
 record to a bounded in-memory queue; a background task batch-inserts the queue in one
-transaction per batch through the store's ``run_tx`` (in a worker thread), on SQLite or
-PostgreSQL alike. Shutdown drains the queue completely before the database closes. Rows
+transaction per batch through a :class:`~gateway.store.spill.DurableWriter` (in a worker
+thread), on SQLite or PostgreSQL alike: when the store cannot write, the batch goes to the
+spill journal and is replayed later, and only a batch that not even the journal takes is
+lost. Shutdown drains the queue completely before the database closes. Rows
 older than the retention period are deleted at start-up and hourly (on a shared store every
 replica purges; the deletes are idempotent).
 """
@@ -24,6 +26,7 @@ from gateway.redact import SECRETS
 import structlog
 
 from gateway.store.db import Store, upsert
+from gateway.store.spill import DurableWriter
 
 if TYPE_CHECKING:
     from gateway.record import RequestRecord
@@ -31,7 +34,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger("gateway.audit")
 
 RETENTION_INTERVAL = 3600.0
-_INSERT = upsert(
+#: The audit row upsert, keyed by request id (a replayed spill never duplicates a row).
+AUDIT_UPSERT = _INSERT = upsert(
     "audit",
     ("request_id", "started_at", "ended_at", "protocol", "mode", "streamed", "model", "outcome", "error_code",
      "http_status", "record"),
@@ -105,8 +109,11 @@ class AuditWriter:
         batch_size: int = 200,
         on_drop: Callable[[int], None] | None = None,
         on_write_error: Callable[[int], None] | None = None,
+        durable: DurableWriter | None = None,
     ) -> None:
         self.db = db
+        #: store, else spill journal (none here: a failed batch is lost and counted)
+        self.durable = durable if durable is not None else DurableWriter(db, None, {"audit": _INSERT})
         self.retention_days = retention_days
         self.store_bodies = store_bodies
         self.body_max_bytes = body_max_bytes
@@ -116,8 +123,8 @@ class AuditWriter:
         self.on_drop = on_drop
         self.on_write_error = on_write_error
         self.dropped = 0
-        self.written = 0
-        self.write_errors = 0
+        self.written = 0  # stored or spilled (replayed later)
+        self.write_errors = 0  # lost: neither the store nor the spill journal took them
         self._pending: collections.deque[dict[str, Any]] = collections.deque()
         self._wake: asyncio.Event | None = None
         self._closed_event: asyncio.Event | None = None
@@ -228,25 +235,27 @@ class AuditWriter:
         self._in_flight = count
         max_bytes = self.body_max_bytes()
 
-        def insert() -> None:
-            rows = []
+        def rows() -> list[tuple[Any, ...]]:
+            out = []
             for record in batch:
                 if record.get("bodies") is not None:  # kept by submit() only with audit_bodies
                     record["bodies"] = cap_bodies(record["bodies"], max_bytes)
-                rows.append(_row(record))
-            self.db.run_tx(lambda conn: conn.executemany(_INSERT, rows))  # one transaction per batch
+                out.append(_row(record))
+            return out
 
         try:
-            # shielded: a cancelled lifespan must not lose a batch half-way to disk
-            await asyncio.shield(asyncio.to_thread(insert))
-            self.written += count
-        except (*self.db.errors, ValueError, TypeError) as exc:
+            outcome = await self.durable.write("audit", await asyncio.shield(asyncio.to_thread(rows)))
+        except (ValueError, TypeError) as exc:  # a record that cannot be serialized
+            log.error("audit_write_failed", rows=count, error=type(exc).__name__)
+            outcome = "lost"
+        finally:
+            self._in_flight = 0
+        if outcome == "lost":
             self.write_errors += count
             if self.on_write_error is not None:
                 self.on_write_error(count)
-            log.error("audit_write_failed", rows=count, error=type(exc).__name__)
-        finally:
-            self._in_flight = 0
+        else:
+            self.written += count
 
 
 # -- queries -----------------------------------------------------------------------------

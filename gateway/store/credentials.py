@@ -1,7 +1,9 @@
 """Credential health (disabled, cooldowns) and admin-added credentials, in the store.
 
-Writes are tiny and rare (a failure or an admin action), so they are done synchronously;
-on SQLite the file is mode 0600, and keys never leave the store through any API. Each
+Writes are tiny and rare (a failure or an admin action); from a running gateway they go
+through :class:`CredentialStateWriter`, one background task that writes the latest state
+of each credential in a worker thread, so no request waits on a slow or stopped store
+(the pool's memory is the truth meanwhile). On SQLite the file is mode 0600, and keys never leave the store through any API. Each
 state row carries a version bumped by every write: replicas polling the table apply a row
 only when it is newer than the one they last wrote or read, so an old poll result never
 undoes a newer local change.
@@ -9,12 +11,19 @@ undoes a newer local change.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
+
+import structlog
 
 import orjson
 
 from gateway.store.db import Store, upsert
+
+log = structlog.get_logger("gateway.credentials")
 
 _ADD = upsert("credentials", ("credential_id", "upstream", "base_url", "api_key", "created_at"), "credential_id")
 
@@ -51,6 +60,82 @@ class CredentialState:
 
     def add_credential(self, credential_id: str, upstream: str, base_url: str, api_key: str | None) -> None:
         self.db.execute(_ADD, (credential_id, upstream, base_url, api_key, time.time()))
+
+
+class CredentialStateWriter:
+    """Credential state saves off the request path: ``submit`` (on the event loop, no I/O)
+    keeps the latest state per credential; one task writes them in a worker thread and
+    reports each stored version through ``on_saved``. A failed write is retried after
+    ``retry_interval`` (unless a newer state for that credential arrived meanwhile)."""
+
+    def __init__(
+        self, state: CredentialState, on_saved: Callable[[str, int], None] = lambda cid, v: None,
+        retry_interval: float = 1.0,
+    ) -> None:
+        self.state = state
+        self.on_saved = on_saved
+        self.retry_interval = retry_interval
+        self._pending: dict[str, dict[str, Any]] = {}
+        #: credential ids with a write queued or running (replica polls must not undo them)
+        self.busy: set[str] = set()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.failures = 0
+        self.written = 0
+
+    @property
+    def depth(self) -> int:
+        return len(self._pending)
+
+    def submit(self, credential_id: str, state: dict[str, Any]) -> None:
+        self._pending[credential_id] = state
+        self.busy.add(credential_id)
+        self._wake.set()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="credential-state-writer")
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if not await self.flush():
+                await asyncio.sleep(self.retry_interval)
+                self._wake.set()
+
+    async def flush(self) -> bool:
+        """Write everything pending; False when a write failed (it stays pending)."""
+        ok = True
+        while self._pending:
+            credential_id, state = next(iter(self._pending.items()))
+            del self._pending[credential_id]
+            try:
+                version = await asyncio.to_thread(self.state.save, credential_id, state)
+            except self.state.db.errors as exc:
+                self._pending.setdefault(credential_id, state)  # a newer state wins
+                if ok and not self.failures:
+                    log.warning("credential_state_not_saved", credential=credential_id, error=type(exc).__name__)
+                self.failures += 1
+                return False
+            self.written += 1
+            self.failures = 0
+            if credential_id not in self._pending:
+                self.busy.discard(credential_id)
+            self.on_saved(credential_id, version)
+        return ok
+
+    async def aclose(self, timeout: float = 5.0) -> None:
+        """Stop the task and write what is still pending (bounded by ``timeout``)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._pending:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self.flush()
+        if self._pending:
+            log.warning("credential_state_unsaved_at_exit", credentials=len(self._pending))
 
 
 #: The name this class had when SQLite was the only backend.

@@ -15,20 +15,46 @@ from typing import Any
 import orjson
 
 from gateway.store.db import Store, upsert
+from gateway.store.spill import DurableWriter
 
-_SAVE = upsert("responses", ("id", "created_at", "body"), "id")
+#: The stored-response upsert, keyed by response id (a replayed spill never duplicates it).
+RESPONSE_UPSERT = _SAVE = upsert("responses", ("id", "created_at", "body"), "id")
+
+
+class ResponseNotSaved(Exception):
+    """Neither the store nor the spill journal took the response."""
 
 
 class ResponseStore:
-    """Reads and writes stored responses through the shared store."""
+    """Reads and writes stored responses through the shared store.
 
-    def __init__(self, db: Store) -> None:
+    With a :class:`~gateway.store.spill.DurableWriter`, a response the store cannot take
+    goes to the spill journal and is also kept in memory until the journal is replayed,
+    so ``GET /v1/responses/{id}`` and ``previous_response_id`` keep working meanwhile.
+    """
+
+    def __init__(self, db: Store, durable: DurableWriter | None = None) -> None:
         self.db = db
+        self.durable = durable
+        self._spilled: dict[str, dict[str, Any]] = {}
 
     async def save(self, response_id: str, record: dict[str, Any]) -> None:
-        await self.db.aexecute(_SAVE, (response_id, time.time(), orjson.dumps(record).decode()))
+        row = (response_id, time.time(), orjson.dumps(record).decode())
+        if self.durable is None:
+            await self.db.aexecute(_SAVE, row)
+            return
+        outcome = await self.durable.write("response", [row])
+        if outcome == "spilled":
+            self._spilled[response_id] = record
+        elif outcome == "lost":
+            raise ResponseNotSaved(f"response {response_id} could not be stored")
 
     async def load(self, response_id: str) -> dict[str, Any] | None:
+        if self._spilled:
+            if self.durable is not None and not self.durable.spill_entries:
+                self._spilled.clear()  # replayed: the store has them now
+            elif response_id in self._spilled:
+                return self._spilled[response_id]
         rows = await self.db.aexecute("SELECT body FROM responses WHERE id = ?", (response_id,))
         if not rows:
             return None

@@ -105,6 +105,20 @@ class UpstreamClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
+    async def probe(self, credential: Credential, timeout: float = 10.0) -> tuple[bool, str]:
+        """``GET {base_url}/models`` with the credential's key: (works, what happened).
+        Cheap on every OpenAI-compatible server, and it needs the key to be accepted."""
+        headers = {**credential.upstream.headers, "accept": "application/json"}
+        if credential.api_key:
+            headers["authorization"] = f"Bearer {credential.api_key}"
+        try:
+            response = await self._http.get(
+                credential.upstream.base_url.rstrip("/") + "/models", headers=headers, timeout=timeout
+            )
+        except httpx.HTTPError as exc:
+            return False, type(exc).__name__
+        return 200 <= response.status_code < 300, f"HTTP {response.status_code}"
+
     async def stream_chat(
         self, credential: Credential, body: dict[str, Any], policy: StreamPolicy
     ) -> AsyncIterator[UpstreamItem]:

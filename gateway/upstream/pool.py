@@ -4,10 +4,13 @@ Upstreams (base URL, extra headers, model allow-list and rename map) hold creden
 Selection is round-robin over credentials that are enabled, not cooling down for the
 model, under their in-flight cap and allowed to serve the model; optional stickiness
 keeps one conversation on one credential while it stays healthy. Failures before the
-first client byte are reported back here: 401/403 disables a credential until an admin
-re-enables it, 429 cools it down (per credential and model) for Retry-After seconds,
-5xx and connect errors put it last for a few seconds (a penalty, not a cooldown). State changes are persisted through a
-:class:`CredentialStateStore` so they survive a restart.
+first client byte are reported back here: 401/403 disables a credential (and the
+:class:`~gateway.upstream.prober.CredentialProber` re-enables it once a probe with its key
+works again), 429 cools it down (per credential and model) for Retry-After seconds,
+5xx and connect errors put it last for a few seconds (a penalty, not a cooldown). State
+changes are persisted through a :class:`CredentialStateStore` so they survive a restart;
+in a running gateway through a background writer (``pool.writer``), so the request path
+never waits on the store.
 """
 
 from __future__ import annotations
@@ -68,6 +71,12 @@ class Credential:
     id: str = ""
     disabled: bool = False
     disabled_reason: str | None = None
+    disabled_by: str | None = None  # "upstream" (a 401/403: probed again) or "admin" (stays out)
+    disabled_at: float | None = None
+    last_probe_at: float | None = None
+    last_probe_result: str | None = None
+    next_probe_at: float | None = None
+    probe_failures: int = 0
     cooldowns: dict[str, float] = field(default_factory=dict)  # model or ANY_MODEL -> until (epoch)
     penalty_until: float = 0.0  # after a 5xx or connect error: tried last, not refused
     in_flight: int = 0
@@ -94,9 +103,23 @@ class Credential:
             "fingerprint": self.fingerprint,
             "disabled": self.disabled,
             "disabled_reason": self.disabled_reason,
+            "disabled_by": self.disabled_by,
+            "disabled_at": self.disabled_at,
+            "last_probe_at": self.last_probe_at,
+            "last_probe_result": self.last_probe_result,
+            "next_probe_at": self.next_probe_at if self.disabled else None,
+            "probe_failures": self.probe_failures,
             "cooldowns": {m: round(u - now, 1) for m, u in self.cooldowns.items() if u > now},
             "in_flight": self.in_flight,
         }
+
+
+class StateWriter(Protocol):
+    """Where the pool hands state to persist (see CredentialStateWriter)."""
+
+    busy: set[str]
+
+    def submit(self, credential_id: str, state: dict[str, Any]) -> None: ...
 
 
 class CredentialStateStore(Protocol):
@@ -173,6 +196,8 @@ class UpstreamPool:
         self._sticky = StickySessions(clock)
         self._versions: dict[str, int] = {}  # credential id -> stored version last seen
         self.on_change: Callable[[], None] | None = None  # called when a credential is added
+        #: the background state writer (gateway.store.credentials.CredentialStateWriter)
+        self.writer: StateWriter | None = None
         if store is not None:
             load_versions = getattr(store, "load_versions", None)
             if load_versions is not None:
@@ -188,9 +213,28 @@ class UpstreamPool:
 
     @staticmethod
     def _set_state(credential: Credential, state: dict[str, Any]) -> None:
+        was_disabled = credential.disabled
         credential.disabled = bool(state.get("disabled"))
         credential.disabled_reason = state.get("disabled_reason")
+        credential.disabled_by = state.get("disabled_by") or (
+            ("upstream" if "upstream answered" in str(credential.disabled_reason) else "admin")
+            if credential.disabled else None
+        )
+        credential.disabled_at = state.get("disabled_at")
         credential.cooldowns = {k: float(v) for k, v in (state.get("cooldowns") or {}).items()}
+        if credential.disabled != was_disabled:
+            credential.next_probe_at, credential.probe_failures = None, 0
+
+    def state_of(self, credential: Credential) -> dict[str, Any]:
+        """What is persisted for a credential (never its key)."""
+        now = self.clock()
+        return {
+            "disabled": credential.disabled,
+            "disabled_reason": credential.disabled_reason,
+            "disabled_by": credential.disabled_by,
+            "disabled_at": credential.disabled_at,
+            "cooldowns": {m: u for m, u in credential.cooldowns.items() if u > now},
+        }
 
     def apply_shared(
         self,
@@ -208,30 +252,34 @@ class UpstreamPool:
                 self.credentials.append(Credential(upstream, key, id=credential_id))
                 known.add(credential_id)
                 self._changed()
+        busy = self.writer.busy if self.writer is not None else frozenset()
         for credential in self.credentials:
             entry = states.get(credential.id)
             if entry is None or entry[0] <= self._versions.get(credential.id, -1):
+                continue
+            if credential.id in busy:  # our own newer change is on its way to the store
                 continue
             self._versions[credential.id] = entry[0]
             self._set_state(credential, entry[1])
 
     def _persist(self, credential: Credential) -> None:
+        """Save the credential's state: handed to the background writer when there is one
+        (memory is the truth meanwhile), else written now (offline tools, unit tests)."""
+        if self.writer is not None:
+            self.writer.submit(credential.id, self.state_of(credential))
+            return
         if self.store is not None:
-            now = self.clock()
             try:
-                version = self.store.save(
-                    credential.id,
-                    {
-                        "disabled": credential.disabled,
-                        "disabled_reason": credential.disabled_reason,
-                        "cooldowns": {m: u for m, u in credential.cooldowns.items() if u > now},
-                    },
-                )
+                version = self.store.save(credential.id, self.state_of(credential))
             except Exception as exc:  # a store outage: what was learned still holds here
                 log.warning("credential_state_not_saved", credential=credential.id, error=type(exc).__name__)
                 return
             if isinstance(version, int):
-                self._versions[credential.id] = max(version, self._versions.get(credential.id, -1))
+                self.saved(credential.id, version)
+
+    def saved(self, credential_id: str, version: int) -> None:
+        """The store holds our write of ``credential_id`` as ``version``."""
+        self._versions[credential_id] = max(version, self._versions.get(credential_id, -1))
 
     def add(self, credential: Credential) -> None:
         self.credentials.append(credential)
@@ -300,8 +348,12 @@ class UpstreamPool:
         now = self.clock()
         status = error.upstream_status
         if status in (401, 403):
+            if not credential.disabled:
+                credential.disabled_at, credential.next_probe_at, credential.probe_failures = now, None, 0
             credential.disabled = True
             credential.disabled_reason = f"upstream answered {status}"
+            credential.disabled_by = "upstream"
+            log.warning("credential_disabled", credential=credential.id, status=status)
         elif status == 429:
             wait = error.retry_after if error.retry_after is not None else DEFAULT_RATE_LIMIT_COOLDOWN
             credential.cooldowns[model] = now + float(wait)
@@ -319,15 +371,45 @@ class UpstreamPool:
 
     def enable(self, credential_id: str) -> Credential:
         credential = self.get(credential_id)
-        credential.disabled, credential.disabled_reason = False, None
+        credential.disabled, credential.disabled_reason, credential.disabled_by = False, None, None
+        credential.disabled_at, credential.next_probe_at, credential.probe_failures = None, None, 0
         self._persist(credential)
         return credential
 
     def disable(self, credential_id: str, reason: str = "disabled by admin") -> Credential:
         credential = self.get(credential_id)
-        credential.disabled, credential.disabled_reason = True, reason
+        credential.disabled, credential.disabled_reason, credential.disabled_by = True, reason, "admin"
+        credential.disabled_at = self.clock()
         self._persist(credential)
         return credential
+
+    # -- probing (gateway.upstream.prober) -----------------------------------------------
+
+    def probe_due(self, now: float, first_wait: float) -> list[Credential]:
+        """Credentials an upstream 401/403 disabled whose next probe is due (an admin's
+        disable is never probed away)."""
+        due = []
+        for credential in self.credentials:
+            if not credential.disabled or credential.disabled_by != "upstream":
+                continue
+            if credential.next_probe_at is None:
+                credential.next_probe_at = (credential.disabled_at or now) + first_wait
+            if credential.next_probe_at <= now:
+                due.append(credential)
+        return due
+
+    def probe_result(self, credential: Credential, ok: bool, result: str, next_wait: float) -> None:
+        """Learn from a probe: re-enable on success, else probe again in ``next_wait`` s."""
+        now = self.clock()
+        credential.last_probe_at, credential.last_probe_result = now, result
+        if not (credential.disabled and credential.disabled_by == "upstream"):
+            return  # an admin acted meanwhile
+        if ok:
+            log.info("credential_recovered", credential=credential.id, out_for_s=round(now - (credential.disabled_at or now), 1))
+            self.enable(credential.id)
+            return
+        credential.probe_failures += 1
+        credential.next_probe_at = now + next_wait
 
     def reset_cooldowns(self, credential_id: str) -> Credential:
         credential = self.get(credential_id)

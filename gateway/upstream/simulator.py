@@ -91,6 +91,7 @@ class SimState:
 
     scripts: dict[str, ScriptSpec] = field(default_factory=dict)
     fault_model: str | None = None  # when set, every chat request is served as this model
+    fault_left: int | None = None  # requests the fault still applies to (None: until healed)
     requests: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=REQUEST_LOG_SIZE))
     stats: Stats = field(default_factory=Stats)
 
@@ -215,7 +216,7 @@ async def chat_completions(request: Request) -> Response:
     _log_request(request, body)
     if not isinstance(body, dict):
         return _bad_request("request body must be a JSON object")
-    model = _sim(request).fault_model or str(body.get("model") or "echo")
+    model = _take_fault(_sim(request)) or str(body.get("model") or "echo")
     stream = body.get("stream") is True
     try:
         plan = build_plan(model, body if stream else _with_usage(body), _sim(request).scripts,
@@ -234,23 +235,46 @@ async def chat_completions(request: Request) -> Response:
     return ClosingStreamingResponse(body_iter, media_type="text/event-stream", headers=headers)
 
 
+def _take_fault(state: SimState) -> str | None:
+    """The fault scenario for this request, if one is set (counting it down)."""
+    if state.fault_model is None:
+        return None
+    model = state.fault_model
+    if state.fault_left is not None:
+        state.fault_left -= 1
+        if state.fault_left <= 0:
+            state.fault_model = state.fault_left = None
+    return model
+
+
 async def fault(request: Request) -> Response:
     """``POST {"model": "server_error"}`` makes this instance fail every chat request the
-    way that scenario does (to test failover between instances); ``DELETE`` heals it."""
+    way that scenario does (to test failover between instances); ``DELETE`` heals it.
+    ``"count": n`` heals it by itself after n requests. An error scenario (``unauthorized``:
+    a revoked key) also answers ``GET /v1/models`` (what credential probes call)."""
     state = _sim(request)
     if request.method == "DELETE":
-        state.fault_model = None
+        state.fault_model = state.fault_left = None
     else:
         payload = await _json_body(request)
         model = payload.get("model") if isinstance(payload, dict) else None
+        count = payload.get("count") if isinstance(payload, dict) else None
         if not isinstance(model, str) or not model:
             return _bad_request("'model' must be a scenario string")
-        state.fault_model = model
-    return JSONResponse({"fault_model": state.fault_model})
+        if count is not None and (not isinstance(count, int) or count < 1):
+            return _bad_request("'count' must be a positive integer")
+        state.fault_model, state.fault_left = model, count
+    return JSONResponse({"fault_model": state.fault_model, "fault_left": state.fault_left})
 
 
 async def list_models(request: Request) -> Response:
     _log_request(request, None)
+    state = _sim(request)
+    if state.fault_model is not None:
+        plan = build_plan(state.fault_model, {}, state.scripts)
+        if plan.status != 200:  # an error fault: the models list fails the same way
+            _take_fault(state)
+            return JSONResponse(plan.frames[0], status_code=plan.status, headers=plan.headers)
     data = [{"id": n, "object": "model", "created": 0, "owned_by": "simulator"}
             for n in scenario_names()]
     return JSONResponse({"object": "list", "data": data})

@@ -1,0 +1,56 @@
+"""Readiness, apart from liveness: may this replica take traffic *now*?
+
+``/healthz`` answers whether the process is alive (an orchestrator restarts it when not);
+``/readyz`` whether a load balancer should send it requests. It is 503 with every reason
+while the store cannot write, rows wait in the spill journal, the audit queue is near its
+bound, no upstream credential is usable, or the gateway is starting or shutting down.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.upstream.pool import ANY_MODEL
+
+#: The audit queue counts as near its bound from this fraction of it.
+QUEUE_NEAR_BOUND = 0.8
+
+
+def reasons(state: Any) -> list[dict[str, Any]]:
+    """Why the app (``app.state``) is not ready; empty when it is."""
+    out: list[dict[str, Any]] = []
+    if getattr(state, "shutting_down", False):
+        out.append({"code": "shutting_down", "message": "the gateway is shutting down"})
+    elif not getattr(state, "ready", False):
+        out.append({"code": "starting", "message": "the gateway is starting"})
+        return out
+    obs = state.observability
+    durable = obs.durable
+    if not durable.store_writable:
+        out.append({"code": "store_unwritable", "message": f"the store cannot write ({durable.store_error})",
+                    "since": durable.failing_since})
+    if durable.spill_entries:
+        out.append({"code": "spill_in_use", "message": f"{durable.spill_entries} row(s) wait in the spill journal",
+                    "spill_entries": durable.spill_entries})
+    audit = obs.audit
+    if audit.depth >= audit.max_queue * QUEUE_NEAR_BOUND:
+        out.append({"code": "audit_queue_near_bound",
+                    "message": f"the audit queue holds {audit.depth} of {audit.max_queue} records"})
+    pool = state.relay.pool
+    now = pool.clock()
+    usable = [c for c in pool.credentials if not c.disabled and not c.cooling_until(ANY_MODEL, now)]
+    if not usable:
+        out.append({"code": "no_usable_credential",
+                    "message": f"none of the {len(pool.credentials)} upstream credential(s) is usable now"})
+    return out
+
+
+async def readyz(request: Request) -> Response:
+    """``GET /readyz``: 200 ``{"status": "ready"}``, else 503 with the reasons."""
+    found = reasons(request.app.state)
+    if not found:
+        return JSONResponse({"status": "ready"})
+    return JSONResponse({"status": "not_ready", "reasons": found}, status_code=503)

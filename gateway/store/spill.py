@@ -1,0 +1,333 @@
+"""Rows the store could not write go to a local spill journal, and back into the store
+when it recovers: an audit record or a stored response is never silently lost.
+
+:class:`SpillJournal` is one append-only JSONL file (``spill.jsonl``, mode 0600) whose
+space is reserved up front (``posix_fallocate`` to its bound), so a disk that fills up
+after start-up still has room for the journal: the store fails first, the journal keeps
+taking rows. Unused space is zero bytes; the end of the journal is the first NUL (JSON
+never contains one: orjson escapes it). Every batch is ``fsync``'d before it counts as
+spilled. Past its bound the journal refuses, and only then is a row counted lost.
+
+:class:`DurableWriter` is the one way rows reach the store: ``write(kind, rows)`` tries
+the store (in a worker thread) and falls back to the journal; while anything is spilled,
+new rows go straight to the journal (the store is known bad, and order is kept), and a
+background task replays the journal every ``retry_interval`` seconds. Replay is an upsert
+keyed by the row's id (the audit ``request_id``, the response ``id``), so a replay cut
+short and retried still leaves exactly one row per id; the journal is cleared only after
+the whole of it is in the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+import structlog
+
+from gateway.store.db import Store
+
+log = structlog.get_logger("gateway.spill")
+
+#: Journal files ``spill-<n>.jsonl``: each process (``--workers``) claims the first one no
+#: other process holds (an exclusive ``flock``), so a restarted worker replays its own.
+SPILL_PATTERN = "spill-{}.jsonl"
+MAX_JOURNALS = 256
+#: Rows per transaction when replaying the journal into the store.
+REPLAY_BATCH = 500
+_ZEROS = bytes(1 << 20)
+
+
+class SpillFull(OSError):
+    """The journal is at its bound: the row cannot be kept anywhere."""
+
+
+class SpillJournal:
+    """A bounded, preallocated, append-only JSONL journal (thread-safe; blocking I/O)."""
+
+    def __init__(self, directory: Path, max_bytes: int) -> None:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.max_bytes = max_bytes
+        self.lock = threading.RLock()
+        self.path, self._fd = self._claim(directory)
+        self.reserved = self._reserve()
+        self._end = self._find_end()
+        self.entries = self._count()
+
+    @staticmethod
+    def _claim(directory: Path) -> tuple[Path, int]:
+        for n in range(MAX_JOURNALS):
+            path = directory / SPILL_PATTERN.format(n)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            os.chmod(path, 0o600)
+            return path, fd
+        raise OSError(f"every spill journal in {directory} is held by another process")
+
+    def _reserve(self) -> bool:
+        """Claim the journal's whole bound on disk now (False: the disk had no room)."""
+        if os.fstat(self._fd).st_size >= self.max_bytes:
+            return True
+        try:
+            os.posix_fallocate(self._fd, 0, self.max_bytes)
+            return True
+        except OSError as exc:
+            log.warning("spill_not_reserved", path=str(self.path), bytes=self.max_bytes, error=os.strerror(exc.errno or 0))
+            return False
+
+    def _find_end(self) -> int:
+        """Offset after the last complete line; a torn tail (crash mid-write) is zeroed."""
+        chunks: list[bytes] = []
+        offset = 0
+        while True:
+            chunk = os.pread(self._fd, 1 << 20, offset)
+            nul = chunk.find(b"\0")
+            chunks.append(chunk if nul < 0 else chunk[:nul])
+            offset += len(chunks[-1])
+            if nul >= 0 or not chunk:
+                break
+        data = b"".join(chunks)
+        end = data.rfind(b"\n") + 1
+        if end < offset:
+            os.pwrite(self._fd, bytes(offset - end), end)
+            os.fsync(self._fd)
+        self._initial_entries = data.count(b"\n", 0, end)
+        return end
+
+    def _count(self) -> int:
+        return self._initial_entries
+
+    @property
+    def used_bytes(self) -> int:
+        return self._end
+
+    def append(self, lines: Sequence[bytes]) -> None:
+        """Append one batch and fsync it. Raises :class:`SpillFull` past the bound, or
+        the OSError of a failed write (the batch then counts as not spilled)."""
+        data = b"".join(line + b"\n" for line in lines)
+        with self.lock:
+            if self._end + len(data) > self.max_bytes:
+                raise SpillFull(f"spill journal full ({self._end} of {self.max_bytes} bytes used)")
+            written = os.pwrite(self._fd, data, self._end)
+            if written != len(data):
+                os.pwrite(self._fd, bytes(written), self._end)  # undo a short write
+                raise OSError(f"short write to the spill journal ({written} of {len(data)} bytes)")
+            os.fsync(self._fd)
+            self._end += len(data)
+            self.entries += len(lines)
+
+    def read(self) -> bytes:
+        """The journal's complete lines, as written."""
+        with self.lock:
+            return os.pread(self._fd, self._end, 0) if self._end else b""
+
+    def clear(self) -> None:
+        """Zero what was written (the reserved space stays claimed) and start over."""
+        with self.lock:
+            offset = 0
+            while offset < self._end:
+                n = min(len(_ZEROS), self._end - offset)
+                os.pwrite(self._fd, _ZEROS[:n], offset)
+                offset += n
+            os.fsync(self._fd)
+            self._end = 0
+            self.entries = 0
+
+    def close(self) -> None:
+        with self.lock:
+            os.close(self._fd)
+
+
+class DurableWriter:
+    """Store first, spill journal second, lost last (see the module docstring).
+
+    ``statements`` maps a row kind ("audit", "response") to its upsert SQL; a row is the
+    tuple of that statement's parameters (JSON-serializable). ``on_spilled``/``on_lost``/
+    ``on_replayed`` receive (kind, count) for metrics.
+    """
+
+    def __init__(
+        self,
+        db: Store,
+        journal: SpillJournal | None,
+        statements: dict[str, str],
+        *,
+        retry_interval: float = 1.0,
+        on_spilled: Callable[[str, int], None] | None = None,
+        on_lost: Callable[[str, int], None] | None = None,
+        on_replayed: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self.db = db
+        self.journal = journal
+        self.statements = statements
+        self.retry_interval = retry_interval
+        self.on_spilled = on_spilled
+        self.on_lost = on_lost
+        self.on_replayed = on_replayed
+        self.store_writable = True
+        self.store_error: str | None = None
+        self.failing_since: float | None = None
+        self.spilled = 0
+        self.lost = 0
+        self.replayed = 0
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def spill_entries(self) -> int:
+        return self.journal.entries if self.journal is not None else 0
+
+    def status(self) -> dict[str, Any]:
+        """For readiness and the status API: is the store writable, what is spilled."""
+        return {
+            "store_writable": self.store_writable,
+            "store_error": self.store_error,
+            "failing_since": self.failing_since,
+            "spill_entries": self.spill_entries,
+            "spill_bytes": self.journal.used_bytes if self.journal is not None else 0,
+            "spill_max_bytes": self.journal.max_bytes if self.journal is not None else 0,
+            "spill_path": str(self.journal.path) if self.journal is not None else None,
+            "spilled": self.spilled,
+            "replayed": self.replayed,
+            "lost": self.lost,
+        }
+
+    # -- writing ---------------------------------------------------------------------------
+
+    async def write(self, kind: str, rows: Sequence[Sequence[Any]]) -> str:
+        """Persist ``rows``: "stored", "spilled" or "lost" (the last logged at ERROR)."""
+        if not rows:
+            return "stored"
+        if self.store_writable and not self.spill_entries:
+            sql = self.statements[kind]
+            try:
+                # shielded: a cancelled caller (shutdown) must not lose a batch half-way to disk
+                await asyncio.shield(asyncio.to_thread(self.db.run_tx, lambda conn: conn.executemany(sql, rows)))
+                return "stored"
+            except self.db.errors as exc:
+                self._store_failed(exc)
+        return await asyncio.shield(asyncio.to_thread(self._spill, kind, rows))
+
+    def _store_failed(self, exc: BaseException) -> None:
+        if self.store_writable:
+            log.error("store_write_failed", error=f"{type(exc).__name__}: {exc}",
+                      spill=str(self.journal.path) if self.journal is not None else None)
+            self.failing_since = time.time()
+        self.store_writable = False
+        self.store_error = type(exc).__name__
+
+    def _spill(self, kind: str, rows: Sequence[Sequence[Any]]) -> str:
+        count = len(rows)
+        try:
+            if self.journal is None:
+                raise OSError("no spill journal configured")
+            self.journal.append([orjson.dumps({"kind": kind, "row": list(r)}, default=str) for r in rows])
+        except OSError as exc:
+            self.lost += count
+            if self.on_lost is not None:
+                self.on_lost(kind, count)
+            log.error("store_records_lost", kind=kind, rows=count, error=f"{type(exc).__name__}: {exc}")
+            return "lost"
+        self.spilled += count
+        if self.on_spilled is not None:
+            self.on_spilled(kind, count)
+        log.warning("store_records_spilled", kind=kind, rows=count, spill_entries=self.spill_entries)
+        return "spilled"
+
+    # -- replaying -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Replay what a previous run spilled, then keep retrying in the background."""
+        await self.recover()
+        self._task = asyncio.create_task(self._recovery_loop(), name="spill-recovery")
+
+    async def aclose(self) -> None:
+        """Stop retrying; one last replay attempt (what stays spilled is replayed next start)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self.recover()
+
+    async def _recovery_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.retry_interval)
+            if self.spill_entries or not self.store_writable:
+                await self.recover()
+
+    async def recover(self) -> bool:
+        """Replay the journal into the store; True when the store took everything."""
+        try:
+            replayed = await asyncio.shield(asyncio.to_thread(self._replay))
+        except (*self.db.errors, OSError) as exc:
+            self._store_failed(exc)
+            return False
+        if not self.store_writable:
+            log.info("store_recovered", replayed=sum(replayed.values()),
+                     outage_s=round(time.time() - (self.failing_since or time.time()), 1))
+        self.store_writable, self.store_error, self.failing_since = True, None, None
+        for kind, count in replayed.items():
+            self.replayed += count
+            if self.on_replayed is not None:
+                self.on_replayed(kind, count)
+        return True
+
+    def _replay(self) -> dict[str, int]:
+        """Blocking: every journal row into the store (in order, in batches), then clear.
+        With nothing spilled, one cheap write proves the store takes writes again."""
+        counts: dict[str, int] = {}
+        if self.journal is None or not self.journal.entries:
+            if not self.store_writable:
+                self.db.run_tx(_probe)
+            return counts
+        with self.journal.lock:  # appends wait (in their worker threads) until cleared
+            batch: list[tuple[str, list[Any]]] = []
+            for line in self.journal.read().splitlines():
+                entry = orjson.loads(line)
+                if entry.get("kind") not in self.statements:
+                    log.error("spill_entry_unknown", kind=entry.get("kind"))
+                    continue
+                batch.append((entry["kind"], entry["row"]))
+                if len(batch) >= REPLAY_BATCH:
+                    self._apply(batch, counts)
+                    batch = []
+            self._apply(batch, counts)
+            self.journal.clear()
+        return counts
+
+    def _apply(self, batch: list[tuple[str, list[Any]]], counts: dict[str, int]) -> None:
+        if not batch:
+            return
+
+        def run(conn: Any) -> None:
+            for kind, row in batch:
+                conn.execute(self.statements[kind], row)
+
+        self.db.run_tx(run)
+        for kind, _ in batch:
+            counts[kind] = counts.get(kind, 0) + 1
+
+
+def _probe(conn: Any) -> None:
+    """A real write (a row inserted and deleted in one transaction: the commit still has
+    pages to write), to learn whether the store takes writes again."""
+    conn.execute(
+        "INSERT INTO audit (request_id, started_at, ended_at, protocol, mode, streamed, model, outcome,"
+        " http_status, record) VALUES (?, 0, 0, '', '', 0, '', '', 0, ?)",
+        (PROBE_ID, "x" * 4096),
+    )
+    conn.execute("DELETE FROM audit WHERE request_id = ?", (PROBE_ID,))
+
+
+PROBE_ID = "__codebuddy2api_write_probe__"
