@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
 from gateway.admin.auth import AdminAccess, is_loopback, login_base_url
@@ -87,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    serve(settings, sources, cli_values)
-    return 0
+    return serve(settings, sources, cli_values)
 
 
 def saved_settings_command(args: argparse.Namespace) -> int:
@@ -143,27 +143,63 @@ def export_capture(rollout: str, capture_dir: str | None) -> int:
     return 0
 
 
-def serve(settings: Settings, sources: dict, cli_values: dict[str, Any] | None = None) -> None:  # type: ignore[type-arg]
+def unusable_directory(path: Path, flag: str) -> str | None:
+    """Why ``path`` cannot hold the gateway's state (one line naming the flag), or None."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".codebuddy2api-write-test-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as exc:
+        return f"{path} is not a writable directory ({flag}): {exc.strerror or type(exc).__name__}"
+    return None
+
+
+def serve(settings: Settings, sources: dict, cli_values: dict[str, Any] | None = None) -> int:  # type: ignore[type-arg]
     """Run uvicorn: the app object in-process, or ``--workers N`` processes that each build
-    the app from :func:`worker_app` (uvicorn needs an import string to spawn workers)."""
+    the app from :func:`worker_app` (uvicorn needs an import string to spawn workers).
+    A data dir (or spill dir) that cannot be written is one line and exit code 2."""
+    import sqlite3
+
     import uvicorn
 
     from gateway.observability.logging import configure_logging
 
     configure_logging(settings.log_level)
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    directories = [(settings.data_dir, "--data-dir")]
+    if settings.spill_dir is not None:
+        directories.append((settings.spill_dir, "--spill-dir"))
+    for path, flag in directories:
+        problem = unusable_directory(path, flag)
+        if problem:
+            print(f"codebuddy2api: error: {problem}", file=sys.stderr)
+            return 2
     common: dict[str, Any] = dict(
-        host=settings.host, port=settings.port, log_level=settings.log_level, log_config=None, access_log=True
+        host=settings.host, port=settings.port, log_level=settings.log_level, log_config=None, access_log=True,
+        timeout_graceful_shutdown=settings.shutdown_timeout + SHUTDOWN_GRACE,
     )
     access = AdminAccess.from_settings(settings.admin_token)  # one token for every worker
-    announce_admin_login(settings, access)
-    if settings.workers > 1:
-        prepare_workers(settings, cli_values or {}, access)
-        uvicorn.run(WORKER_APP, factory=True, workers=settings.workers, **common)
-        return
-    from gateway.app import create_app
+    try:
+        if settings.workers > 1:
+            prepare_workers(settings, cli_values or {}, access)
+            announce_admin_login(settings, access)
+            uvicorn.run(WORKER_APP, factory=True, workers=settings.workers, **common)
+            return 0
+        from gateway.app import create_app
 
-    uvicorn.run(create_app(settings, sources, admin_login_token=access.token if access.generated else None), **common)
+        app = create_app(settings, sources, admin_login_token=access.token if access.generated else None)
+    except (OSError, sqlite3.Error) as exc:  # the store or the spill journal cannot be opened
+        where = settings.spill_dir if isinstance(exc, OSError) and settings.spill_dir else settings.data_dir
+        print(f"codebuddy2api: error: cannot open the gateway's state in {where}: "
+              f"{getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+        return 2
+    announce_admin_login(settings, access)
+    uvicorn.run(app, **common)
+    return 0
+
+
+#: Seconds past ``--shutdown-timeout`` uvicorn waits for the cut streams to say goodbye.
+SHUTDOWN_GRACE = 5.0
 
 
 def announce_admin_login(settings: Settings, access: AdminAccess) -> None:

@@ -118,6 +118,7 @@ def start_gateway(server_loop: ServerLoop, simulator: Simulator, tmp_path_factor
         upstream_url=overrides.pop("upstream_url", [simulator.url + "/v1"]),
         data_dir=tmp_path_factory.mktemp("data"),
         keepalive_interval=overrides.pop("keepalive_interval", 0.5),
+        spill_max_bytes=overrides.pop("spill_max_bytes", 1 << 20),  # reserved on disk per gateway
         **overrides,
     )
     sources = {name: "default" for name in Settings.model_fields}

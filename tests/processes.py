@@ -1,0 +1,63 @@
+"""The gateway as a real subprocess (``python -m gateway serve``), for fault tests that
+need its own process: signals, exit codes, a data dir on a filesystem that fills up."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class GatewayProcess:
+    """``codebuddy2api serve`` on a free loopback port; stderr goes to a log file."""
+
+    def __init__(self, *args: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"gateway-{self.port}.log"
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("CODEBUDDY2API_")}
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", "--port", str(self.port), *args],
+            env=clean | (env or {}), stdout=self._log, stderr=subprocess.STDOUT,
+        )
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert self.proc.poll() is None, f"gateway exited with {self.proc.returncode}:\n{self.log()}"
+            assert time.monotonic() < deadline, f"gateway not healthy in {timeout} s:\n{self.log()}"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()

@@ -1,0 +1,136 @@
+"""Nothing lost under faults, with real processes: the gateway as a subprocess, its data
+dir on a small tmpfs that fills up, the simulator as the upstream.
+
+- disk full: every audit row and stored response of the requests served meanwhile is in
+  the store after space comes back (spilled, then replayed), ``/readyz`` 503 meanwhile;
+- a read-only data dir at start-up: one line on stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from tests.conftest import Simulator, wait_for
+from tests.processes import GatewayProcess
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str, *options: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``path`` (skips when mounting is not permitted)."""
+    path.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join([f"size={size}", *options]), "tmpfs", str(path)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(directory: Path) -> Path:
+    """Write a file until the filesystem has no space left."""
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for size in (1 << 16, 4096, 1):
+            with contextlib.suppress(OSError):
+                while os.write(fd, b"\0" * size) == size:
+                    pass
+    finally:
+        os.close(fd)
+    return filler
+
+
+def audit_ids(gateway: GatewayProcess) -> list[str]:
+    export = httpx.get(gateway.url + "/admin/api/audit/export", timeout=30)
+    assert export.status_code == 200
+    return [orjson.loads(line)["request_id"] for line in export.content.splitlines() if line]
+
+
+def test_disk_full_then_space_back_loses_no_audit_row_and_no_stored_response(
+    simulator: Simulator, tmp_path: Path
+) -> None:
+    with tmpfs(tmp_path / "data", "6m") as data:
+        gateway = GatewayProcess(
+            "--data-dir", str(data), "--upstream-url", simulator.url + "/v1", "--audit-bodies",
+            "--spill-max-bytes", str(2 * 1024 * 1024), "--log-level", "warning", log_dir=tmp_path,
+        )
+        try:
+            gateway.wait_healthy()
+            assert httpx.get(gateway.url + "/readyz").json() == {"status": "ready"}
+            client = openai.OpenAI(base_url=gateway.base_url, api_key="k", _strict_response_validation=True,
+                                   max_retries=0)
+            filler = fill(data)
+            sent: list[str] = []
+            stored: dict[str, str] = {}  # response id -> its text
+            for i in range(300):
+                if i % 5 == 0:  # 60 stored responses
+                    response = client.responses.with_raw_response.create(model="echo", input=f"turn {i}", store=True)
+                    parsed = response.parse()
+                    stored[parsed.id] = parsed.output_text
+                elif i % 2:
+                    with client.chat.completions.with_streaming_response.create(
+                        model="echo", messages=[{"role": "user", "content": f"s {i}"}], stream=True
+                    ) as response:
+                        text = "".join(c.choices[0].delta.content or "" for c in response.parse() if c.choices)
+                    assert text == f"You said: s {i}"
+                else:
+                    response = client.chat.completions.with_raw_response.create(
+                        model="echo", messages=[{"role": "user", "content": f"j {i}"}])
+                    assert response.parse().choices[0].message.content == f"You said: j {i}"
+                sent.append(response.headers["x-request-id"])
+            ready = wait_for(lambda: httpx.get(gateway.url + "/readyz").status_code == 503) is not None
+            body = httpx.get(gateway.url + "/readyz").json()
+            codes = {r["code"] for r in body["reasons"]}
+            assert ready and body["status"] == "not_ready" and {"store_unwritable", "spill_in_use"} <= codes, body
+            # meanwhile, stored responses are served from the spill (previous_response_id works too)
+            some = next(iter(stored))
+            assert client.responses.retrieve(some).output_text == stored[some]
+            follow = client.responses.create(model="echo", input="and then?", previous_response_id=some, store=False)
+            assert follow.output_text == "You said: and then?"
+            filler.unlink()  # space is back
+            wait_for(lambda: httpx.get(gateway.url + "/readyz").status_code == 200, timeout=30)
+            wait_for(lambda: len(set(audit_ids(gateway)) & set(sent)) == len(sent), timeout=30)
+            ids = audit_ids(gateway)
+            assert len(ids) == len(set(ids))  # exactly one row per request
+            for response_id, text in stored.items():
+                assert client.responses.retrieve(response_id).output_text == text
+            metrics = httpx.get(gateway.url + "/metrics").text
+            assert 'codebuddy2api_records_lost_total{kind="audit"} 0.0' in metrics
+            assert 'codebuddy2api_records_lost_total{kind="response"} 0.0' in metrics
+            spilled = [line for line in metrics.splitlines() if line.startswith('codebuddy2api_records_spilled_total{kind="audit"}')]
+            assert spilled and float(spilled[0].split()[-1]) > 0, "the store never failed: the test proved nothing"
+            assert "store_write_failed" in gateway.log() and "Traceback" not in gateway.log()
+        finally:
+            gateway.stop()
+
+
+def test_a_read_only_data_dir_is_one_line_and_exit_code_2(tmp_path: Path) -> None:
+    target = tmp_path / "ro"
+    if os.geteuid() == 0:
+        context = tmpfs(target, "1m", "ro")
+    else:
+        target.mkdir()
+        target.chmod(0o500)
+        context = contextlib.nullcontext(target)
+    with context:
+        result = subprocess.run(
+            [sys.executable, "-m", "gateway", "serve", "--port", "0", "--data-dir", str(target / "data")],
+            capture_output=True, text=True, timeout=60,
+            env={k: v for k, v in os.environ.items() if not k.startswith("CODEBUDDY2API_")},
+        )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert str(target / "data") in lines[0] and "--data-dir" in lines[0]
