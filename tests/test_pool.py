@@ -15,6 +15,7 @@ import pytest
 from gateway.app import create_app
 from gateway.settings import Settings
 from gateway.upstream.pool import fingerprint
+from gateway.upstream.sim_scenarios import TEXT
 from gateway.upstream.simulator import create_simulator_app
 from tests.conftest import Gateway, ServerLoop, Simulator, wait_for
 from tests.drivers import DRIVERS
@@ -212,3 +213,42 @@ def test_status_counts_in_flight_by_protocol_and_mode(server_loop: ServerLoop, u
     wait_for(lambda: gateway.app.state.relay.in_flight == 0, timeout=2)
     status = httpx.get(gateway.url + "/admin/api/status", headers=gateway.admin).json()
     assert status["in_flight"] == 0 and status["in_flight_by_mode"] == {}
+
+
+def test_a_credential_an_upstream_401_disabled_heals_by_itself(server_loop: ServerLoop, upstreams: list[Simulator], tmp_path: Path) -> None:
+    """The only credential 401s (its key was revoked for a moment): it is probed with
+    backoff (GET /models with that key) and re-enabled when it works, no admin needed."""
+    sim = upstreams[2]
+    httpx.post(sim.url + "/_sim/fault", json={"model": "unauthorized", "count": 3}).raise_for_status()
+    gateway = gateway_on(server_loop, tmp_path, [sim.url + "/v1"], upstream_api_key="sk-only",
+                         credential_probe_interval=0.2)
+    first = httpx.post(gateway.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES})
+    assert first.status_code == 502 and first.json()["error"]["code"] == "upstream_auth_failed"
+    second = httpx.post(gateway.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES})
+    assert second.status_code == 503 and second.json()["error"]["code"] == "no_upstream_available"
+    (out,) = httpx.get(gateway.url + "/admin/api/credentials").json()["credentials"]
+    assert out["disabled"] and out["disabled_by"] == "upstream" and out["disabled_reason"] == "upstream answered 401"
+    assert out["disabled_at"] is not None and out["disabled_at"] <= time.time()
+    ready = httpx.get(gateway.url + "/readyz")
+    assert ready.status_code == 503 and [r["code"] for r in ready.json()["reasons"]] == ["no_usable_credential"]
+
+    def credential() -> dict[str, Any]:
+        return httpx.get(gateway.url + "/admin/api/credentials").json()["credentials"][0]
+
+    wait_for(lambda: credential()["probe_failures"] >= 1, timeout=10)
+    failing = credential()
+    assert failing["disabled"] and failing["last_probe_result"] == "HTTP 401"
+    assert failing["next_probe_at"] > failing["last_probe_at"]  # backoff: the next one is scheduled
+    wait_for(lambda: not credential()["disabled"], timeout=15)
+    healed = credential()
+    assert healed["last_probe_result"] == "HTTP 200" and healed["disabled_by"] is None
+    assert stream_text(gateway, "text") == TEXT
+    probes = [r for r in sim.requests() if r["path"].endswith("/models")]
+    assert len(probes) == 3 and {p["key_fingerprint"] for p in probes} == {fingerprint("sk-only")}
+    assert httpx.get(gateway.url + "/readyz").json() == {"status": "ready"}
+    # what an admin disabled stays out: never probed
+    sim.clear()
+    httpx.post(gateway.url + f"/admin/api/credentials/{healed['id']}/disable").raise_for_status()
+    time.sleep(1.0)
+    assert credential()["disabled"] and credential()["disabled_by"] == "admin"
+    assert [r for r in sim.requests() if r["path"].endswith("/models")] == []

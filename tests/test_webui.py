@@ -331,6 +331,8 @@ def test_credentials_add_disable_enable_reset(page: Any, ui: Gateway, shots: Pat
     row.locator("button[data-action=disable]").click()
     row.locator(".pill.error").wait_for()
     assert "disabled by admin" in row.locator(".pill").text_content()
+    assert row.locator(".cred-since").text_content().startswith("out since ")
+    assert row.locator(".cred-probe").text_content() == "not probed: stays out until enabled"
     shot(page, shots, "credentials")
     row.locator("button[data-action=enable]").click()
     row.locator(".pill.ok").wait_for()

@@ -56,7 +56,7 @@ export function mount(main) {
         h("td.mono", null, c.fingerprint),
         h("td", null, c.disabled
           ? h("span.pill.error", null, `disabled${c.disabled_reason ? `: ${c.disabled_reason}` : ""}`)
-          : h("span.pill.ok", null, "enabled")),
+          : h("span.pill.ok", null, "enabled"), health(c)),
         h("td", null, cooldowns.length
           ? cooldowns.map(([m, s]) => `${m === "*" ? "all models" : m}: ${Math.ceil(s)} s`).join(", ") : "–"),
         h("td.num", null, String(c.in_flight)),
@@ -64,6 +64,25 @@ export function mount(main) {
           c.disabled ? act("Enable", "enable") : act("Disable", "disable", "danger"),
           act("Reset cooldown", "reset")));
     }));
+  }
+
+  // Why and since when a credential is out, and its probes (an upstream 401/403 is
+  // re-probed with backoff and healed by itself; an admin's disable stays).
+  function health(c) {
+    const at = (t) => new Date(t * 1000).toLocaleTimeString();
+    const lines = [];
+    if (c.disabled && c.disabled_at) lines.push(h("div.muted.cred-since", null, `out since ${at(c.disabled_at)}`));
+    if (c.disabled && c.disabled_by === "admin") {
+      lines.push(h("div.muted.cred-probe", null, "not probed: stays out until enabled"));
+    } else if (c.disabled && c.disabled_by === "upstream") {
+      const next = c.next_probe_at ? `next probe ${at(c.next_probe_at)}` : "probe pending";
+      lines.push(h("div.muted.cred-probe", null, c.last_probe_at
+        ? `last probe ${at(c.last_probe_at)} (${c.last_probe_result}), ${c.probe_failures} failed; ${next}`
+        : next));
+    } else if (c.last_probe_at) {
+      lines.push(h("div.muted.cred-probe", null, `healed by a probe at ${at(c.last_probe_at)}`));
+    }
+    return lines;
   }
 
   async function action(credential, path, label) {
