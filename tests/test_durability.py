@@ -20,7 +20,8 @@ import openai
 import orjson
 import pytest
 
-from tests.conftest import Simulator, wait_for
+from gateway.upstream.sim_scenarios import TEXT
+from tests.conftest import ServerLoop, Simulator, wait_for
 from tests.processes import GatewayProcess
 
 
@@ -134,3 +135,103 @@ def test_a_read_only_data_dir_is_one_line_and_exit_code_2(tmp_path: Path) -> Non
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert str(target / "data") in lines[0] and "--data-dir" in lines[0]
+
+
+# -- a PostgreSQL pause does not stall open streams --------------------------------------------
+
+
+def postgres_processes(url: str) -> list[int]:
+    """The PostgreSQL server's processes: the postmaster (the parent of our backend) and
+    every child of it. The server runs on this machine (loopback)."""
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        backend = conn.execute("SELECT pg_backend_pid()").fetchone()[0]  # type: ignore[index]
+
+    def parent(pid: int) -> int:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[1])
+
+    postmaster = parent(backend)
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                if parent(int(entry.name)) == postmaster:
+                    children.append(int(entry.name))
+    return [postmaster, *children]
+
+
+def test_a_postgresql_pause_does_not_stall_open_streams(
+    server_loop: ServerLoop, postgres_schema: str, tmp_path: Path
+) -> None:
+    """SIGSTOP every PostgreSQL process for a few seconds while streams flow, and meanwhile
+    make the pool learn something (two credentials 429: cooldowns to persist). Streams
+    already flowing keep flowing, new requests are served, and after SIGCONT every audit
+    row is in the store."""
+    import signal
+    import threading
+    import time
+
+    from gateway.app import create_app
+    from gateway.settings import Settings
+    from gateway.upstream.simulator import create_simulator_app
+    from tests.conftest import Gateway
+
+    sim = Simulator(server_loop.serve(create_simulator_app()))
+    settings = Settings(upstream_url=[sim.url + "/v1"], upstream_api_key="sk-a,sk-b", data_dir=tmp_path,
+                        database_url=postgres_schema, stream_mode="realtime", keepalive_interval=0.5,
+                        spill_max_bytes=1 << 20)
+    app = create_app(settings, {n: "default" for n in Settings.model_fields})  # type: ignore[arg-type]
+    gateway = Gateway(server_loop.serve(app), app)
+    client = openai.OpenAI(base_url=gateway.base_url, api_key="k", _strict_response_validation=True, max_retries=0)
+    pause = 3.0
+    arrivals: list[list[float]] = [[] for _ in range(4)]
+    texts: list[str] = ["" for _ in range(4)]
+
+    def stream(i: int) -> None:
+        with client.chat.completions.stream(model="text;chunk=1;delay=0.06", timeout=60,
+                                            messages=[{"role": "user", "content": f"s{i}"}]) as s:
+            for event in s:
+                if event.type == "content.delta":
+                    arrivals[i].append(time.monotonic())
+            texts[i] = s.get_final_completion().choices[0].message.content or ""
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: all(len(a) >= 5 for a in arrivals), timeout=15)
+    pids = postgres_processes(postgres_schema)
+    served_during: list[tuple[str, float]] = []
+    stopped_at = time.monotonic()
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        # a state change to persist (both credentials cool down), then a request served from memory
+        limited = httpx.post(gateway.base_url + "/chat/completions", timeout=pause,
+                             json={"model": "rate_limited;retry_after=30", "messages": [{"role": "user", "content": "x"}]})
+        assert limited.status_code == 429 and limited.json()["error"]["code"] == "upstream_rate_limited"
+        served_during.append((limited.headers["x-request-id"], time.monotonic()))
+        answer = client.chat.completions.with_raw_response.create(
+            model="echo", messages=[{"role": "user", "content": "during"}], timeout=pause)
+        assert answer.parse().choices[0].message.content == "You said: during"
+        served_during.append((answer.headers["x-request-id"], time.monotonic()))
+        time.sleep(max(0.0, pause - (time.monotonic() - stopped_at)))
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    resumed_at = time.monotonic()
+    for t in threads:
+        t.join(60)
+    assert all(at < resumed_at for _, at in served_during)  # served while PostgreSQL was stopped
+    assert all(text == TEXT for text in texts)
+    for times in arrivals:
+        during = [b - a for a, b in zip(times, times[1:]) if stopped_at <= b <= resumed_at]
+        assert during, "no chunk arrived while PostgreSQL was stopped"
+        assert max(during) < pause / 3, f"a stream stalled for {max(during):.2f} s of a {pause} s pause"
+    # the cooldowns reached the store once it was back, and so did every audit row
+    wait_for(lambda: len(app.state.credential_state.load()) == 2 and all(
+        s["cooldowns"] for s in app.state.credential_state.load().values()), timeout=30)
+    for rid, _ in served_during:
+        wait_for(lambda: httpx.get(gateway.url + f"/admin/api/audit/{rid}").status_code == 200, timeout=30)

@@ -278,7 +278,8 @@ def test_a_bad_database_url_exits_with_one_line_and_no_secret() -> None:
 
 def test_a_store_outage_keeps_requests_flowing(server_loop: ServerLoop, postgres_url: str, tmp_path: Path) -> None:
     """The schema vanishes (every query fails) and comes back: requests keep being served
-    with the last settings, lost audit rows are counted, and writing resumes."""
+    with the last settings, their audit rows go to the spill journal (/readyz 503
+    meanwhile) and are replayed into the store when it is back: none lost."""
     schema = "t_outage_" + secrets.token_hex(4)
     with psycopg.connect(postgres_url, autocommit=True) as admin:
         admin.execute(f"CREATE SCHEMA {schema}")
@@ -295,14 +296,20 @@ def test_a_store_outage_keeps_requests_flowing(server_loop: ServerLoop, postgres
             wait_for(lambda: audit.written == 1)
             admin.execute(f"ALTER SCHEMA {schema} RENAME TO {schema}_away")
             time.sleep(REVISION_MAX_AGE + CREDENTIAL_POLL)  # the pollers fail meanwhile
-            assert [chat(gateway, stream=i % 2 == 0).status_code for i in range(3)] == [200, 200, 200]
-            wait_for(lambda: audit.write_errors == 3)
+            during = [chat(gateway, stream=i % 2 == 0) for i in range(3)]
+            assert [r.status_code for r in during] == [200, 200, 200]
+            durable = app.state.observability.durable
+            wait_for(lambda: durable.spilled == 3)
+            ready = httpx.get(gateway.url + "/readyz")
+            assert ready.status_code == 503
+            assert {"store_unwritable", "spill_in_use"} <= {r["code"] for r in ready.json()["reasons"]}
             admin.execute(f"ALTER SCHEMA {schema}_away RENAME TO {schema}")
             served = chat(gateway)
             assert served.status_code == 200
-            rid = served.headers["x-request-id"]
-            wait_for(lambda: httpx.get(gateway.url + f"/admin/api/audit/{rid}", headers=gateway.admin).status_code == 200)
-            assert audit.write_errors == 3
+            for rid in [r.headers["x-request-id"] for r in [*during, served]]:
+                wait_for(lambda: httpx.get(gateway.url + f"/admin/api/audit/{rid}", headers=gateway.admin).status_code == 200)
+            assert audit.write_errors == 0 and durable.lost == 0 and durable.replayed == durable.spilled >= 3
+            wait_for(lambda: httpx.get(gateway.url + "/readyz").status_code == 200)
         finally:
             server_loop.run(stop_embedded(*server))
             admin.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")

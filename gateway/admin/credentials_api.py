@@ -3,6 +3,8 @@ one, disable, re-enable, reset cooldowns. Keys go in, never come out."""
 
 from __future__ import annotations
 
+import asyncio
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -38,7 +40,8 @@ async def add_credential(request: Request) -> Response:
     if any(c.id == credential.id for c in pool.credentials):
         return admin_error(409, "credential_exists", "this credential is already configured")
     state = request.app.state.credential_state
-    state.add_credential(credential.id, credential.upstream.name, base_url, api_key)
+    # off the event loop: a slow store must not stall the streams this process serves
+    await asyncio.to_thread(state.add_credential, credential.id, credential.upstream.name, base_url, api_key)
     pool.add(credential)
     return JSONResponse(credential.public(), status_code=201)
 
