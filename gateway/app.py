@@ -31,7 +31,8 @@ from gateway.protocols.openai_shapes import error_json as openai_error
 from gateway.protocols.messages import error_json as anthropic_error
 from gateway.relay import GenerationService
 from gateway.routes import count_tokens_endpoint, generation_endpoint, retrieve_response_endpoint
-from gateway.servers import bind_loopback, start_embedded, stop_embedded
+from gateway.servers import bind_loopback, on_server_exit, start_embedded, stop_embedded
+from gateway.shutdown import GracefulShutdown
 from gateway.store.db import open_database
 from gateway.store.responses import ResponseStore
 from gateway.store.saved_settings import SavedSettings
@@ -137,11 +138,21 @@ def create_app(
         if settings.capture_dir:
             relay.capture = CaptureWriter(settings.capture_dir, settings.capture_max_bytes)
         await observability.start()
+        shutdown = app.state.shutdown = GracefulShutdown(
+            settings.shutdown_timeout, relay.running.abort_all, lambda: relay.in_flight, observability.metrics.shutdown_cut.inc
+        )
+
+        def begin_shutdown() -> None:
+            app.state.shutting_down = True  # /readyz: 503 from now on
+            shutdown.begin()
+
+        on_server_exit(begin_shutdown)
         app.state.ready = True
         try:
             yield
         finally:
             app.state.ready = False
+            await shutdown.aclose()
             await prober.aclose()
             await upstream.aclose()
             if relay.capture is not None:
@@ -198,4 +209,5 @@ def create_app(
     app.state.replication = replication
     app.state.observability = observability
     app.state.ready = False
+    app.state.shutting_down = False
     return app

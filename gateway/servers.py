@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -49,3 +51,26 @@ async def stop_embedded(server: EmbeddedServer, task: asyncio.Task[None]) -> Non
     server.should_exit = True
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+def on_server_exit(callback: Callable[[], None]) -> bool:
+    """Call ``callback`` on the event loop as soon as the uvicorn server running this
+    process is told to exit (SIGTERM/SIGINT), before it waits on open connections.
+
+    uvicorn installs its handlers with ``signal.signal`` for the length of ``serve()``
+    (one process or each ``--workers`` worker); this wraps them. Returns False (nothing
+    installed) when no uvicorn server owns the signals, e.g. an embedded test server."""
+    loop = asyncio.get_running_loop()
+    installed = False
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous = signal.getsignal(sig)
+        if not isinstance(getattr(previous, "__self__", None), uvicorn.Server):
+            continue
+
+        def handler(signum: int, frame: Any, previous: Any = previous) -> None:
+            loop.call_soon_threadsafe(callback)
+            previous(signum, frame)
+
+        signal.signal(sig, handler)
+        installed = True
+    return installed

@@ -3,12 +3,16 @@ need its own process: signals, exit codes, a data dir on a filesystem that fills
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -61,3 +65,28 @@ class GatewayProcess:
                 self.proc.kill()
                 self.proc.wait(10)
         self._log.close()
+
+
+@contextlib.contextmanager
+def own_simulator(server_loop: Any) -> Iterator[Any]:
+    """A simulator of its own on the session loop whose handlers are cancelled when it
+    stops: they may sleep for minutes (stalled-upstream scenarios)."""
+    from gateway.servers import bind_loopback, start_embedded
+    from gateway.upstream.simulator import create_simulator_app
+    from tests.conftest import Simulator
+
+    sock = bind_loopback()
+    server, task = server_loop.run(start_embedded(create_simulator_app(), sock))
+    try:
+        yield Simulator(f"http://127.0.0.1:{sock.getsockname()[1]}")
+    finally:
+
+        async def stopped() -> None:
+            handlers = list(server.server_state.tasks)  # still sleeping in a stalled scenario
+            for handler in handlers:
+                handler.cancel()
+            await asyncio.gather(*handlers, return_exceptions=True)
+            server.should_exit = True
+            await task
+
+        server_loop.run(stopped())

@@ -22,7 +22,7 @@ import pytest
 
 from gateway.upstream.sim_scenarios import TEXT
 from tests.conftest import ServerLoop, Simulator, wait_for
-from tests.processes import GatewayProcess
+from tests.processes import GatewayProcess, own_simulator
 
 
 @contextlib.contextmanager
@@ -235,3 +235,61 @@ def test_a_postgresql_pause_does_not_stall_open_streams(
         s["cooldowns"] for s in app.state.credential_state.load().values()), timeout=30)
     for rid, _ in served_during:
         wait_for(lambda: httpx.get(gateway.url + f"/admin/api/audit/{rid}").status_code == 200, timeout=30)
+
+
+# -- graceful shutdown with a deadline -------------------------------------------------------
+
+
+def test_sigterm_with_streams_on_a_stalled_upstream_ends_each_with_an_error_event_and_one_record(
+    server_loop: ServerLoop, tmp_path: Path
+) -> None:
+    """10 streams (3 protocols) wait on an upstream that stalls before its headers or
+    mid-answer; SIGTERM: the gateway exits within the deadline plus a few seconds, every
+    client got the protocol's error event (server_shutting_down), every upstream stream
+    was closed, and the audit holds exactly one row per request."""
+    import signal
+    import sqlite3
+    import threading
+    import time
+
+    from tests.drivers import DRIVERS
+
+    with own_simulator(server_loop) as sim:
+        timeout = 3.0
+        gateway = GatewayProcess("--data-dir", str(tmp_path / "data"), "--upstream-url", sim.url + "/v1",
+                                 "--shutdown-timeout", str(timeout), "--keepalive-interval", "0.3",
+                                 "--log-level", "warning", log_dir=tmp_path)
+        outcomes: dict[int, object] = {}
+        try:
+            gateway.wait_healthy()
+            protocols = list(DRIVERS)
+            models = ["slow_first_byte;ttfb=600", "text;chunk=4;delay=600"]
+
+            def run(i: int) -> None:
+                outcomes[i] = DRIVERS[protocols[i % 3]](gateway.url, models[i % 2])
+
+            threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(10)]
+            for t in threads:
+                t.start()
+            wait_for(lambda: len([r for r in sim.requests() if r["path"].endswith("/chat/completions")]) == 10, timeout=15)
+            wait_for(lambda: sim.stats()["open_streams"] == 5, timeout=15)  # the mid-answer half is streaming
+            time.sleep(1.0)  # every client has had a keepalive: all ten streams are committed (200)
+            signalled = time.monotonic()
+            gateway.proc.send_signal(signal.SIGTERM)
+            gateway.proc.wait(timeout + 10)
+            took = time.monotonic() - signalled
+            for t in threads:
+                t.join(10)
+        finally:
+            gateway.stop()
+        wait_for(lambda: sim.stats()["open_streams"] == 0, timeout=5)  # every upstream stream closed
+    assert timeout <= took < timeout + 6, f"exit took {took:.1f} s"
+    assert len(outcomes) == 10
+    for i, outcome in outcomes.items():
+        assert not outcome.ok and "server_shutting_down" in outcome.error, (i, outcome)  # type: ignore[attr-defined]
+    with sqlite3.connect(tmp_path / "data" / "codebuddy2api.sqlite3") as db:
+        rows = db.execute("SELECT request_id, outcome, error_code, protocol FROM audit").fetchall()
+    assert len(rows) == 10 and len({r[0] for r in rows}) == 10
+    assert {(r[1], r[2]) for r in rows} == {("error", "server_shutting_down")}
+    assert sorted(r[3] for r in rows) == sorted(protocols[i % 3] for i in range(10))
+    assert "Traceback" not in gateway.log()
