@@ -10,6 +10,7 @@ is masked on the way to disk (:mod:`gateway.redact`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -18,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import structlog
+
+log = structlog.get_logger("gateway.capture")
 
 from gateway.redact import SECRETS
 
@@ -35,6 +39,8 @@ class CaptureWriter:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self.dropped = 0
         self.written = 0
+        self.lost = 0  # a write failed (disk full, read-only): logged at ERROR
+        self._broken = False
         self._seq = max([_seq_of(p) for p in directory.glob("capture-*.jsonl")] or [0])
         self._file = self._open()
         self._thread = threading.Thread(target=self._run, name="capture-writer", daemon=True)
@@ -65,13 +71,25 @@ class CaptureWriter:
             except queue.Empty:
                 pass
             stop = any(b is _STOP for b in batch)
-            self._write([b for b in batch if b is not _STOP])
+            records = [b for b in batch if b is not _STOP]
+            try:
+                self._write(records)
+            except OSError as exc:  # disk full, read-only: count and say so, keep the thread alive
+                self._broken = True  # a torn line may be on disk: continue in a new file
+                self.lost += len(records)
+                log.error("capture_write_failed", records=len(records), error=f"{type(exc).__name__}: {exc}")
             if stop:
                 return
 
     def _write(self, records: list[dict[str, Any]]) -> None:
         if not records:
             return
+        if self._broken:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._seq += 1
+            self._file = self._open()
+            self._broken = False
         for record in records:
             self._file.write(SECRETS.mask_bytes(orjson.dumps(record)) + b"\n")
         self._file.flush()
@@ -85,7 +103,8 @@ class CaptureWriter:
     def close(self) -> None:
         self._queue.put(_STOP)
         self._thread.join(30)
-        self._file.close()
+        with contextlib.suppress(OSError):
+            self._file.close()
 
 
 def _seq_of(path: Path) -> int:

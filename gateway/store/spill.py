@@ -208,7 +208,7 @@ class DurableWriter:
         """Persist ``rows``: "stored", "spilled" or "lost" (the last logged at ERROR)."""
         if not rows:
             return "stored"
-        if self.store_writable and not self.spill_entries:
+        if (self.store_writable or self.journal is None) and not self.spill_entries:
             sql = self.statements[kind]
             try:
                 # shielded: a cancelled caller (shutdown) must not lose a batch half-way to disk
