@@ -95,6 +95,8 @@ def test_disk_full_then_space_back_loses_no_audit_row_and_no_stored_response(
             body = httpx.get(gateway.url + "/readyz").json()
             codes = {r["code"] for r in body["reasons"]}
             assert ready and body["status"] == "not_ready" and {"store_unwritable", "spill_in_use"} <= codes, body
+            store = httpx.get(gateway.url + "/admin/api/status").json()["store"]
+            assert store["store_writable"] is False and store["spill_entries"] > 0 and store["lost"] == 0
             # meanwhile, stored responses are served from the spill (previous_response_id works too)
             some = next(iter(stored))
             assert client.responses.retrieve(some).output_text == stored[some]
@@ -243,10 +245,11 @@ def test_a_postgresql_pause_does_not_stall_open_streams(
 def test_sigterm_with_streams_on_a_stalled_upstream_ends_each_with_an_error_event_and_one_record(
     server_loop: ServerLoop, tmp_path: Path
 ) -> None:
-    """10 streams (3 protocols) wait on an upstream that stalls before its headers or
-    mid-answer; SIGTERM: the gateway exits within the deadline plus a few seconds, every
-    client got the protocol's error event (server_shutting_down), every upstream stream
-    was closed, and the audit holds exactly one row per request."""
+    """10 streams (3 protocols) and 2 JSON requests wait on an upstream that stalls before
+    its headers or mid-answer; SIGTERM: the gateway exits within the deadline plus a few
+    seconds, every stream got the protocol's error event and every JSON request a 503
+    (server_shutting_down), every upstream stream was closed, and the audit holds exactly
+    one row per request."""
     import signal
     import sqlite3
     import threading
@@ -266,13 +269,17 @@ def test_sigterm_with_streams_on_a_stalled_upstream_ends_each_with_an_error_even
             models = ["slow_first_byte;ttfb=600", "text;chunk=4;delay=600"]
 
             def run(i: int) -> None:
-                outcomes[i] = DRIVERS[protocols[i % 3]](gateway.url, models[i % 2])
+                if i < 10:
+                    outcomes[i] = DRIVERS[protocols[i % 3]](gateway.url, models[i % 2])
+                    return
+                outcomes[i] = httpx.post(gateway.base_url + "/chat/completions", timeout=30, json={
+                    "model": models[i % 2], "messages": [{"role": "user", "content": "json"}]})
 
-            threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(10)]
+            threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(12)]
             for t in threads:
                 t.start()
-            wait_for(lambda: len([r for r in sim.requests() if r["path"].endswith("/chat/completions")]) == 10, timeout=15)
-            wait_for(lambda: sim.stats()["open_streams"] == 5, timeout=15)  # the mid-answer half is streaming
+            wait_for(lambda: len([r for r in sim.requests() if r["path"].endswith("/chat/completions")]) == 12, timeout=15)
+            wait_for(lambda: sim.stats()["open_streams"] == 6, timeout=15)  # the mid-answer half is streaming
             time.sleep(1.0)  # every client has had a keepalive: all ten streams are committed (200)
             signalled = time.monotonic()
             gateway.proc.send_signal(signal.SIGTERM)
@@ -284,12 +291,17 @@ def test_sigterm_with_streams_on_a_stalled_upstream_ends_each_with_an_error_even
             gateway.stop()
         wait_for(lambda: sim.stats()["open_streams"] == 0, timeout=5)  # every upstream stream closed
     assert timeout <= took < timeout + 6, f"exit took {took:.1f} s"
-    assert len(outcomes) == 10
-    for i, outcome in outcomes.items():
+    assert len(outcomes) == 12
+    for i in range(10):
+        outcome = outcomes[i]
         assert not outcome.ok and "server_shutting_down" in outcome.error, (i, outcome)  # type: ignore[attr-defined]
+    for i in (10, 11):
+        answer = outcomes[i]
+        assert isinstance(answer, httpx.Response) and answer.status_code == 503
+        assert answer.json()["error"]["code"] == "server_shutting_down" and answer.headers["retry-after"] == "1"
     with sqlite3.connect(tmp_path / "data" / "codebuddy2api.sqlite3") as db:
-        rows = db.execute("SELECT request_id, outcome, error_code, protocol FROM audit").fetchall()
-    assert len(rows) == 10 and len({r[0] for r in rows}) == 10
+        rows = db.execute("SELECT request_id, outcome, error_code, protocol, streamed FROM audit").fetchall()
+    assert len(rows) == 12 and len({r[0] for r in rows}) == 12
     assert {(r[1], r[2]) for r in rows} == {("error", "server_shutting_down")}
-    assert sorted(r[3] for r in rows) == sorted(protocols[i % 3] for i in range(10))
+    assert sorted((r[3], r[4]) for r in rows) == sorted([(protocols[i % 3], 1) for i in range(10)] + [("chat", 0)] * 2)
     assert "Traceback" not in gateway.log()

@@ -37,6 +37,12 @@ FAMILIES = {
     "codebuddy2api_audit_queue_depth": "gauge",
     "codebuddy2api_audit_dropped": "counter",
     "codebuddy2api_audit_write_errors": "counter",
+    "codebuddy2api_records_spilled": "counter",
+    "codebuddy2api_records_replayed": "counter",
+    "codebuddy2api_records_lost": "counter",
+    "codebuddy2api_store_writable": "gauge",
+    "codebuddy2api_spill_entries": "gauge",
+    "codebuddy2api_shutdown_cut_requests": "counter",
     "codebuddy2api_config_revision": "gauge",
     "codebuddy2api_stream_mode": "gauge",
 }

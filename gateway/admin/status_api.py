@@ -11,6 +11,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from gateway import readiness
+
 
 MAX_WINDOW = 90 * 86400.0
 
@@ -64,6 +66,8 @@ async def status(request: Request) -> Response:
         "audit_queue_depth": app.state.observability.audit.depth,
         "credentials": credentials,
         "credentials_usable": sum(1 for c in credentials if not c["disabled"] and not c["cooldowns"]),
+        "store": app.state.observability.durable.status(),  # writable? what waits in the spill journal
+        "not_ready": readiness.reasons(app.state),
     })
 
 
