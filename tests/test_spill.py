@@ -152,3 +152,28 @@ async def test_the_credential_state_writer_coalesces_and_retries(tmp_path: Path)
 
 def test_probe_backoff_doubles_up_to_its_cap() -> None:
     assert [backoff(5.0, n) for n in range(8)] == [5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 300.0, 300.0]
+
+
+async def test_a_store_write_that_does_not_answer_in_time_is_spilled(tmp_path: Path) -> None:
+    """A stalled store (PostgreSQL paused): the rows go to the journal after the write
+    timeout; the late write and the replay both land, one row per id."""
+    import threading
+
+    store = FlakyStore(tmp_path / "db.sqlite3")
+    release = threading.Event()
+    inner_run_tx = store.run_tx
+
+    def stalled(fn: Any, write: bool = True) -> Any:
+        release.wait(10)
+        return inner_run_tx(fn, write)
+
+    store.run_tx = stalled  # type: ignore[method-assign]
+    durable = DurableWriter(store, SpillJournal(tmp_path / "spill", 1 << 20), {"audit": AUDIT_UPSERT},  # type: ignore[arg-type]
+                            write_timeout=0.1)
+    assert await durable.write("audit", [row("r1")]) == "spilled"
+    assert durable.store_error == "TimeoutError" and durable.spill_entries == 1
+    release.set()
+    store.run_tx = inner_run_tx  # type: ignore[method-assign]
+    assert await durable.recover() is True
+    await asyncio.sleep(0.05)
+    assert audit_ids(store.inner) == ["r1"] and durable.spill_entries == 0

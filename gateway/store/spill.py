@@ -42,6 +42,9 @@ SPILL_PATTERN = "spill-{}.jsonl"
 MAX_JOURNALS = 256
 #: Rows per transaction when replaying the journal into the store.
 REPLAY_BATCH = 500
+#: Seconds a store write may take before its rows are spilled instead (a stalled
+#: PostgreSQL). The write may still land later: the replay's upsert makes that harmless.
+STORE_WRITE_TIMEOUT = 5.0
 _ZEROS = bytes(1 << 20)
 
 
@@ -164,6 +167,7 @@ class DurableWriter:
         statements: dict[str, str],
         *,
         retry_interval: float = 1.0,
+        write_timeout: float = STORE_WRITE_TIMEOUT,
         on_spilled: Callable[[str, int], None] | None = None,
         on_lost: Callable[[str, int], None] | None = None,
         on_replayed: Callable[[str, int], None] | None = None,
@@ -172,6 +176,7 @@ class DurableWriter:
         self.journal = journal
         self.statements = statements
         self.retry_interval = retry_interval
+        self.write_timeout = write_timeout
         self.on_spilled = on_spilled
         self.on_lost = on_lost
         self.on_replayed = on_replayed
@@ -210,12 +215,16 @@ class DurableWriter:
             return "stored"
         if (self.store_writable or self.journal is None) and not self.spill_entries:
             sql = self.statements[kind]
+            write = asyncio.ensure_future(asyncio.to_thread(self.db.run_tx, lambda conn: conn.executemany(sql, rows)))
             try:
                 # shielded: a cancelled caller (shutdown) must not lose a batch half-way to disk
-                await asyncio.shield(asyncio.to_thread(self.db.run_tx, lambda conn: conn.executemany(sql, rows)))
+                await asyncio.wait_for(asyncio.shield(write), self.write_timeout)
                 return "stored"
             except self.db.errors as exc:
                 self._store_failed(exc)
+            except TimeoutError:  # still running in its thread; spilled too, replay upserts
+                write.add_done_callback(_consume)
+                self._store_failed(TimeoutError(f"no answer in {self.write_timeout} s"))
         return await asyncio.shield(asyncio.to_thread(self._spill, kind, rows))
 
     def _store_failed(self, exc: BaseException) -> None:
@@ -317,6 +326,12 @@ class DurableWriter:
         self.db.run_tx(run)
         for kind, _ in batch:
             counts[kind] = counts.get(kind, 0) + 1
+
+
+def _consume(future: asyncio.Future[Any]) -> None:
+    """A timed-out store write finished after all: retrieve its outcome (no warning)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _probe(conn: Any) -> None:
