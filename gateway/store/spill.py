@@ -148,8 +148,13 @@ class SpillJournal:
             self.entries = 0
 
     def close(self) -> None:
-        with self.lock:
-            os.close(self._fd)
+        """Close the file (skipped while a replay stalled on the store holds it: the
+        process is exiting, and the journal on disk is complete either way)."""
+        if self.lock.acquire(timeout=1.0):
+            try:
+                os.close(self._fd)
+            finally:
+                self.lock.release()
 
 
 class DurableWriter:
@@ -267,7 +272,11 @@ class DurableWriter:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        await self.recover()
+        if self.spill_entries or not self.store_writable:
+            try:  # bounded: a stalled store must not hold the exit (the journal stays for next time)
+                await asyncio.wait_for(self.recover(), self.write_timeout)
+            except TimeoutError:
+                log.warning("spill_kept_for_next_start", spill_entries=self.spill_entries)
 
     async def _recovery_loop(self) -> None:
         while True:
