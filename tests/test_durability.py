@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -73,9 +74,9 @@ def test_disk_full_then_space_back_loses_no_audit_row_and_no_stored_response(
             client = openai.OpenAI(base_url=gateway.base_url, api_key="k", _strict_response_validation=True,
                                    max_retries=0)
             filler = fill(data)
-            sent: list[str] = []
             stored: dict[str, str] = {}  # response id -> its text
-            for i in range(300):
+
+            def one(i: int) -> str:
                 if i % 5 == 0:  # 60 stored responses
                     response = client.responses.with_raw_response.create(model="echo", input=f"turn {i}", store=True)
                     parsed = response.parse()
@@ -90,7 +91,11 @@ def test_disk_full_then_space_back_loses_no_audit_row_and_no_stored_response(
                     response = client.chat.completions.with_raw_response.create(
                         model="echo", messages=[{"role": "user", "content": f"j {i}"}])
                     assert response.parse().choices[0].message.content == f"You said: j {i}"
-                sent.append(response.headers["x-request-id"])
+                return response.headers["x-request-id"]
+
+            with ThreadPoolExecutor(8) as threads:
+                sent = list(threads.map(one, range(300)))
+            assert len(set(sent)) == 300 and len(stored) == 60
             ready = wait_for(lambda: httpx.get(gateway.url + "/readyz").status_code == 503) is not None
             body = httpx.get(gateway.url + "/readyz").json()
             codes = {r["code"] for r in body["reasons"]}
