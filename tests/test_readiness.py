@@ -1,0 +1,49 @@
+"""Readiness reasons from the app's state, fed directly (each condition on its own)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from gateway.readiness import reasons
+from gateway.upstream.pool import ANY_MODEL, Credential, Upstream, UpstreamPool
+
+
+def state(**overrides: Any) -> SimpleNamespace:
+    credential = Credential(Upstream("u", "http://127.0.0.1:1/v1"), "sk-x")
+    durable = SimpleNamespace(store_writable=True, store_error=None, failing_since=None, spill_entries=0)
+    audit = SimpleNamespace(depth=0, max_queue=10_000)
+    values: dict[str, Any] = dict(
+        ready=True, shutting_down=False,
+        observability=SimpleNamespace(durable=durable, audit=audit),
+        relay=SimpleNamespace(pool=UpstreamPool([credential], clock=lambda: 1000.0)),
+    )
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+def codes(s: SimpleNamespace) -> list[str]:
+    return [r["code"] for r in reasons(s)]
+
+
+def test_each_condition_is_its_own_reason() -> None:
+    assert codes(state()) == []
+    assert codes(state(ready=False)) == ["starting"]
+    assert codes(state(shutting_down=True)) == ["shutting_down"]
+    s = state()
+    s.observability.durable.store_writable, s.observability.durable.store_error = False, "OperationalError"
+    s.observability.durable.spill_entries = 3
+    assert codes(s) == ["store_unwritable", "spill_in_use"]
+    assert "OperationalError" in reasons(s)[0]["message"] and reasons(s)[1]["spill_entries"] == 3
+    s = state()
+    s.observability.audit.depth = 7_999
+    assert codes(s) == []
+    s.observability.audit.depth = 8_000
+    assert codes(s) == ["audit_queue_near_bound"]
+    s = state()
+    (credential,) = s.relay.pool.credentials
+    credential.cooldowns[ANY_MODEL] = 1010.0  # cooling for every model
+    assert codes(s) == ["no_usable_credential"]
+    credential.cooldowns.clear()
+    credential.disabled = True
+    assert codes(s) == ["no_usable_credential"]
