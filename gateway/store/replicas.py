@@ -44,6 +44,8 @@ HEARTBEAT_INTERVAL = 1.0
 REPLICA_TTL = 5.0
 #: Seconds between polls of credential health (cooldowns, disabled) written by others.
 CREDENTIAL_POLL = 0.5
+#: Seconds the goodbye (deleting this replica's row) may take at shutdown.
+LEAVE_TIMEOUT = 5.0
 #: Heartbeat rows older than this are deleted (crashed replicas never say goodbye).
 FORGET_AFTER = 3600.0
 
@@ -159,9 +161,10 @@ class Replication:
         if self._poller is not None:
             await asyncio.to_thread(self._poller.stop)
             self._poller = None
-        try:
-            await asyncio.to_thread(self.db.execute, "DELETE FROM replicas WHERE replica_id = ?", (self.replica_id,))
-        except self.db.errors as exc:
+        try:  # bounded: a stalled store must not hold the exit (the row then ages out by TTL)
+            await asyncio.wait_for(asyncio.to_thread(
+                self.db.execute, "DELETE FROM replicas WHERE replica_id = ?", (self.replica_id,)), LEAVE_TIMEOUT)
+        except (*self.db.errors, TimeoutError) as exc:
             log.warning("replica_leave_failed", error=type(exc).__name__)
 
     # -- the background thread -----------------------------------------------------------
