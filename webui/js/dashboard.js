@@ -201,7 +201,12 @@ export function mount(main) {
         h("td", null, h(`span.pill.${tone}`, null, state)),
         h("td.num", null, String(c.in_flight)));
     });
-    replace(health, h("h2", null, "Upstream credentials"),
+    // the same reasons as GET /readyz (store writable, spill journal empty, audit queue, credentials)
+    const notReady = st.not_ready || [];
+    const ready = h("p#dash-ready", null, "Readiness: ", notReady.length
+      ? h("span.pill.error", null, `not ready: ${notReady.map((r) => r.message).join("; ")}`)
+      : h("span.pill.ok", null, "ready"));
+    replace(health, h("h2", null, "Upstream credentials"), ready,
       rows.length ? h("table.grid", null,
         h("thead", null, h("tr", null, ["Upstream", "Key", "Health", "In flight"].map((t) => h("th", null, t)))),
         h("tbody", null, rows)) : h("p.muted", null, "No upstream credentials configured."),
