@@ -44,6 +44,7 @@ def chat_calls(sim: Simulator) -> list[dict[str, Any]]:
 
 
 def gateway_on(server_loop: ServerLoop, data_dir: Path, urls: list[str], **overrides: Any) -> Gateway:
+    overrides.setdefault("spill_max_bytes", 1 << 20)  # the journal's bound is reserved on disk
     settings = Settings(upstream_url=urls, data_dir=data_dir, keepalive_interval=0.5, **overrides)
     app = create_app(settings, {name: "default" for name in Settings.model_fields})  # type: ignore[arg-type]
     return Gateway(server_loop.serve(app), app)
