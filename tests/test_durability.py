@@ -26,6 +26,10 @@ from tests.conftest import ServerLoop, Simulator, wait_for
 from tests.processes import GatewayProcess, own_simulator
 
 
+ADMIN_TOKEN = "durability-admin-token-0123456789"
+ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
 @contextlib.contextmanager
 def tmpfs(path: Path, size: str, *options: str) -> Iterator[Path]:
     """A tmpfs of ``size`` mounted at ``path`` (skips when mounting is not permitted)."""
@@ -55,7 +59,7 @@ def fill(directory: Path) -> Path:
 
 
 def audit_ids(gateway: GatewayProcess) -> list[str]:
-    export = httpx.get(gateway.url + "/admin/api/audit/export", timeout=30)
+    export = httpx.get(gateway.url + "/admin/api/audit/export", timeout=30, headers=ADMIN)
     assert export.status_code == 200
     return [orjson.loads(line)["request_id"] for line in export.content.splitlines() if line]
 
@@ -66,7 +70,8 @@ def test_disk_full_then_space_back_loses_no_audit_row_and_no_stored_response(
     with tmpfs(tmp_path / "data", "6m") as data:
         gateway = GatewayProcess(
             "--data-dir", str(data), "--upstream-url", simulator.url + "/v1", "--audit-bodies",
-            "--spill-max-bytes", str(2 * 1024 * 1024), "--log-level", "warning", log_dir=tmp_path,
+            "--spill-max-bytes", str(2 * 1024 * 1024), "--log-level", "warning", "--admin-token", ADMIN_TOKEN,
+            log_dir=tmp_path,
         )
         try:
             gateway.wait_healthy()
@@ -100,7 +105,7 @@ def test_disk_full_then_space_back_loses_no_audit_row_and_no_stored_response(
             body = httpx.get(gateway.url + "/readyz").json()
             codes = {r["code"] for r in body["reasons"]}
             assert ready and body["status"] == "not_ready" and {"store_unwritable", "spill_in_use"} <= codes, body
-            store = httpx.get(gateway.url + "/admin/api/status").json()["store"]
+            store = httpx.get(gateway.url + "/admin/api/status", headers=ADMIN).json()["store"]
             assert store["store_writable"] is False and store["spill_entries"] > 0 and store["lost"] == 0
             # meanwhile, stored responses are served from the spill (previous_response_id works too)
             some = next(iter(stored))
@@ -242,7 +247,8 @@ def test_a_postgresql_pause_does_not_stall_open_streams(
     wait_for(lambda: len(app.state.credential_state.load()) == 2 and all(
         s["cooldowns"] for s in app.state.credential_state.load().values()), timeout=30)
     for rid, _ in served_during:
-        wait_for(lambda: httpx.get(gateway.url + f"/admin/api/audit/{rid}").status_code == 200, timeout=30)
+        wait_for(lambda: httpx.get(gateway.url + f"/admin/api/audit/{rid}", headers=gateway.admin).status_code == 200,
+                 timeout=30)
 
 
 # -- graceful shutdown with a deadline -------------------------------------------------------

@@ -227,14 +227,14 @@ def test_a_credential_an_upstream_401_disabled_heals_by_itself(server_loop: Serv
     assert first.status_code == 502 and first.json()["error"]["code"] == "upstream_auth_failed"
     second = httpx.post(gateway.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES})
     assert second.status_code == 503 and second.json()["error"]["code"] == "no_upstream_available"
-    (out,) = httpx.get(gateway.url + "/admin/api/credentials").json()["credentials"]
+    (out,) = httpx.get(gateway.url + "/admin/api/credentials", headers=gateway.admin).json()["credentials"]
     assert out["disabled"] and out["disabled_by"] == "upstream" and out["disabled_reason"] == "upstream answered 401"
     assert out["disabled_at"] is not None and out["disabled_at"] <= time.time()
     ready = httpx.get(gateway.url + "/readyz")
     assert ready.status_code == 503 and [r["code"] for r in ready.json()["reasons"]] == ["no_usable_credential"]
 
     def credential() -> dict[str, Any]:
-        return httpx.get(gateway.url + "/admin/api/credentials").json()["credentials"][0]
+        return httpx.get(gateway.url + "/admin/api/credentials", headers=gateway.admin).json()["credentials"][0]
 
     wait_for(lambda: credential()["probe_failures"] >= 1, timeout=10)
     failing = credential()
@@ -249,7 +249,8 @@ def test_a_credential_an_upstream_401_disabled_heals_by_itself(server_loop: Serv
     assert httpx.get(gateway.url + "/readyz").json() == {"status": "ready"}
     # what an admin disabled stays out: never probed
     sim.clear()
-    httpx.post(gateway.url + f"/admin/api/credentials/{healed['id']}/disable").raise_for_status()
+    httpx.post(gateway.url + f"/admin/api/credentials/{healed['id']}/disable", json={},
+               headers=gateway.admin).raise_for_status()
     time.sleep(1.0)
     assert credential()["disabled"] and credential()["disabled_by"] == "admin"
     assert [r for r in sim.requests() if r["path"].endswith("/models")] == []
