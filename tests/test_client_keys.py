@@ -39,7 +39,7 @@ def test_non_generation_routes_need_the_client_key_too(server_loop: ServerLoop, 
     denied = httpx.post(gateway.base_url + "/messages/count_tokens", json=count)
     assert denied.status_code == 401 and denied.json()["type"] == "error"
     assert denied.json()["error"]["type"] == "authentication_error"
-    assert httpx.post(gateway.base_url + "/messages/count_tokens", json=count, headers=good).json()["input_tokens"] > 0
+    assert httpx.post(gateway.base_url + "/messages/count_tokens", json=count, headers=good, timeout=60).json()["input_tokens"] > 0
     stored = httpx.post(gateway.base_url + "/responses", json={"model": "text", "input": "hi"}, headers=good).json()
     assert httpx.get(gateway.base_url + f"/responses/{stored['id']}").status_code == 401
     assert httpx.get(gateway.base_url + f"/responses/{stored['id']}", headers=good).json()["id"] == stored["id"]
