@@ -39,3 +39,11 @@ bench-peer: $(STAMP)
 	@$(BIN)/python -c 'import matplotlib' 2>/dev/null && test -x $(BIN)/py-spy || $(BIN)/pip install -q -e '.[bench]'
 	PYTHON=$(PYTHON) sh bench/peer_install.sh
 	$(BIN)/python bench/run.py --peer
+
+.PHONY: test-clients
+
+## The real agent CLIs (pinned Codex and Claude Code from npm, cached in ~/.cache/codebuddy2api/clients)
+## against the gateway and the simulator, inside a loopback-only network namespace
+test-clients: $(STAMP)
+	bash scripts/install_clients.sh
+	sh scripts/netns_run.sh env CODEBUDDY2API_CLIENTS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/clients

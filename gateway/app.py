@@ -11,13 +11,14 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
-from starlette.routing import BaseRoute, Mount, Route
+from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from gateway.protocols.base import ProtocolRoom
 from gateway.protocols.chat import ChatRoom
 from gateway.protocols.responses import ResponsesRoom
 from gateway.protocols.messages import MessagesRoom
+from gateway.protocols.responses_ws import websocket_endpoint as responses_websocket
 from gateway.admin import admin_mount, auth_routes
 from gateway.admin.auth import AdminAccess, login_base_url
 from gateway.admin.common import admin_error
@@ -183,6 +184,8 @@ def create_app(
     routes = [
         Route("/v1/chat/completions", generation(ChatRoom()), methods=["POST"]),
         Route("/v1/responses", generation(responses_room), methods=["POST"]),
+        WebSocketRoute("/v1/responses", responses_websocket(relay, responses_room)),
+        Route("/v1/responses/compact", generation(responses_room.compact_room()), methods=["POST"]),
         Route("/v1/responses/{response_id}", keyed(retrieve_response_endpoint(response_store), openai_error), methods=["GET"]),
         Route("/v1/messages", generation(MessagesRoom()), methods=["POST"]),
         Route("/v1/messages/count_tokens", keyed(count_tokens_endpoint, anthropic_error), methods=["POST"]),

@@ -391,3 +391,36 @@ def test_pure_builders() -> None:
     assert parse_model("large").chunk == 256 and parse_model("slow_first_byte").ttfb == 2.0
     with pytest.raises(ValueError):
         parse_model("text;usage=sometimes")
+
+
+# -- the `agent` scenario (scripts the model's side for the real CLIs) -------------------
+
+
+def _agent_call(body: dict[str, Any]) -> tuple[str | None, str]:
+    """(called tool or None, text) of the agent's answer to ``body``."""
+    from gateway.upstream.sim_scenarios import assemble_completion
+
+    _, _, frames = build_frames("agent", body)
+    message = assemble_completion(frames, "agent")["choices"][0]["message"]
+    calls = message.get("tool_calls") or []
+    return (calls[0]["function"]["name"] + " " + calls[0]["function"]["arguments"] if calls else None), message.get("content") or ""
+
+
+def test_agent_follows_the_plan_across_tool_results_and_compaction() -> None:
+    from gateway.protocols.responses_compaction import SUMMARY_PROMPT
+
+    tools = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}]
+    user = {"role": "user", "content": 'go CALL run {"n": 1} then CALL run {"n": 2}'}
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "a", "type": "function", "function": {"name": "run", "arguments": "{}"}}]}
+    result = {"role": "tool", "tool_call_id": "a", "content": "ok-1"}
+    assert _agent_call({"messages": [user, {"role": "system", "content": "late system item"}], "tools": tools})[0] == 'run {"n": 1}'
+    assert _agent_call({"messages": [user, call, result], "tools": tools})[0] == 'run {"n": 2}'
+    # the compaction turn reports progress; after it, the plan resumes at step two
+    summary = _agent_call({"messages": [user, call, result, {"role": "user", "content": SUMMARY_PROMPT}]})
+    assert summary == (None, "Progress: 1 tool call(s) completed.")
+    resumed = {"messages": [user, {"role": "user", "content": "Summary: " + summary[1]}], "tools": tools}
+    assert _agent_call(resumed)[0] == 'run {"n": 2}'
+    done = [user, call, result, call, {"role": "tool", "tool_call_id": "a", "content": "ok-2"}]
+    assert _agent_call({"messages": done, "tools": tools}) == (None, "Done. The tool said: ok-2")
+    # an undeclared tool is never called
+    assert _agent_call({"messages": [user]})[0] is None

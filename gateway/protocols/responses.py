@@ -24,7 +24,13 @@ import structlog
 from gateway.errors import GatewayError, invalid_request
 from gateway.protocols.base import ParsedRequest, dumps, load_json_object, sse
 from gateway.protocols.openai_shapes import assistant_message, error_json
-from gateway.protocols.responses_translate import ToolMap, seal_reasoning, translate
+from gateway.protocols.responses_compaction import (
+    compacted_response,
+    compaction_item,
+    summary_message,
+)
+from gateway.protocols.responses_tools import CustomInputStream, call_item
+from gateway.protocols.responses_translate import ToolMap, Translation, seal_reasoning, translate
 from gateway.stream.events import (
     BlockDelta,
     BlockStart,
@@ -103,6 +109,18 @@ def _new_id(prefix: str) -> str:
 
 def _client_name(tool_map: ToolMap, upstream: str | None) -> tuple[str, str | None]:
     return tool_map.client.get(upstream or "", (upstream or "", None))
+
+
+def tool_call_item(
+    tool_map: ToolMap, item_id: str, call_id: str, upstream: str | None, arguments: str, status: str
+) -> dict[str, Any]:
+    """The output item of one upstream tool call: ``function_call``, or the item of the
+    client-executed tool type it was declared as (``custom_tool_call``, ...)."""
+    name, namespace = _client_name(tool_map, upstream)
+    kind = tool_map.kinds.get(upstream or "")
+    if kind is None:
+        return function_call_item(item_id, call_id, (name, namespace), arguments, status)
+    return call_item(kind, item_id, call_id, name, namespace, arguments, status)
 
 
 def response_object(
@@ -189,6 +207,9 @@ class ResponsesEncoder:
         self.echo: dict[str, Any] = facts.echo
         self.tool_map: ToolMap = facts.tool_map
         self.envelope: bool = facts.envelope
+        #: A compaction turn: the answer's text becomes one compaction item, nothing else.
+        self.compaction: bool = facts.compaction
+        self._summary: list[str] = []
         self.response_id = response_id
         self.created_at = int(time.time())
         self._seq = 0
@@ -197,6 +218,8 @@ class ResponsesEncoder:
         ] = {}  # output index -> item (in progress, then final)
         self._parts: dict[int, list[str]] = {}
         self._done: list[int] = []
+        self._pending: set[int] = set()  # client-executed tool calls not yet announced
+        self._custom: dict[int, CustomInputStream] = {}  # open custom calls' decoded input
         self._open: int | None = None
         self.final: dict[str, Any] | None = None
 
@@ -223,6 +246,8 @@ class ResponsesEncoder:
     def encode(self, event: Event) -> bytes:
         if self.final is not None:
             return b""
+        if self.compaction and isinstance(event, (BlockStart, BlockDelta, BlockStop, Finish)):
+            return self._compaction(event)
         if isinstance(event, BlockDelta):
             return self._delta(event.index, event.text)
         if isinstance(event, BlockStart):
@@ -246,6 +271,20 @@ class ResponsesEncoder:
             self.final = self._snapshot("failed", error=_failed_error(err))
             return out + self._event("response.failed", {"response": self.final})
         return b""
+
+    def _compaction(self, event: Event) -> bytes:
+        """Text blocks feed the summary; the finish emits the one compaction item."""
+        if isinstance(event, BlockStop) and event.kind == "text":
+            self._summary.append(event.content)
+        if not isinstance(event, Finish):
+            return b""
+        item = compaction_item("".join(self._summary))
+        self._items[0] = item
+        self._done.append(0)
+        out = self._event("response.output_item.added", {"output_index": 0, "item": item})
+        out += self._event("response.output_item.done", {"output_index": 0, "item": item})
+        self.final = self._snapshot("completed", usage=usage_object(event.usage))
+        return out + self._event("response.completed", {"response": self.final})
 
     def _start(self, event: BlockStart) -> bytes:
         out = self._close_open("completed")
@@ -277,10 +316,23 @@ class ResponsesEncoder:
                     {"item_id": item["id"], **where, "summary_index": 0, "part": part},
                 )
             )
+        call_id = event.call_id or _new_id("call_")
+        kind = self.tool_map.kinds.get(event.name or "")
+        if kind == "custom":
+            # freeform input streams as it is decoded from the upstream's JSON arguments
+            item = tool_call_item(self.tool_map, _new_id("ctc_"), call_id, event.name, "", "in_progress")
+            item["input"] = ""
+            self._items[index] = item
+            self._custom[index] = CustomInputStream()
+            return out + self._event("response.output_item.added", {**where, "item": item})
+        if kind is not None:
+            # the other client-executed items need their whole action/operation: announced
+            # once the call's arguments are complete, in _stop
+            self._items[index] = {"id": _new_id("ctc_"), "call_id": call_id, "upstream": event.name}
+            self._pending.add(index)
+            return out
         name = _client_name(self.tool_map, event.name)
-        item = function_call_item(
-            _new_id("fc_"), event.call_id or _new_id("call_"), name, "", "in_progress"
-        )
+        item = function_call_item(_new_id("fc_"), call_id, name, "", "in_progress")
         self._items[index] = item
         return out + self._event("response.output_item.added", {**where, "item": item})
 
@@ -288,8 +340,15 @@ class ResponsesEncoder:
         if not text or index not in self._items:
             return b""
         self._parts[index].append(text)
+        if index in self._pending:
+            return b""
         item = self._items[index]
         where = {"item_id": item["id"], "output_index": index}
+        if index in self._custom:
+            new = self._custom[index].feed(text)
+            if not new:
+                return b""
+            return self._event("response.custom_tool_call_input.delta", {**where, "delta": new})
         if item["type"] == "message":
             return self._event(
                 "response.output_text.delta",
@@ -310,6 +369,10 @@ class ResponsesEncoder:
     def _stop(self, index: int, content: str, status: str) -> bytes:
         if index not in self._items or index in self._done:
             return b""
+        if index in self._pending:
+            return self._stop_client_call(index, content or "".join(self._parts[index]), status)
+        if index in self._custom:
+            return self._stop_custom_call(index, content or "".join(self._parts[index]), status)
         out = b""
         sent = "".join(self._parts[index])
         if content != sent and content.startswith(sent):
@@ -341,13 +404,37 @@ class ResponsesEncoder:
                 "response.function_call_arguments.done", {**where, "arguments": text}
             )
             final = {**item, "arguments": text, "status": status}
+        return out + self._finish_item(index, final)
+
+    def _finish_item(self, index: int, final: dict[str, Any]) -> bytes:
         self._items[index] = final
         self._done.append(index)
         if self._open == index:
             self._open = None
-        return out + self._event(
-            "response.output_item.done", {"output_index": index, "item": final}
-        )
+        return self._event("response.output_item.done", {"output_index": index, "item": final})
+
+    def _stop_client_call(self, index: int, arguments: str, status: str) -> bytes:
+        """added (in progress, with its whole action/operation), then done."""
+        self._pending.discard(index)
+        pending = self._items[index]
+        item_id, call_id, upstream = pending["id"], pending["call_id"], pending["upstream"]
+        added = tool_call_item(self.tool_map, item_id, call_id, upstream, arguments, "in_progress")
+        final = tool_call_item(self.tool_map, item_id, call_id, upstream, arguments, status)
+        out = self._event("response.output_item.added", {"output_index": index, "item": added})
+        return out + self._finish_item(index, final)
+
+    def _stop_custom_call(self, index: int, arguments: str, status: str) -> bytes:
+        """The rest of the input, ``custom_tool_call_input.done``, the item done: the final
+        input is exactly the concatenated deltas."""
+        stream = self._custom.pop(index)
+        item = self._items[index]
+        where = {"item_id": item["id"], "output_index": index}
+        out = b""
+        rest = stream.finish(arguments)
+        if rest:
+            out += self._event("response.custom_tool_call_input.delta", {**where, "delta": rest})
+        out += self._event("response.custom_tool_call_input.done", {**where, "input": stream.sent})
+        return out + self._finish_item(index, {**item, "input": stream.sent, "status": status})
 
 
 # -- the room -----------------------------------------------------------------------------
@@ -369,6 +456,7 @@ class ResponsesFacts:
     history: tuple[dict[str, Any], ...]  # chat messages before this turn's output
     dropped_tools: tuple[str, ...] = ()
     resolved: bool = False  # previous_response_id already prepended
+    compaction: bool = False  # a compaction turn: the answer is one compaction item
 
 
 class ResponseStorage(Protocol):
@@ -392,7 +480,9 @@ class ResponsesRoom:
 
     def parse(self, body: bytes, query: dict[str, str]) -> ParsedRequest[ResponsesFacts]:
         raw = load_json_object(body)
-        t = translate(raw)
+        return self._parsed(raw, translate(raw))
+
+    def _parsed(self, raw: dict[str, Any], t: Translation) -> ParsedRequest[ResponsesFacts]:
         return ParsedRequest(
             protocol=self.name,
             model=t.body.model,
@@ -408,6 +498,7 @@ class ResponsesRoom:
                 instructions_count=t.instructions_count,
                 history=tuple(t.input_messages),
                 dropped_tools=tuple(t.dropped_tools),
+                compaction=t.compaction,
             ),
         )
 
@@ -421,7 +512,7 @@ class ResponsesRoom:
         previous = facts.previous_response_id
         if not previous or facts.resolved:
             return request
-        record = await self.store.load(previous)
+        record = await self.load_conversation(previous)
         if record is None:
             raise invalid_request(
                 f"previous response {previous!r} was not found"
@@ -444,13 +535,30 @@ class ResponsesRoom:
             final = encoder.final
         else:
             final = self._final(request, response_id, completion)
-        if not request.facts.store:
-            return
-        record = {
+        await self.keep(response_id, self.stored_record(request, final, completion), request.facts.store)
+
+    @staticmethod
+    def stored_record(
+        request: ParsedRequest[ResponsesFacts], final: dict[str, Any], completion: Completion
+    ) -> dict[str, Any]:
+        """What a later ``previous_response_id`` continues from (upstream messages); after
+        a compaction turn, the summary alone."""
+        if request.facts.compaction:
+            return {"response": final, "history": [], "output": [summary_message(completion.text)]}
+        return {
             "response": final,
             "history": list(request.facts.history),
             "output": [assistant_message(completion)],
         }
+
+    async def load_conversation(self, response_id: str) -> dict[str, Any] | None:
+        """The stored record a ``previous_response_id`` names (None: unknown)."""
+        return await self.store.load(response_id)
+
+    async def keep(self, response_id: str, record: dict[str, Any], store: bool | None) -> None:
+        """Keep a finished response for later turns (here: only with ``store``)."""
+        if not store:
+            return
         try:
             await self.store.save(response_id, record)
         except Exception:  # the answer was delivered; a failed save must not turn it into an error
@@ -477,17 +585,20 @@ class ResponsesRoom:
     def _build(
         self, request: ParsedRequest[ResponsesFacts], response_id: str, completion: Completion
     ) -> dict[str, Any]:
-        """The JSON answer: reasoning item, message item, function_call items."""
+        """The JSON answer: reasoning item, message item, tool call items (a compaction
+        turn: one compaction item)."""
         facts = request.facts
         output: list[dict[str, Any]] = []
-        if completion.reasoning:
+        if facts.compaction:
+            output.append(compaction_item(completion.text))
+        elif completion.reasoning:
             output.append(reasoning_item(_new_id("rs_"), completion.reasoning, facts.envelope))
-        if completion.text:
+        if completion.text and not facts.compaction:
             output.append(message_item(_new_id("msg_"), completion.text, "completed"))
         for call in completion.tool_calls:
-            name = _client_name(facts.tool_map, call.name)
+            item_id = _new_id("fc_" if call.name not in facts.tool_map.kinds else "ctc_")
             output.append(
-                function_call_item(_new_id("fc_"), call.id, name, call.arguments, "completed")
+                tool_call_item(facts.tool_map, item_id, call.id, call.name, call.arguments, "completed")
             )
         status, reason = _terminal(completion.finish_reason)
         return response_object(
@@ -502,3 +613,22 @@ class ResponsesRoom:
 
     def error_body(self, error: GatewayError) -> dict:
         return error_json(error)
+
+    def compact_room(self) -> ResponsesCompactRoom:
+        return ResponsesCompactRoom(self.store)
+
+
+class ResponsesCompactRoom(ResponsesRoom):
+    """``POST /v1/responses/compact``: ``model``, ``input``, ``instructions`` in; the
+    compacted item list (one compaction item) out, as a ``response.compaction`` object.
+    Always a JSON answer; nothing is stored."""
+
+    def parse(self, body: bytes, query: dict[str, str]) -> ParsedRequest[ResponsesFacts]:
+        raw = load_json_object(body)
+        raw.pop("stream", None)  # not part of this endpoint: always one JSON answer
+        parsed = self._parsed(raw, translate(raw, compaction=True))
+        return dataclasses.replace(parsed, facts=dataclasses.replace(parsed.facts, store=False))
+
+    def json_body(self, request: ParsedRequest[ResponsesFacts], response_id: str, completion: Completion) -> dict:
+        built = super().json_body(request, response_id, completion)
+        return compacted_response(response_id, built["output"][0], built["usage"])

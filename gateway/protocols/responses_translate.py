@@ -9,10 +9,6 @@ decision is listed in docs/protocols/responses.md.
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import hmac
-import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +26,14 @@ from pydantic import (
 
 from gateway.errors import GatewayError, invalid_request
 from gateway.protocols.base import validation_error
+from gateway.protocols.envelope import open_envelope, seal_envelope
+from gateway.protocols import responses_tools as client_tools
+from gateway.protocols.responses_compaction import (
+    COMPACTION_ITEMS,
+    SUMMARY_PROMPT,
+    open_summary,
+    summary_message,
+)
 from gateway.stream.accumulator import ToolRules
 
 #: Joins a namespace and a tool name into one upstream function name (``ns__tool``).
@@ -47,42 +51,22 @@ HOSTED_TOOL_TYPES = frozenset(
         "image_generation",
         "computer_use_preview",
         "computer",
-        "local_shell",
-        "shell",
         "mcp",
-        "custom",
-        "apply_patch",
         "tool_search",
     }
 )
 
-#: Prefix of the opaque ``encrypted_content`` the gateway emits on reasoning items.
-_ENVELOPE_PREFIX = "cb2a1."
-_ENVELOPE_KEY = secrets.token_bytes(
-    32
-)  # per process: envelopes from before a restart fall back to summary text
-
+#: Tool types the client runs itself: function tools upstream (see responses_tools).
+CLIENT_TOOL_TYPES = frozenset({"custom", "local_shell", "shell", "apply_patch"})
 
 def seal_reasoning(text: str) -> str:
     """An opaque, signed carrier for reasoning text (not secret: the summary shows it)."""
-    payload = base64.urlsafe_b64encode(orjson.dumps({"r": text})).decode()
-    mac = hmac.new(_ENVELOPE_KEY, payload.encode(), hashlib.sha256).hexdigest()[:32]
-    return f"{_ENVELOPE_PREFIX}{payload}.{mac}"
+    return seal_envelope("r", text)
 
 
 def open_reasoning(value: object) -> str | None:
     """The reasoning text of an envelope this process sealed, else None."""
-    if not isinstance(value, str) or not value.startswith(_ENVELOPE_PREFIX):
-        return None
-    payload, _, mac = value[len(_ENVELOPE_PREFIX) :].rpartition(".")
-    expected = hmac.new(_ENVELOPE_KEY, payload.encode(), hashlib.sha256).hexdigest()[:32]
-    if not payload or not hmac.compare_digest(mac, expected):
-        return None
-    try:
-        text = orjson.loads(base64.urlsafe_b64decode(payload.encode()))["r"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    return text if isinstance(text, str) else None
+    return open_envelope("r", value)
 
 
 class _ResponsesBody(BaseModel):
@@ -123,8 +107,10 @@ class ToolMap:
 
     client: dict[str, tuple[str, str | None]] = field(default_factory=dict)
     flat: dict[tuple[str | None, str], str] = field(default_factory=dict)
+    #: Upstream name -> client tool kind when not ``function`` (``custom``, ``local_shell``...).
+    kinds: dict[str, str] = field(default_factory=dict)
 
-    def add(self, name: str, namespace: str | None, param: str) -> str:
+    def add(self, name: str, namespace: str | None, param: str, kind: str = "function") -> str:
         upstream = f"{namespace}{NAMESPACE_SEP}{name}" if namespace else name
         if upstream in self.client:
             raise invalid_request(
@@ -135,6 +121,8 @@ class ToolMap:
             )
         self.client[upstream] = (name, namespace)
         self.flat[(namespace, name)] = upstream
+        if kind != "function":
+            self.kinds[upstream] = kind
         return upstream
 
     def upstream_name(self, name: str, namespace: str | None) -> str:
@@ -157,6 +145,7 @@ class Translation:
     tool_map: ToolMap
     dropped_tools: list[str]
     include_reasoning_envelope: bool
+    compaction: bool = False  # a compaction turn: answer with one compaction item
 
 
 def parse_body(raw: dict[str, Any]) -> _ResponsesBody:
@@ -183,13 +172,18 @@ def parse_body(raw: dict[str, Any]) -> _ResponsesBody:
     return body
 
 
-def translate(raw: dict[str, Any]) -> Translation:
+def translate(raw: dict[str, Any], compaction: bool = False) -> Translation:
+    """``compaction``: a compaction turn whatever the input says (``/v1/responses/compact``);
+    otherwise a trailing ``compaction_trigger`` input item makes one."""
     body = parse_body(raw)
     tool_map = ToolMap()
     tools, dropped = _tools(body.tools or [], tool_map)
     rules, choice = _tool_choice(body, tool_map, dropped)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    messages = _input_messages(body.input, tool_map)
+    builder = _input_messages(body.input, tool_map)
+    messages = builder.messages
+    if compaction or builder.compaction_trigger:
+        return _compaction_translation(body, raw, system, messages, tool_map, dropped)
     upstream: dict[str, Any] = {"model": body.model, "messages": system + messages}
     if tools:
         upstream["tools"] = tools
@@ -226,6 +220,38 @@ def translate(raw: dict[str, Any]) -> Translation:
     )
 
 
+def _compaction_translation(
+    body: _ResponsesBody,
+    raw: dict[str, Any],
+    system: list[dict[str, Any]],
+    messages: list[dict[str, Any]],
+    tool_map: ToolMap,
+    dropped: list[str],
+) -> Translation:
+    """The summarising generation: instructions, history, then the summary request; no
+    tools (the answer is text), no response format."""
+    upstream: dict[str, Any] = {
+        "model": body.model,
+        "messages": system + messages + [{"role": "user", "content": SUMMARY_PROMPT}],
+    }
+    if body.max_output_tokens is not None:
+        upstream["max_tokens"] = body.max_output_tokens
+    if body.temperature is not None:
+        upstream["temperature"] = body.temperature
+    return Translation(
+        body=body,
+        raw=raw,
+        upstream=upstream,
+        instructions_count=len(system),
+        input_messages=messages,
+        rules=ToolRules(choice="none"),
+        tool_map=tool_map,
+        dropped_tools=dropped,
+        include_reasoning_envelope=False,
+        compaction=True,
+    )
+
+
 # -- tools -----------------------------------------------------------------------------
 
 
@@ -253,6 +279,16 @@ def _function_tool(
         function["description"] = description
     if tool.get("strict") is True:
         function["strict"] = True
+    return {"type": "function", "function": function}
+
+
+def _client_tool(tool: dict[str, Any], kind: str, tool_map: ToolMap, param: str) -> dict[str, Any]:
+    name, description, parameters = client_tools.declaration(tool, kind, param)
+    function = {
+        "name": tool_map.add(name, None, param, kind),
+        "description": description,
+        "parameters": parameters,
+    }
     return {"type": "function", "function": function}
 
 
@@ -284,7 +320,9 @@ def _tools(
                     out.append(_function_tool(nested, namespace, tool_map, f"{param}.tools[{j}]"))
                 else:
                     dropped.append(f"{namespace}.{nested.get('name') or nested.get('type')}")
-        elif isinstance(kind, str) and kind in HOSTED_TOOL_TYPES:
+        elif kind in CLIENT_TOOL_TYPES and not (kind == "shell" and not client_tools.is_local_environment(tool)):
+            out.append(_client_tool(tool, kind, tool_map, param))
+        elif isinstance(kind, str) and kind in HOSTED_TOOL_TYPES | CLIENT_TOOL_TYPES:
             dropped.append(kind)
         else:
             raise invalid_request(
@@ -318,23 +356,40 @@ def _tool_choice(
             )
         return ToolRules(declared=declared, choice=choice, parallel=parallel), choice
     kind = choice.get("type")
-    if kind == "function":
+    if kind in ("function", "custom"):
         name = choice.get("name")
         namespace = choice.get("namespace")
         if not isinstance(name, str) or not name:
             raise invalid_request("tool_choice.name is required", param="tool_choice.name")
-        upstream = tool_map.upstream_name(name, namespace if isinstance(namespace, str) else None)
+        namespace = namespace if isinstance(namespace, str) else None
+        upstream = tool_map.upstream_name(name, namespace)
         if upstream not in declared:
+            if (f"{namespace}.{name}" if namespace else name) in dropped:
+                raise _dropped_choice(name)
             raise invalid_request(
                 f"tool_choice names undeclared tool {name!r}", param="tool_choice.name"
             )
         rules = ToolRules(declared=declared, choice=upstream, parallel=parallel)
         return rules, {"type": "function", "function": {"name": upstream}}
+    if kind in CLIENT_TOOL_TYPES - {"custom"} and kind in declared:
+        rules = ToolRules(declared=declared, choice=kind, parallel=parallel)
+        return rules, {"type": "function", "function": {"name": kind}}
+    if isinstance(kind, str) and (kind in dropped or kind in HOSTED_TOOL_TYPES | CLIENT_TOOL_TYPES):
+        raise _dropped_choice(kind)
     raise invalid_request(
         f"tool_choice of type {kind!r} is not supported by this gateway"
         " (only function tools run upstream)",
         param="tool_choice",
         code="unsupported_tool_choice",
+    )
+
+
+def _dropped_choice(name: str) -> GatewayError:
+    return invalid_request(
+        f"tool_choice names {name!r}, a tool this gateway does not offer the model"
+        " (hosted tools run only on OpenAI's servers and are dropped; see docs/protocols/responses.md)",
+        param="tool_choice",
+        code="tool_choice_unavailable",
     )
 
 
@@ -435,6 +490,7 @@ class _Builder:
         self.messages: list[dict[str, Any]] = []
         self.reasoning: list[str] = []  # waiting for the next assistant message
         self.images: list[dict[str, Any]] = []  # tool-output images, sent after the tool messages
+        self.compaction_trigger = False
 
     def _flush_images(self) -> None:
         if self.images:
@@ -502,17 +558,48 @@ class _Builder:
                 code="invalid_type",
             )
         namespace = item.get("namespace") if isinstance(item.get("namespace"), str) else None
+        self._tool_call(call_id, self.tool_map.upstream_name(name, namespace), arguments)
+
+    def _tool_call(self, call_id: str, upstream_name: str, arguments: str) -> None:
         message = self._assistant(merge=True)
         message.setdefault("tool_calls", []).append(
-            {
-                "id": call_id,
-                "type": "function",
-                "function": {
-                    "name": self.tool_map.upstream_name(name, namespace),
-                    "arguments": arguments,
-                },
-            }
+            {"id": call_id, "type": "function", "function": {"name": upstream_name, "arguments": arguments}}
         )
+
+    def client_tool_call(self, item: dict[str, Any], kind: str, param: str) -> None:
+        """A replayed ``custom_tool_call`` / ``local_shell_call`` / ``shell_call`` /
+        ``apply_patch_call``: the function call the upstream made, in its own terms."""
+        self._flush_images()
+        call_id = client_tools.replayed_call_id(item, param)
+        name, arguments = client_tools.replayed_arguments(item, kind, param)
+        namespace = item.get("namespace") if isinstance(item.get("namespace"), str) else None
+        self._tool_call(call_id, self.tool_map.upstream_name(name, namespace), arguments)
+
+    def client_tool_output(self, item: dict[str, Any], param: str) -> None:
+        call_id = client_tools.output_call_id(item)
+        if call_id is None:
+            raise invalid_request(f"{item.get('type')} needs a call_id", param=f"{param}.call_id")
+        output = client_tools.output_text(item)
+        if output is None:
+            raise invalid_request(
+                "output must be a string or a list of parts",
+                param=f"{param}.output",
+                code="invalid_type",
+            )
+        self.function_call_output({"call_id": call_id, "output": output}, param)
+
+    def compaction(self, item: dict[str, Any], param: str) -> None:
+        """A replayed compaction item: the summary it carries, as the upstream reads it."""
+        self._flush_images()
+        summary = open_summary(item.get("encrypted_content"))
+        if summary is None:
+            raise invalid_request(
+                "this compaction item was not produced by this gateway (its encrypted_content"
+                " is not a gateway envelope); send the conversation items instead",
+                param=f"{param}.encrypted_content",
+                code="invalid_compaction_item",
+            )
+        self.messages.append(summary_message(summary))
 
     def function_call_output(self, item: dict[str, Any], param: str) -> None:
         call_id, output = item.get("call_id"), item.get("output")
@@ -543,12 +630,13 @@ class _Builder:
             self.reasoning.append(text)
 
 
-def _input_messages(value: str | list[Any] | None, tool_map: ToolMap) -> list[dict[str, Any]]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
+def _input_messages(value: str | list[Any] | None, tool_map: ToolMap) -> _Builder:
     builder = _Builder(tool_map)
+    if value is None:
+        return builder
+    if isinstance(value, str):
+        builder.messages.append({"role": "user", "content": value})
+        return builder
     for i, item in enumerate(value):
         param = f"input[{i}]"
         if not isinstance(item, dict):
@@ -562,6 +650,20 @@ def _input_messages(value: str | list[Any] | None, tool_map: ToolMap) -> list[di
             builder.function_call_output(item, param)
         elif kind == "reasoning":
             builder.reasoning_item(item)
+        elif kind in client_tools.REPLAYED_CALLS:
+            builder.client_tool_call(item, client_tools.REPLAYED_CALLS[kind], param)
+        elif kind in client_tools.CALL_OUTPUTS:
+            builder.client_tool_output(item, param)
+        elif kind in COMPACTION_ITEMS:
+            builder.compaction(item, param)
+        elif kind == "compaction_trigger":
+            if i != len(value) - 1:
+                raise invalid_request(
+                    "a compaction_trigger item must be the last input item",
+                    f"{param}.type",
+                    "invalid_compaction_trigger",
+                )
+            builder.compaction_trigger = True
         elif kind == "item_reference":
             raise invalid_request(
                 "item_reference is not supported: send the referenced items themselves",
@@ -573,4 +675,4 @@ def _input_messages(value: str | list[Any] | None, tool_map: ToolMap) -> list[di
                 f"unsupported input item type {kind!r}", f"{param}.type", "unsupported_input_item"
             )
     builder._flush_images()
-    return builder.messages
+    return builder

@@ -11,12 +11,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from typing import Any
 
+from gateway.protocols.responses_compaction import SUMMARY_PROMPT
 from gateway.stream.repair import REPAIR_MARKER
 
 Frame = dict[str, Any]
@@ -247,6 +249,72 @@ def _echo(ctx: Ctx) -> Reply:
     return Reply(_content(ctx, "You said: " + _last_user_text(ctx.body)))
 
 
+#: ``agent``: a tool the user's text asks for, as ``CALL <tool name> <JSON arguments>``.
+DIRECTIVE = "CALL "
+
+
+def _directives(text: str) -> list[tuple[str, str]]:
+    """Every ``CALL <name> <JSON object>`` in ``text``, in order (name, arguments)."""
+    found: list[tuple[str, str]] = []
+    decoder = json.JSONDecoder()
+    start = text.find(DIRECTIVE)
+    while start >= 0:
+        name, _, rest = text[start + len(DIRECTIVE) :].partition(" ")
+        try:
+            args, _ = decoder.raw_decode(rest.lstrip())
+        except ValueError:
+            args = None
+        if name and isinstance(args, dict):
+            found.append((name, json.dumps(args)))
+        start = text.find(DIRECTIVE, start + len(DIRECTIVE))
+    return found
+
+
+#: ``agent``'s answer to a summary request: how far the plan got (read back after compaction).
+PROGRESS = re.compile(r"Progress: (\d+) tool call\(s\) completed\.")
+
+
+def _agent_progress(messages: list[dict[str, Any]]) -> int:
+    """Tool calls of the plan already made: those summarised by a compaction, plus the
+    tool results since."""
+    done = 0
+    for message in messages:
+        found = PROGRESS.findall(_text_of(message.get("content")))
+        if found and message.get("role") != "tool":
+            done = int(found[-1])
+        elif message.get("role") == "tool":
+            done += 1
+    return done
+
+
+def _agent(ctx: Ctx) -> Reply:
+    """A scripted agent model for real CLIs: the user's first message lists the tool calls
+    to make (``CALL <name> <JSON>``), made one per turn while tool results come back; then
+    a text answer quoting the last tool result. A summary request (a compaction turn) is
+    answered with the progress, so the plan continues after the history is replaced.
+    Any other request gets an echo."""
+    messages = _messages(ctx.body)
+    users = [_text_of(m.get("content")) for m in messages if m.get("role") == "user"]
+    plan = next((d for d in map(_directives, users) if d), [])
+    declared = {
+        t["function"]["name"] for t in ctx.body.get("tools") or []
+        if isinstance(t, dict) and isinstance(t.get("function"), dict)
+    }
+    done = _agent_progress(messages)
+    # the last turn (Claude Code sends a system item after the user's message)
+    last = next((m for m in reversed(messages) if m.get("role") != "system"), {})
+    if last.get("role") == "user" and SUMMARY_PROMPT in _text_of(last.get("content")):
+        return Reply(_content(ctx, f"Progress: {done} tool call(s) completed."))
+    if last.get("role") in ("user", "tool") and declared:
+        for i, (name, args) in enumerate(plan[done:]):
+            if name in declared:
+                start = _tool_delta(index=0, id=f"call_agent_{done + i}", name=name, args="", typed=True)
+                return Reply([start, *(_tool_delta(index=0, args=f) for f in ctx.split(args))], "tool_calls")
+    if last.get("role") == "tool":
+        return Reply(_content(ctx, "Done. The tool said: " + _text_of(last.get("content"))[:300]))
+    return Reply(_content(ctx, "You said: " + (users[-1] if users else "")[-300:]))
+
+
 def _large(ctx: Ctx) -> Reply:
     size = max(0, ctx.opts.size)
     return Reply(_content(ctx, (GREETING * (size // len(GREETING) + 1))[:size]))
@@ -278,6 +346,7 @@ SCENARIOS: dict[str, Callable[[Ctx], Reply]] = {
     "drop": lambda c: Reply(_content(c, TEXT), None, [{"_op": "drop"}]),
     "slow_first_byte": lambda c: Reply(_content(c, TEXT)),
     "large": _large,
+    "agent": _agent,
 }
 
 # name -> (default status, error type, error code, message)
