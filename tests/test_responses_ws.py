@@ -71,6 +71,8 @@ def test_codex_apply_patch_session_frame_sequence(gateway: Gateway, simulator: S
     assert prewarm["generate"] is False and create["previous_response_id"] and tool_output["previous_response_id"]
     simulator.clear()
     with open_ws(gateway) as ws:
+        # permessage-deflate is negotiated (Codex asks for it; so does this client)
+        assert [ext.name for ext in ws.protocol.extensions] == ["permessage-deflate"]
         warm = exchange(ws, prewarm)
         assert [e["type"] for e in warm] == ["response.created", "response.in_progress", "response.completed"]
         assert [e["sequence_number"] for e in warm] == [0, 1, 2]
