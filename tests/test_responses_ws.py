@@ -212,3 +212,17 @@ def test_client_gone_mid_answer_is_one_cancelled_record(server_loop: Any, simula
         assert json.loads(ws.recv(timeout=20))["type"] == "response.created"  # committed by a keepalive
     rows = audit_rows(gw, 1)
     assert [(r["outcome"], r["error_code"]) for r in rows] == [("cancelled", "client_disconnected")]
+
+
+def test_previous_response_from_the_store(gateway: Gateway, simulator: Simulator) -> None:
+    """A response stored over HTTP (``store: true``) continues on a WebSocket."""
+    import httpx
+
+    stored = httpx.post(gateway.base_url + "/responses", json={"model": "echo", "input": "first question", "store": True})
+    assert stored.status_code == 200
+    simulator.clear()
+    with open_ws(gateway) as ws:
+        events = exchange(ws, {"type": "response.create", "model": "echo", "input": "second", "previous_response_id": stored.json()["id"]})
+    assert events[-1]["type"] == "response.completed"
+    [sent] = upstream_bodies(simulator)
+    assert [m["content"] for m in sent["messages"]] == ["first question", "You said: first question", "second"]
