@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from gateway.protocols.envelope import PREFIX

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 from pydantic import (
     BaseModel,
     ConfigDict,
