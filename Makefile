@@ -1,6 +1,8 @@
 # Two commands for a new user: `make run` and `make test`.
 PYTHON ?= python3
 VENV   ?= .venv
+HOST   ?= 127.0.0.1
+PORT   ?= 8080
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
@@ -16,9 +18,9 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
-## Run the gateway on 127.0.0.1:8080 in front of the built-in upstream simulator, data in ./data
+## Run the gateway on 127.0.0.1:8080 (make run PORT=9000) in front of the built-in upstream simulator, data in ./data
 run: $(STAMP)
-	$(BIN)/codebuddy2api serve --host 127.0.0.1 --port 8080 --data-dir ./data
+	$(BIN)/codebuddy2api serve --simulator --host $(HOST) --port $(PORT) --data-dir ./data
 
 ## Install and run the whole test suite
 test: $(STAMP)
@@ -26,6 +28,13 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) data .pytest_cache
+
+.PHONY: test-clients
+
+## docs/clients.md's LangChain and Node recipes: installs those libraries into ~/.cache/codebuddy2api/clients, runs tests/test_clients.py
+test-clients: $(STAMP)
+	PYTHON=$(PYTHON) bash .ci/clients.sh
+	CODEBUDDY2API_REQUIRE_CLIENTS=1 $(BIN)/python -m pytest -q tests/test_clients.py
 
 .PHONY: bench bench-peer
 

@@ -1,0 +1,8 @@
+"""codebuddy2api: an LLM streaming gateway."""
+
+from importlib.metadata import PackageNotFoundError, version as _version
+
+try:
+    __version__ = _version("codebuddy2api")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0.0.0+unknown"

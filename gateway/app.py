@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from importlib import resources
 from pathlib import Path
 
 import structlog
@@ -13,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.protocols.base import ProtocolRoom
 from gateway.protocols.chat import ChatRoom
@@ -27,7 +29,7 @@ from gateway.body_limit import BodyLimit
 from gateway.errors import GatewayError
 from gateway.redact import SECRETS, RedactingSend
 from gateway.observability.observer import Observability, metrics_endpoint
-from gateway.models_api import keyed, list_models
+from gateway.models_api import keyed, list_models, retrieve_model, route_error_handlers
 from gateway.protocols.openai_shapes import error_json as openai_error
 from gateway.protocols.messages import error_json as anthropic_error
 from gateway.relay import GenerationService
@@ -49,8 +51,21 @@ from gateway.capture import CaptureWriter
 
 log = structlog.get_logger("gateway")
 
-#: The WebUI's static files (plain HTML/CSS/JS, no build step), beside the package.
-WEBUI_DIR = Path(__file__).resolve().parent.parent / "webui"
+#: The response header naming a built-in simulator upstream (clients can tell fiction apart).
+UPSTREAM_HEADER = "x-codebuddy2api-upstream"
+
+
+def _webui_dir() -> Path:
+    """The WebUI's static files (plain HTML/CSS/JS, no build step): inside the installed
+    package (``gateway/webui``, copied there by the wheel build, see setup.py), else the
+    source tree's ``webui/`` beside the package (checkouts and editable installs)."""
+    packaged = Path(str(resources.files("gateway"))) / "webui"
+    if (packaged / "index.html").is_file():
+        return packaged
+    return Path(__file__).resolve().parent.parent / "webui"
+
+
+WEBUI_DIR = _webui_dir()
 
 
 def webui_routes() -> list[BaseRoute]:
@@ -62,6 +77,31 @@ def webui_routes() -> list[BaseRoute]:
         return RedirectResponse("/ui/", status_code=307)
 
     return [Route("/", home, methods=["GET"]), Mount("/ui", app=StaticFiles(directory=WEBUI_DIR, html=True))]
+
+
+def uses_simulator(settings: Settings, added_credentials: int = 0) -> bool:
+    """``--simulator``, or nothing else configured: no flag, no ``--config``, no credential
+    added through the admin API (the CLI allows that on loopback only)."""
+    return settings.simulator or (not settings.upstream_url and not settings.config and not added_credentials)
+
+
+class SimulatorHeader:
+    """Marks every response ``x-codebuddy2api-upstream: simulator`` while the built-in
+    simulator is the upstream, so no client mistakes its answers for a model's."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_marked(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (UPSTREAM_HEADER.encode(), b"simulator")]}
+            await send(message)
+
+        await self.app(scope, receive, send_marked)
 
 
 def error_for_path(path: str, err: GatewayError) -> Response:
@@ -91,8 +131,8 @@ def settings_secrets(settings: Settings) -> list[str]:
 def create_app(
     settings: Settings | None = None, sources: dict[str, Source] | None = None, admin_login_token: str | None = None
 ) -> Starlette:
-    """Build the gateway. With no upstream URL configured, it starts the built-in
-    simulator on a free loopback port and sends upstream traffic there. Without an
+    """Build the gateway. With ``--simulator`` (or no upstream configured), it starts the
+    built-in simulator on a free loopback port and sends upstream traffic there. Without an
     ``--admin-token``, the admin token is ``admin_login_token`` (the CLI's, shared by its
     workers) or one generated here; ``app.state.admin_login_url`` is its login URL."""
     if settings is None:
@@ -107,6 +147,7 @@ def create_app(
     credential_state = CredentialState(db)
     # several processes on one store (PostgreSQL replicas, --workers): shared cap and health
     replication = Replication(db, settings.replica_id, lambda: relay.in_flight) if db.shared or settings.workers > 1 else None
+    simulated = uses_simulator(settings, len(credential_state.added_credentials()))
     access = AdminAccess.from_settings(settings.admin_token, admin_login_token)
     owner = f"app-{id(live)}"  # this app's share of the process-wide secret set
     SECRETS.set(owner + ":admin", [access.token, access.signing_key.hex()])
@@ -120,11 +161,11 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         simulator = None
         simulator_url = None
-        if not settings.upstream_url and not settings.config:
+        if simulated:
             from gateway.upstream.simulator import create_simulator_app
 
             sock = bind_loopback()
-            simulator = await start_embedded(create_simulator_app(), sock)
+            simulator = await start_embedded(create_simulator_app(), sock, label="simulator")
             simulator_url = app.state.simulator_url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
         relay.pool = build_pool(settings, credential_state, simulator_url)
         relay.pool.on_change = track_pool
@@ -133,6 +174,12 @@ def create_app(
         await state_writer.start()
         prober = CredentialProber(lambda: relay.pool, upstream, settings.credential_probe_interval)
         await prober.start()
+        if getattr(app.state, "print_banner", False):
+            from gateway.banner import print_banner, startup_facts
+
+            upstreams = [c.upstream for c in relay.pool.credentials]
+            login_url = getattr(app.state, "admin_login_url", None)
+            print_banner(startup_facts(live.current, upstreams, simulator_url, bool(webui), login_url, live.sources))
         if replication is not None:
             await replication.start(relay.pool)
             relay.capacity = replication.capacity
@@ -181,6 +228,7 @@ def create_app(
 
     response_store = ResponseStore(db, observability.durable)  # spills like the audit
     responses_room = ResponsesRoom(response_store)
+    webui = webui_routes()
     routes = [
         Route("/v1/chat/completions", generation(ChatRoom()), methods=["POST"]),
         Route("/v1/responses", generation(responses_room), methods=["POST"]),
@@ -190,19 +238,22 @@ def create_app(
         Route("/v1/messages", generation(MessagesRoom()), methods=["POST"]),
         Route("/v1/messages/count_tokens", keyed(count_tokens_endpoint, anthropic_error), methods=["POST"]),
         Route("/v1/models", keyed(list_models, openai_error), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", keyed(retrieve_model, openai_error), methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         *auth_routes(),
         admin_mount(),
-        *webui_routes(),
+        *webui,
     ]
     middleware = [  # outermost first; all inside Starlette's error middleware
         Middleware(RedactingSend),
         Middleware(AdminSurface, public_urls=settings.public_url, bind_host=settings.host),
         Middleware(BodyLimit, limit=settings.max_body_bytes, render=error_for_path),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
+    if simulated:
+        middleware.insert(0, Middleware(SimulatorHeader))
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware, exception_handlers=route_error_handlers())
     app.state.admin_access = access
     app.state.admin_login_url = access.login_url(login_base_url(settings.host, settings.port, settings.public_url))
     app.state.live = live

@@ -1,4 +1,4 @@
-"""``codebuddy2api serve|simulate``: flags -> settings -> a running server.
+"""``codebuddy2api serve|simulate|doctor``: flags -> settings -> a running server.
 
 Every ``serve`` flag is also an environment variable (``--stream-mode`` ->
 ``CODEBUDDY2API_STREAM_MODE``); a flag wins over the environment. An invalid value exits
@@ -12,11 +12,12 @@ import json
 import os
 import shutil
 import sys
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, NoReturn
 
 from gateway.admin.auth import AdminAccess, is_loopback, login_base_url
-from gateway.settings import CLI_FIELDS, Settings, SettingsError, StreamMode, load_settings
+from gateway.settings import CLI_FIELDS, ENV_PREFIX, Settings, SettingsError, StreamMode, load_settings
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -24,11 +25,29 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _help(name: str, text: str) -> str:
+    """A serve flag's help: what it does, its default and its environment variable."""
+    field = Settings.model_fields[name]
+    default = field.get_default(call_default_factory=True)
+    if isinstance(default, StrEnum):
+        default = default.value
+    shown = "none" if default in (None, [], {}) else str(default)
+    return f"{text} [default: {shown}; env {ENV_PREFIX}{name.upper()}]".replace("%", "%%")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from gateway import __version__
+
     parser = _OneLineParser(prog="codebuddy2api", description="LLM streaming gateway")
+    parser.add_argument("--version", action="version", version=f"codebuddy2api {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
-    serve = commands.add_parser("serve", help="run the gateway")
-    for name, help_text in CLI_FIELDS.items():
+    serve = commands.add_parser(
+        "serve", help="run the gateway",
+        description="Run the gateway. Every flag is also an environment variable (shown with its default); "
+        "a flag wins over the environment, which wins over .env and saved settings.",
+    )
+    for name, text in CLI_FIELDS.items():
+        help_text = _help(name, text)
         flag = "--" + name.replace("_", "-")
         if name == "stream_mode":
             serve.add_argument(flag, dest=name, choices=[m.value for m in StreamMode], help=help_text)
@@ -38,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
             serve.add_argument(flag, dest=name, choices=["debug", "info", "warning", "error"], help=help_text)
         elif name in ("upstream_url", "api_key", "public_url"):
             serve.add_argument(flag, dest=name, action="append", default=None, help=help_text)
-        elif name == "allow_open":
+        elif name in ("allow_open", "simulator"):
             serve.add_argument(flag, dest=name, action="store_true", default=None, help=help_text)
         elif name == "audit_bodies":
             serve.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
@@ -59,8 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--data-dir", default=None, help="the gateway's data directory")
         sub.add_argument("--database-url", default=None, help="the PostgreSQL URL the gateways share (instead of --data-dir)")
     simulate = commands.add_parser("simulate", help="run the built-in upstream simulator")
-    simulate.add_argument("--host", default="127.0.0.1")
-    simulate.add_argument("--port", type=int, default=9090)
+    simulate.add_argument("--host", default="127.0.0.1", help="address to bind [default: %(default)s]")
+    simulate.add_argument("--port", type=int, default=9090, help="port to bind [default: %(default)s]")
+    doctor = commands.add_parser(
+        "doctor", help="probe an upstream the way the gateway will use it and report its quirks",
+    )
+    doctor.add_argument("url", help="the upstream's base URL, e.g. http://127.0.0.1:8000/v1")
+    doctor.add_argument("--api-key", default=None, help="upstream API key [env CODEBUDDY2API_UPSTREAM_API_KEY]")
+    doctor.add_argument("--model", default=None, help="model to probe [default: the first the upstream lists]")
+    doctor.add_argument("--timeout", type=float, default=60.0, help="seconds per probe [default: %(default)s]")
+    doctor.add_argument("--tool-choice", choices=["auto", "required"], default="auto",
+                        help="tool_choice of the tool-call probe (small models may need required) [default: %(default)s]")
+    doctor.add_argument("--json", action="store_true", help="print the findings as JSON")
     return parser
 
 
@@ -73,22 +102,88 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "simulate":
         from gateway.upstream.simulator import run_simulator
 
-        run_simulator(args.host, args.port)
-        return 0
+        return _run_or_refuse(lambda: run_simulator(args.host, args.port, announce=True), args.host, args.port)
+    if args.command == "doctor":
+        from gateway.doctor import doctor_command
+
+        return doctor_command(args)
     cli_values = {name: getattr(args, name) for name in CLI_FIELDS}
     try:
         settings, sources = load_settings(cli_values)
+        check_startup(settings)
     except SettingsError as exc:
         print(f"codebuddy2api: error: {exc}", file=sys.stderr)
         return 2
-    if not settings.api_key and not settings.allow_open and not is_loopback(settings.host):
-        print(
-            f"codebuddy2api: error: --host {settings.host} is not a loopback address and no client "
-            "--api-key is configured; add --api-key KEY or --allow-open",
-            file=sys.stderr,
+    return _run_or_refuse(lambda: serve(settings, sources, cli_values), settings.host, settings.port)
+
+
+def check_startup(settings: Settings) -> None:
+    """Refuse, with one line, a start-up that would serve the wrong thing: an open
+    non-loopback bind, keys for no upstream, or the simulator answering in production."""
+    from gateway.upstream.config import load_config_file
+
+    loopback = is_loopback(settings.host)
+    if not settings.api_key and not settings.allow_open and not loopback:
+        raise SettingsError(
+            f"--host {settings.host} is not a loopback address and no client "
+            "--api-key is configured; add --api-key KEY or --allow-open"
         )
-        return 2
-    return serve(settings, sources, cli_values)
+    config_upstreams = len(load_config_file(settings.config).upstreams) if settings.config else 0
+    if settings.config and not config_upstreams:
+        raise SettingsError(f"--config {settings.config}: no [[upstreams]] table (see docs/configuration.md)")
+    configured = bool(settings.upstream_url) or config_upstreams > 0
+    if settings.simulator and configured:
+        raise SettingsError("--simulator and --upstream-url/--config exclude each other; pick one")
+    if (settings.upstream_api_key or settings.upstream_api_key_file) and not settings.upstream_url:
+        raise SettingsError(
+            "--upstream-api-key/--upstream-api-key-file given without --upstream-url "
+            "(keys of a --config upstream go in its [[upstreams]] table)"
+        )
+    if not configured and not settings.simulator and not loopback and not _added_credentials(settings):
+        raise SettingsError(
+            f"no upstream configured and --host {settings.host} is not loopback: add --upstream-url URL "
+            "(or --config FILE); --simulator serves scripted answers, for demos only"
+        )
+
+
+def _added_credentials(settings: Settings) -> int:
+    """How many upstream credentials were added through the admin API (kept in the store);
+    0 when there is no store yet or it cannot be read (serving reports that itself)."""
+    from gateway.store.credentials import CredentialState
+    from gateway.store.db import SQLITE_FILENAME, open_database
+
+    if settings.database_url is None and not (settings.data_dir / SQLITE_FILENAME).exists():
+        return 0
+    try:
+        db = open_database(settings.database_url, settings.data_dir)
+    except Exception:  # noqa: BLE001  (an unreachable server or a bad file: not this check's to report)
+        return 0
+    try:
+        return len(CredentialState(db).added_credentials())
+    finally:
+        db.close()
+
+
+def _run_or_refuse(run: Any, host: str, port: int) -> int:
+    """Run a server after checking its address is free: "address in use" is one line
+    and exit status 2, not a page of uvicorn log lines."""
+    import errno
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                reason = "the address is already in use (another gateway running? pick another --port)"
+            else:
+                reason = exc.strerror or str(exc)
+            print(f"codebuddy2api: error: cannot listen on {host}:{port}: {reason}", file=sys.stderr)
+            return 2
+    status = run()
+    return status if isinstance(status, int) else 0
 
 
 def saved_settings_command(args: argparse.Namespace) -> int:
@@ -182,18 +277,18 @@ def serve(settings: Settings, sources: dict, cli_values: dict[str, Any] | None =
     try:
         if settings.workers > 1:
             prepare_workers(settings, cli_values or {}, access)
-            announce_admin_login(settings, access)
+            _banner_before_workers(settings, sources, admin_login_url(settings, access))
             uvicorn.run(WORKER_APP, factory=True, workers=settings.workers, **common)
             return 0
         from gateway.app import create_app
 
         app = create_app(settings, sources, admin_login_token=access.token if access.generated else None)
+        app.state.print_banner = True  # printed by the lifespan once the upstreams are known
     except (OSError, sqlite3.Error) as exc:  # the store or the spill journal cannot be opened
         where = settings.spill_dir if isinstance(exc, OSError) and settings.spill_dir else settings.data_dir
         print(f"codebuddy2api: error: cannot open the gateway's state in {where}: "
               f"{getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
         return 2
-    announce_admin_login(settings, access)
     uvicorn.run(app, **common)
     return 0
 
@@ -202,13 +297,36 @@ def serve(settings: Settings, sources: dict, cli_values: dict[str, Any] | None =
 SHUTDOWN_GRACE = 5.0
 
 
-def announce_admin_login(settings: Settings, access: AdminAccess) -> None:
-    """The generated admin token's login URL, once, on stderr: printed, not logged (the log
-    pipeline masks every secret, this one included)."""
-    url = access.login_url(login_base_url(settings.host, settings.port, settings.public_url))
-    if url is not None:
-        print(f"codebuddy2api: admin console (token for this run only; no --admin-token set): {url}",
-              file=sys.stderr, flush=True)
+def admin_login_url(settings: Settings, access: AdminAccess) -> str | None:
+    """The generated admin token's login URL (None with a configured ``--admin-token``):
+    the banner prints it once, on stderr; it is never logged (the log pipeline masks every
+    secret, this one included)."""
+    return access.login_url(login_base_url(settings.host, settings.port, settings.public_url))
+
+
+def _banner_before_workers(settings: Settings, sources: dict, login_url: str | None) -> None:  # type: ignore[type-arg]
+    """With ``--workers N`` the parent says it once (each worker builds its own app),
+    with the saved values the workers will apply."""
+    from gateway.app import WEBUI_DIR, uses_simulator
+    from gateway.banner import print_banner, startup_facts
+    from gateway.settings import LiveSettings
+    from gateway.store.credentials import CredentialState
+    from gateway.store.db import open_database
+    from gateway.store.saved_settings import SavedSettings
+    from gateway.upstream.config import build_pool
+
+    db = open_database(settings.database_url, settings.data_dir)
+    saved = SavedSettings(db)
+    try:
+        live = LiveSettings(settings, sources, saved)
+        current, current_sources = live.current, live.sources
+        state = CredentialState(db)
+        simulator = "http://127.0.0.1/v1 (one per worker)" if uses_simulator(settings, len(state.added_credentials())) else None
+        upstreams = [c.upstream for c in build_pool(settings, state, simulator).credentials]
+    finally:
+        saved.close()
+        db.close()
+    print_banner(startup_facts(current, upstreams, simulator, (WEBUI_DIR / "index.html").is_file(), login_url, current_sources))
 
 
 #: The environment variable carrying the resolved CLI values to worker processes (JSON).

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import logging
 import signal
 import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import structlog
 import uvicorn
 from starlette.types import ASGIApp
 
@@ -24,6 +27,20 @@ class EmbeddedServer(uvicorn.Server):
         pass
 
 
+class _QuietEmbeddedLifecycle(logging.Filter):
+    """Drop an embedded server's own uvicorn start/stop lines (below WARNING): they would
+    repeat the main server's "Started server process" and "Uvicorn running on" lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or "component" not in structlog.contextvars.get_contextvars()
+
+
+def _quiet_embedded_lifecycle() -> None:
+    error_logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _QuietEmbeddedLifecycle) for f in error_logger.filters):
+        error_logger.addFilter(_QuietEmbeddedLifecycle())
+
+
 def bind_loopback(port: int = 0, host: str = "127.0.0.1") -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -32,13 +49,23 @@ def bind_loopback(port: int = 0, host: str = "127.0.0.1") -> socket.socket:
     return sock
 
 
-async def start_embedded(app: ASGIApp, sock: socket.socket, **config: object) -> tuple[EmbeddedServer, asyncio.Task[None]]:
-    """Serve ``app`` on an already-bound socket; returns once it accepts connections."""
+async def start_embedded(
+    app: ASGIApp, sock: socket.socket, label: str | None = None, **config: object
+) -> tuple[EmbeddedServer, asyncio.Task[None]]:
+    """Serve ``app`` on an already-bound socket; returns once it accepts connections.
+
+    ``label`` tags every log line the server writes (``component=simulator``) and drops
+    its start/stop lines, so an embedded server's uvicorn lines never pass for the
+    gateway's own."""
     # log_config/log_level None and access_log on: uvicorn then leaves the process's
     # logging alone (access_log=False would detach "uvicorn.access" process-wide)
     settings: dict[str, object] = {"log_config": None, "log_level": None, "access_log": True, "lifespan": "on"}
     server = EmbeddedServer(uvicorn.Config(app, **(settings | config)))  # type: ignore[arg-type]
-    task = asyncio.create_task(server.serve(sockets=[sock]))
+    context = contextvars.copy_context()
+    if label:
+        context.run(structlog.contextvars.bind_contextvars, component=label)
+        _quiet_embedded_lifecycle()
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), context=context)
     while not server.started:
         if task.done():
             task.result()  # re-raise a start-up failure

@@ -45,8 +45,9 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     upstream_url: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Upstream base URLs ending in /v1; none = the built-in simulator"
+        default_factory=list, description="Upstream base URLs ending in /v1"
     )
+    simulator: bool = Field(False, description="serve the built-in upstream simulator (demo, tests)")
     upstream_api_key: SecretStr | None = Field(
         None, description="Upstream key(s); several comma-separated keys = several credentials"
     )
@@ -115,6 +116,14 @@ class Settings(BaseSettings):
                 raise ValueError(f"{url!r} is not an http(s) URL with a host name")
         return urls
 
+    @field_validator("upstream_url")
+    @classmethod
+    def _upstream_urls(cls, value: list[str]) -> list[str]:
+        """Every URL checked at start-up, not at the first request."""
+        for url in value:
+            check_base_url(url)
+        return value
+
     @field_validator("database_url")
     @classmethod
     def _database_scheme(cls, value: SecretStr | None) -> SecretStr | None:
@@ -139,11 +148,37 @@ class Settings(BaseSettings):
         return value
 
 
+def check_base_url(url: str) -> str:
+    """Raise ValueError unless ``url`` is an http(s) URL with a host (the path is free)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises on a bad port)
+    except ValueError as exc:
+        raise ValueError(f"{url!r} is not a URL: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} is not an http:// or https:// URL with a host, e.g. http://my-vllm:8000/v1")
+    return url
+
+
+def base_url_hint(url: str) -> str | None:
+    """A warning for a base URL whose path does not end in /v1 (most OpenAI-compatible
+    servers serve /v1/chat/completions; some providers really use another path)."""
+    from urllib.parse import urlsplit
+
+    path = urlsplit(url).path.rstrip("/")
+    if path.endswith("/v1"):
+        return None
+    return f"{url} does not end in /v1: requests go to {url.rstrip('/')}/chat/completions (is that right?)"
+
+
 #: Settings that may be given on the command line of ``serve`` (name -> help text).
 CLI_FIELDS: dict[str, str] = {
     "host": "address to bind",
     "port": "port to bind",
-    "upstream_url": "upstream base URL ending in /v1 (repeatable; default: the built-in simulator)",
+    "upstream_url": "upstream base URL ending in /v1 (repeatable)",
+    "simulator": "serve the built-in upstream simulator instead of a real upstream (demo, tests)",
     "upstream_api_key": "API key(s) sent to the upstream as a Bearer token (comma-separated = several credentials)",
     "upstream_api_key_file": "file with upstream API keys, one per line",
     "config": "TOML file describing upstreams, credentials, headers and model maps",
@@ -202,7 +237,7 @@ def _describe_error(exc: ValidationError, cli_keys: set[str], saved: bool = Fals
     if isinstance(annotation, type) and issubclass(annotation, StrEnum):
         allowed = " (allowed: " + ", ".join(m.value for m in annotation) + ")"
     shown = "[redacted]" if field in ("database_url", "upstream_api_key", "admin_token", "api_key") else err.get("input")
-    return f"invalid value {shown!r} for {where}: {err['msg']}{allowed}"
+    return f"invalid value {shown!r} for {where}: {err['msg'].removeprefix('Value error, ')}{allowed}"
 
 
 def _env_keys() -> set[str]:

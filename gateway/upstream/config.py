@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
 
-from gateway.settings import Settings, SettingsError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+
+from gateway.settings import Settings, SettingsError, check_base_url
 from gateway.store.credentials import CredentialState
 from gateway.upstream.pool import Credential, Upstream, UpstreamPool
 
@@ -24,26 +27,106 @@ def _keys_from_settings(settings: Settings) -> list[str | None]:
     return list(keys) or [None]
 
 
-def _upstreams_from_toml(path: Path) -> list[Credential]:
+class UpstreamEntry(BaseModel):
+    """One ``[[upstreams]]`` table of the ``--config`` file (docs/configuration.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str | None = Field(None, description="shown in the banner, metrics and audit (default upstreamN)")
+    base_url: str = Field(description="the upstream's OpenAI-compatible base URL, ending in /v1")
+    api_key: SecretStr | None = Field(None, description="one key, sent as Authorization: Bearer")
+    api_keys: list[SecretStr] = Field(default_factory=list, description="several keys = several credentials")
+    api_key_env: list[str] = Field(default_factory=list, description="names of environment variables holding keys")
+    headers: dict[str, str] = Field(default_factory=dict, description="extra request headers for this upstream")
+    models: list[str] | None = Field(None, description="allow-list of client model names this upstream serves")
+    model_map: dict[str, str] = Field(default_factory=dict, description="client model name -> upstream model name")
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        return check_base_url(value)
+
+
+class ConfigFile(BaseModel):
+    """The whole ``--config`` TOML file: unknown keys are refused (a typo must not
+    silently disable a setting)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    upstreams: list[UpstreamEntry] = Field(default_factory=list, description="one table per upstream")
+
+
+def _key_line(text: str, loc: tuple[int | str, ...]) -> int | None:
+    """The 1-based line a validation error's location points at. tomllib keeps no
+    positions, so scan: the ``loc[1]``-th ``[[upstreams]]`` header, then the key in it."""
+    lines = text.splitlines()
+    if not loc:
+        return None
+    table, rest = loc[0], loc[1:]
+    if table != "upstreams" or not rest or not isinstance(rest[0], int):
+        pattern = re.compile(rf"^\s*(\[\[?\s*)?{re.escape(str(table))}\b")
+        return next((n for n, line in enumerate(lines, 1) if pattern.match(line)), None)
+    headers = [n for n, line in enumerate(lines, 1) if re.match(r"^\s*\[\[\s*upstreams\s*\]\]", line)]
+    if rest[0] >= len(headers):
+        return next((n for n, line in enumerate(lines, 1) if re.match(r"^\s*upstreams\s*=", line)), None)
+    start = headers[rest[0]]
+    if len(rest) < 2:
+        return start
+    key = re.compile(rf"^\s*[\"']?{re.escape(str(rest[1]))}[\"']?\s*[=.]")
+    for n in range(start + 1, len(lines) + 1):
+        line = lines[n - 1]
+        if re.match(r"^\s*\[", line) and not re.match(rf"^\s*\[\s*upstreams\.{re.escape(str(rest[1]))}", line):
+            break
+        if key.match(line):
+            return n
+    return start
+
+
+def _error_line(path: Path, text: str, exc: ValidationError) -> str:
+    """The first validation error as one line: file:line: key: what is wrong."""
+    err = exc.errors()[0]
+    loc = tuple(err["loc"])
+    key = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".") or "(file)"
+    line = _key_line(text, loc)
+    where = f"{path}:{line}" if line else str(path)
+    message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        parent = ConfigFile if len(loc) == 1 else UpstreamEntry
+        message = "unknown key (allowed: " + ", ".join(parent.model_fields) + ")"
+    return f"--config {where}: {key}: {message}"
+
+
+def load_config_file(path: Path) -> ConfigFile:
+    """Read and validate ``--config``; raises SettingsError with one line naming the
+    file, the key and its line."""
     try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise SettingsError(f"cannot read --config {path}: {exc}") from None
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SettingsError(f"--config {path}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"--config {path}: not valid TOML: {exc}") from None
+    try:
+        return ConfigFile.model_validate(data)
+    except ValidationError as exc:
+        raise SettingsError(_error_line(path, text, exc)) from None
+
+
+def _upstreams_from_toml(path: Path) -> list[Credential]:
     credentials: list[Credential] = []
-    for i, entry in enumerate(data.get("upstreams") or []):
-        if not isinstance(entry, dict) or not isinstance(entry.get("base_url"), str):
-            raise SettingsError(f"--config {path}: upstreams[{i}] needs a base_url")
+    for i, entry in enumerate(load_config_file(path).upstreams):
         upstream = Upstream(
-            name=str(entry.get("name") or f"upstream{i}"),
-            base_url=entry["base_url"],
-            headers={str(k): str(v) for k, v in (entry.get("headers") or {}).items()},
-            models=frozenset(entry["models"]) if entry.get("models") else None,
-            model_map={str(k): str(v) for k, v in (entry.get("model_map") or {}).items()},
+            name=entry.name or f"upstream{i}",
+            base_url=entry.base_url,
+            headers=dict(entry.headers),
+            models=frozenset(entry.models) if entry.models else None,
+            model_map=dict(entry.model_map),
         )
-        keys: list[Any] = list(entry.get("api_keys") or [])
-        if entry.get("api_key"):
-            keys.append(entry["api_key"])
-        for env_name in entry.get("api_key_env") or []:
+        keys: list[Any] = [k.get_secret_value() for k in entry.api_keys]
+        if entry.api_key:
+            keys.append(entry.api_key.get_secret_value())
+        for env_name in entry.api_key_env:
             if os.environ.get(env_name):
                 keys.append(os.environ[env_name])
         for key in keys or [None]:

@@ -352,8 +352,13 @@ async def serve_simulator(host: str, port: int) -> None:
     await make_simulator_server(host, port).serve()
 
 
-def run_simulator(host: str = "127.0.0.1", port: int = 8001) -> None:
-    """Blocking entry point for scripts and benchmarks."""
+def run_simulator(host: str = "127.0.0.1", port: int = 8001, announce: bool = False) -> None:
+    """Blocking entry point for scripts and benchmarks; ``announce`` says where it listens."""
+    if announce:
+        import sys
+
+        print(f"codebuddy2api simulator listening on http://{host}:{port}/v1 (scripted answers; "
+              f"the model name picks a scenario, e.g. text, tool, reasoning)", file=sys.stderr, flush=True)
     asyncio.run(serve_simulator(host, port))
 
 

@@ -1,0 +1,167 @@
+"""The start-up banner: what this gateway is about to serve, said once, whatever the log
+level — plain text on a terminal, one structured ``startup`` event otherwise.
+
+:func:`startup_facts` is pure (settings and upstreams in, a JSON-able dict out), so tests
+check the contents without starting a server; :func:`print_banner` only renders it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from datetime import datetime, timezone
+from typing import Any, TextIO
+from urllib.parse import urlsplit
+
+import orjson
+
+from gateway import __version__
+from gateway.admin.auth import is_loopback
+from gateway.settings import Settings, base_url_hint
+from gateway.upstream.pool import Upstream
+
+SIMULATOR = "SIMULATOR"
+
+
+def listen_url(settings: Settings) -> str:
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    return f"http://{host}:{settings.port}"
+
+
+def _store(settings: Settings) -> str:
+    if settings.database_url is None:
+        from gateway.store.db import SQLITE_FILENAME
+
+        return f"SQLite {settings.data_dir / SQLITE_FILENAME}"
+    parts = urlsplit(settings.database_url.get_secret_value())
+    if parts.scheme.startswith("sqlite"):
+        return f"SQLite {parts.path}"
+    # user, password and query stay out: only where the data lives
+    return f"PostgreSQL {parts.hostname or 'localhost'}:{parts.port or 5432}{parts.path}"
+
+
+def _client_auth(settings: Settings) -> str:
+    if settings.api_key:
+        return f"{len(settings.api_key)} client key(s) required"
+    if settings.allow_open:
+        return "OPEN: no client key, any address (--allow-open)"
+    return "no client key (loopback bind only)"
+
+
+def _admin_auth(settings: Settings, admin_login_url: str | None) -> str:
+    if settings.admin_token is not None:
+        return "admin token required"
+    if admin_login_url:  # the URL itself is a fact of its own, said once
+        return "token generated for this run (no --admin-token): open the WebUI login URL"
+    return "admin token generated for this run (no --admin-token)"
+
+
+def _upstream_facts(upstream: Upstream) -> dict[str, Any]:
+    parts = urlsplit(upstream.base_url)
+    return {
+        "name": upstream.name,
+        "host": parts.netloc.rsplit("@", 1)[-1],  # never userinfo
+        "base_url_path": parts.path or "/",
+        "model_map": dict(upstream.model_map),
+        "models": sorted(upstream.models) if upstream.models is not None else None,
+    }
+
+
+def startup_facts(
+    settings: Settings,
+    upstreams: Iterable[Upstream],
+    simulator_url: str | None,
+    webui: bool,
+    admin_login_url: str | None = None,
+    sources: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Everything the banner says, as data (no secret: keys are counted, URLs lose their
+    userinfo). ``settings`` are the ones in force (saved values applied); ``sources`` says
+    where the stream mode came from."""
+    unique = list({u.name: u for u in upstreams}.values())
+    url = listen_url(settings)
+    public = getattr(settings, "public_url", None)  # --public-url (one, or a list: the first is shown)
+    if isinstance(public, (list, tuple)):
+        public = public[0] if public else None
+    base = str(public).rstrip("/") if public else url
+    hints = [h for h in (base_url_hint(u.base_url) for u in unique if u.name != "simulator") if h]
+    if simulator_url is not None:
+        hints.append("answers come from the built-in SIMULATOR, not a model: pass --upstream-url for real answers")
+    return {
+        "version": __version__,
+        "listen_url": url,
+        "public_url": str(public) if public else None,
+        "webui_url": f"{base}/ui/" if webui else None,
+        "admin_login_url": admin_login_url,
+        "stream_mode": str(settings.stream_mode),
+        "stream_mode_source": (sources or {}).get("stream_mode", "default"),
+        "upstream_stream": settings.upstream_stream,
+        "simulator": simulator_url is not None,
+        "upstreams": [] if simulator_url is not None else [_upstream_facts(u) for u in unique],
+        "store": _store(settings),
+        "client_auth": _client_auth(settings),
+        "admin_auth": _admin_auth(settings, admin_login_url),
+        "workers": settings.workers,
+        "capture_dir": str(settings.capture_dir) if settings.capture_dir else None,
+        "hints": hints,
+        "loopback": is_loopback(settings.host),
+    }
+
+
+def _webui_row(facts: dict[str, Any]) -> str:
+    if not facts["webui_url"]:
+        return "not installed"
+    if facts.get("admin_login_url"):
+        return f"{facts['admin_login_url']}  (admin console login; the token is for this run only)"
+    return facts["webui_url"]
+
+
+_SOURCE_NOTE = {"saved": ", saved in the WebUI/admin API", "env": ", from the environment", "cli": ""}
+
+
+def render_text(facts: dict[str, Any]) -> str:
+    """The terminal form: one aligned ``label  value`` line per fact."""
+    rows: list[tuple[str, str]] = [
+        ("listening", facts["listen_url"] + (f"  (public {facts['public_url']})" if facts["public_url"] else "")),
+        ("WebUI", _webui_row(facts)),
+        ("stream mode", f"{facts['stream_mode']}{_SOURCE_NOTE.get(facts['stream_mode_source'], '')} (upstream stream: {facts['upstream_stream']})"),
+    ]
+    if facts["simulator"]:
+        rows.append(("upstream", f"{SIMULATOR} (built-in, scripted answers)"))
+    for upstream in facts["upstreams"]:
+        detail = upstream["host"] + (upstream["base_url_path"] if upstream["base_url_path"] != "/" else "")
+        if upstream["model_map"]:
+            detail += "  models " + ", ".join(f"{k} -> {v}" for k, v in upstream["model_map"].items())
+        if upstream["models"]:
+            detail += "  allow " + ", ".join(upstream["models"])
+        rows.append((f"upstream {upstream['name']}", detail))
+    if not facts["simulator"] and not facts["upstreams"]:
+        rows.append(("upstream", "none configured (add one in the WebUI or with --upstream-url)"))
+    rows += [
+        ("store", facts["store"]),
+        ("clients", facts["client_auth"]),
+        ("admin", facts["admin_auth"] if facts["webui_url"] or not facts.get("admin_login_url") else f"login URL {facts['admin_login_url']}"),
+    ]
+    if facts["workers"] > 1:
+        rows.append(("workers", str(facts["workers"])))
+    if facts["capture_dir"]:
+        rows.append(("capture", facts["capture_dir"]))
+    rows += [("hint", hint) for hint in facts["hints"]]
+    width = max(len(label) for label, _ in rows)
+    lines = [f"codebuddy2api {facts['version']}"] + [f"  {label.ljust(width)}  {value}" for label, value in rows]
+    return "\n".join(lines) + "\n"
+
+
+def print_banner(facts: dict[str, Any], stream: TextIO | None = None, tty: bool | None = None) -> None:
+    """Write the banner to ``stream`` (stderr): text on a terminal, else one JSON event
+    in the log's shape. Written directly, so ``--log-level warning`` still shows it."""
+    out = stream if stream is not None else sys.stderr
+    if tty if tty is not None else out.isatty():
+        out.write(render_text(facts))
+    else:
+        event = {
+            "event": "startup", "level": "info", "logger": "gateway",
+            "timestamp": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z"), **facts,
+        }
+        out.write(orjson.dumps(event).decode() + "\n")
+    out.flush()
