@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -94,9 +95,9 @@ def test_serve_runs_on_the_builtin_simulator(tmp_path: Path) -> None:
                 pass
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()
             time.sleep(0.1)
-        # no --admin-token: one login URL on stderr, with a token generated for this run
-        [login] = [line for line in (tmp_path / "stderr").read_text().splitlines() if "admin console" in line]
-        url = login.split(": ", 2)[-1]
+        # no --admin-token: one login URL on stderr (in the start-up banner), with a token generated for this run
+        [banner] = [json.loads(line) for line in (tmp_path / "stderr").read_text().splitlines() if '"startup"' in line]
+        url = banner["admin_login_url"]
         assert url.startswith(f"http://127.0.0.1:{port}/ui/?token=")
         token = url.rsplit("=", 1)[1]
         settings_api = f"http://127.0.0.1:{port}/admin/api/settings"
@@ -122,21 +123,23 @@ def test_public_url_is_repeatable_and_comma_separated() -> None:
         load_settings({"public_url": ["gw.example.com"]})  # no scheme: not a URL
 
 
-def test_the_login_url_is_announced_only_for_a_generated_token(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_login_url_is_in_the_banner_only_for_a_generated_token() -> None:
     from pydantic import SecretStr
 
     from gateway.admin.auth import AdminAccess
-    from gateway.cli import announce_admin_login
+    from gateway.banner import render_text, startup_facts
+    from gateway.cli import admin_login_url
 
     settings, _ = load_settings({"host": "0.0.0.0", "port": 9000, "public_url": ["https://gw.example.com"]})
     generated = AdminAccess.from_settings(None)
-    announce_admin_login(settings, generated)
-    assert capsys.readouterr().err.strip().endswith(f": https://gw.example.com/ui/?token={generated.token}")
-    announce_admin_login(settings, AdminAccess.from_settings(SecretStr("configured-admin-token")))
-    assert capsys.readouterr().err == ""  # a configured token is never printed
+    url = admin_login_url(settings, generated)
+    assert url == f"https://gw.example.com/ui/?token={generated.token}"
+    facts = startup_facts(settings, [], None, webui=True, admin_login_url=url)
+    assert facts["admin_login_url"] == url and json.dumps(facts).count(generated.token) == 1  # said once
+    assert render_text(facts).count(generated.token) == 1
+    assert admin_login_url(settings, AdminAccess.from_settings(SecretStr("configured-admin-token"))) is None  # never printed
     local, _ = load_settings({"host": "0.0.0.0", "port": 9000})
-    announce_admin_login(local, generated)
-    assert f"http://127.0.0.1:9000/ui/?token={generated.token}" in capsys.readouterr().err
+    assert admin_login_url(local, generated) == f"http://127.0.0.1:9000/ui/?token={generated.token}"
 
 
 def test_open_bind_without_client_keys_is_refused() -> None:

@@ -168,8 +168,8 @@ def test_serve_with_two_workers_aggregates_metrics(tmp_path: Path) -> None:
             assert sum(v for (n, _), v in samples.items() if n == "codebuddy2api_request_duration_seconds_count") == sent
         # no --admin-token: the CLI generated one for this run, printed its login URL once,
         # and every worker accepts it (new connections: either worker may answer)
-        login = [line for line in (tmp_path / "stderr").read_text().splitlines() if "admin console" in line]
-        assert len(login) == 1, "one login URL on stderr"
+        login = [json.loads(line)["admin_login_url"] for line in (tmp_path / "stderr").read_text().splitlines() if '"startup"' in line]
+        assert len(login) == 1, "one login URL on stderr (the parent's start-up banner)"
         token = login[0].rsplit("?token=", 1)[1].strip()
         admin = {"authorization": f"Bearer {token}", "connection": "close"}
         assert httpx.get(base + "/admin/api/audit", headers={"connection": "close"}).status_code == 401

@@ -89,7 +89,7 @@ def test_banner_says_simulator_in_capitals_and_warns() -> None:
     assert facts["simulator"] is True and facts["upstreams"] == []
     assert any("SIMULATOR" in hint for hint in facts["hints"])
     assert "WebUI" in text and "not installed" in text
-    assert "no client key (loopback bind only)" in text and "loopback clients only" in text
+    assert "no client key (loopback bind only)" in text and "admin token generated for this run" in text
 
 
 def test_banner_is_one_json_event_off_a_terminal_and_text_on_one() -> None:
@@ -145,6 +145,9 @@ def test_serve_prints_the_banner_at_warning_level_and_marks_simulator_answers(tm
     assert banner["simulator"] is True and banner["listen_url"] == f"http://127.0.0.1:{port}"
     assert banner["webui_url"] == f"http://127.0.0.1:{port}/ui/" and banner["stream_mode"] == "compatible"
     assert banner["store"] == f"SQLite {tmp_path / 'codebuddy2api.sqlite3'}"
+    # no --admin-token: the one-time login URL is in the banner, and nowhere else
+    token = banner["admin_login_url"].removeprefix(f"http://127.0.0.1:{port}/ui/?token=")
+    assert token and "/" not in token and stderr.count(token) == 1
     assert [e for e in events if e.get("level") == "info" and e.get("event") != "startup"] == []
 
 
