@@ -188,7 +188,7 @@ CLI_FIELDS: dict[str, str] = {
     "max_in_flight_per_credential": "cap on concurrent requests per upstream credential (0 = none)",
     "failover_max": "how many other credentials to try before the first client byte",
     "session_header": "request header naming a conversation, for credential stickiness",
-    "admin_token": "token for the admin API and WebUI (without one: loopback clients only)",
+    "admin_token": "token for the admin API and WebUI (without one: a token generated at start-up, its login URL in the banner)",
     "upstream_stream": "always (stream from the upstream), never (ask for JSON, synthesize the stream) or auto",
     "engine_extras": 'JSON {"model glob": {extra upstream body fields}}, e.g. vLLM logprobs / return_token_ids',
     "capture_dir": "write one model-call record per generation request here (training harnesses)",
