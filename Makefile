@@ -29,12 +29,12 @@ test: $(STAMP)
 clean:
 	rm -rf $(VENV) data .pytest_cache
 
-.PHONY: test-clients
+.PHONY: test-recipes
 
-## docs/clients.md's LangChain and Node recipes: installs those libraries into ~/.cache/codebuddy2api/clients, runs tests/test_clients.py
-test-clients: $(STAMP)
-	PYTHON=$(PYTHON) bash .ci/clients.sh
-	CODEBUDDY2API_REQUIRE_CLIENTS=1 $(BIN)/python -m pytest -q tests/test_clients.py
+## docs/clients.md's LangChain and Node recipes: installs those libraries into ~/.cache/codebuddy2api/recipes, runs tests/test_recipes.py
+test-recipes: $(STAMP)
+	PYTHON=$(PYTHON) bash .ci/recipes.sh
+	CODEBUDDY2API_REQUIRE_RECIPES=1 $(BIN)/python -m pytest -q tests/test_recipes.py
 
 .PHONY: bench bench-peer
 

@@ -1,8 +1,8 @@
 """docs/clients.md's recipes, run against a gateway that requires a client key.
 
 The OpenAI and Anthropic Python SDKs come with the dev install (``make test``); LangChain
-and the Node libraries are installed outside the repository by ``.ci/clients.sh`` (``make
-test-clients``, which sets CODEBUDDY2API_REQUIRE_CLIENTS so a missing library fails
+and the Node libraries are installed outside the repository by ``.ci/recipes.sh`` (``make
+test-recipes``, which sets CODEBUDDY2API_REQUIRE_RECIPES so a missing library fails
 instead of skipping). Claude Code and Codex are configured, not run: their settings drive
 the SDK the same way the CLI would (same base URL, same auth header, same protocol).
 """
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "clients.md"
 KEY = "sk-your-client-key"
 DOC_URL = "http://127.0.0.1:8080"
-CLIENTS_DIR = Path(os.environ.get("CODEBUDDY2API_CLIENTS_DIR") or Path.home() / ".cache" / "codebuddy2api" / "clients")
+RECIPES_DIR = Path(os.environ.get("CODEBUDDY2API_RECIPES_DIR") or Path.home() / ".cache" / "codebuddy2api" / "recipes")
 RECIPE = re.compile(r"<!-- recipe: (\S+) -->\n```(\w+)\n(.*?)```", re.S)
 
 #: recipe -> the lines it must print (the simulator echoes: "You said: <text>")
@@ -52,9 +52,9 @@ def keyed(server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytes
 
 
 def missing(what: str) -> None:
-    if os.environ.get("CODEBUDDY2API_REQUIRE_CLIENTS"):
-        pytest.fail(f"{what} is not installed: run .ci/clients.sh", pytrace=False)
-    pytest.skip(f"{what} is not installed (make test-clients installs it)")
+    if os.environ.get("CODEBUDDY2API_REQUIRE_RECIPES"):
+        pytest.fail(f"{what} is not installed: run .ci/recipes.sh", pytrace=False)
+    pytest.skip(f"{what} is not installed (make test-recipes installs it)")
 
 
 def test_every_recipe_is_run() -> None:
@@ -95,7 +95,7 @@ def run_recipe(name: str, keyed: Gateway, tmp_path: Path) -> list[str]:
     code = code.replace(DOC_URL, keyed.url)
     if lang == "python":
         if name == "langchain-python":
-            python = CLIENTS_DIR / "venv" / "bin" / "python"
+            python = RECIPES_DIR / "venv" / "bin" / "python"
             if not python.exists():
                 missing("langchain-openai")
         else:  # the official SDKs of the dev install, in strict mode
@@ -104,7 +104,7 @@ def run_recipe(name: str, keyed: Gateway, tmp_path: Path) -> list[str]:
             assert "_strict_response_validation=True" in code
         command = [str(python), "-c", code]
     else:
-        modules = CLIENTS_DIR / "node" / "node_modules"
+        modules = RECIPES_DIR / "node" / "node_modules"
         if not modules.is_dir():
             missing("the Node client libraries")
         (tmp_path / "node_modules").symlink_to(modules)
