@@ -356,9 +356,10 @@ def test_simulator_header_only_when_the_simulator_answers(
 
 
 def test_make_run_passes_simulator_and_takes_a_port() -> None:
-    dry = subprocess.run(["make", "-n", "-o", ".venv/.installed", "run", "PORT=9123", "HOST=127.0.0.2"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    dry = subprocess.run(["make", "--no-print-directory", "-n", "-o", ".venv/.installed", "run", "PORT=9123", "HOST=127.0.0.2"],
+                         cwd=REPO, capture_output=True, text=True, timeout=30)  # also under `make test` (a nested make)
     assert dry.returncode == 0, dry.stderr
-    command = dry.stdout.strip().splitlines()[-1]
+    [command] = [line for line in dry.stdout.splitlines() if "codebuddy2api serve" in line]
     assert command.endswith("codebuddy2api serve --simulator --host 127.0.0.2 --port 9123 --data-dir ./data")
 
 
