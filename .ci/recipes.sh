@@ -9,11 +9,11 @@ PYTHON="${PYTHON:-python3}"
 mkdir -p "$DIR"
 if [ ! -x "$DIR/venv/bin/python" ] || ! "$DIR/venv/bin/python" -c 'import langchain_openai' 2>/dev/null; then
     "$PYTHON" -m venv "$DIR/venv"
-    "$DIR/venv/bin/pip" install -q --disable-pip-version-check "langchain-openai>=1.0"
+    "$DIR/venv/bin/pip" install -q --disable-pip-version-check "langchain-openai==1.7.4"
 fi
 if [ ! -d "$DIR/node/node_modules/@ai-sdk/openai" ]; then
     command -v npm >/dev/null || { echo "recipes.sh: npm is required (apt-get install nodejs npm)" >&2; exit 1; }
     mkdir -p "$DIR/node"
-    npm install --prefix "$DIR/node" --no-audit --no-fund --silent openai @anthropic-ai/sdk ai @ai-sdk/openai
+    npm install --prefix "$DIR/node" --no-audit --no-fund --silent openai@6.49.0 @anthropic-ai/sdk@1.14.0 ai@6.0.326 @ai-sdk/openai@3.0.141
 fi
 echo "$DIR"
