@@ -56,3 +56,9 @@ bench-peer: $(STAMP)
 test-clients: $(STAMP)
 	bash scripts/install_clients.sh
 	sh scripts/netns_run.sh env CODEBUDDY2API_CLIENTS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/clients
+
+.PHONY: bench-malformed
+
+## Hostile input: ~2,700 malformed bodies against a gateway + simulator (5xx, error shapes, upstream calls, RSS)
+bench-malformed: $(STAMP)
+	$(BIN)/python bench/malformed.py

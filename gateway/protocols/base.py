@@ -15,6 +15,7 @@ import orjson
 from pydantic import ValidationError
 
 from gateway.errors import GatewayError, invalid_request
+from gateway.protocols.fields import check_value_limits
 from gateway.stream.accumulator import ToolRules
 from gateway.stream.events import Completion, Event
 
@@ -73,7 +74,8 @@ class ProtocolRoom(Protocol):
 
 
 def load_json_object(body: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or a named 400."""
+    """The request body as a JSON object within the value limits (depth, string size,
+    finite numbers: ``fields.check_value_limits``), or a named 400."""
     if not body.strip():
         raise invalid_request("the request body is empty; expected a JSON object", code="invalid_json")
     try:
@@ -82,6 +84,7 @@ def load_json_object(body: bytes) -> dict[str, Any]:
         raise invalid_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(value, dict):
         raise invalid_request("the request body must be a JSON object", code="invalid_json")
+    check_value_limits(value)
     return value
 
 
@@ -97,8 +100,9 @@ def _is_union_tag(segment: object) -> bool:
 
 
 def validation_error(exc: ValidationError) -> GatewayError:
-    """A pydantic error as a 400 naming the first offending field."""
-    err = exc.errors()[0]
+    """A pydantic error as a 400 naming the offending field: of a union's failed branches the
+    deepest (``messages.0.content.0.text``, not "content should be a string")."""
+    err = max(exc.errors(), key=lambda e: sum(not _is_union_tag(p) for p in e["loc"]))
     param = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p)) or None
     if err["type"] == "missing":
         message = f"missing required parameter: {param!r}"

@@ -15,11 +15,37 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
 
 from gateway.errors import GatewayError, invalid_request
 from gateway.protocols.base import ParsedRequest, dumps, load_json_object, sse, validation_error
 from gateway.protocols.openai_shapes import assistant_message, error_json, usage_json
+from gateway.protocols.fields import (
+    MAX_OUTPUT_TOKENS,
+    Count,
+    Int64,
+    Name,
+    ObjectSchema,
+    OutputTokens,
+    Penalty,
+    PositiveFactor,
+    Probability,
+    Schema,
+    StopSequences,
+    Temperature,
+    TokenBias,
+    TokenId,
+    TopK,
+)
 from gateway.stream.accumulator import ToolRules
 from gateway.stream.events import (
     BlockDelta,
@@ -36,15 +62,49 @@ DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keepalive\n\n"
 
 
+class _Part(BaseModel):
+    """A content part; text parts must carry text, other kinds pass as sent."""
+
+    model_config = ConfigDict(extra="allow")
+    type: StrictStr
+    text: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _text_part(self) -> _Part:
+        if self.type == "text" and self.text is None:
+            raise ValueError("a text part needs a string 'text'")
+        return self
+
+
+class _CallFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: Name
+    arguments: StrictStr
+
+
+class _ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: _CallFunction
+
+
 class _Message(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[dict[str, Any]] | None = None
+    content: StrictStr | list[_Part] | None = None
+    name: StrictStr | None = None
+    tool_call_id: StrictStr | None = None
+    tool_calls: list[_ToolCall] | None = None
+    reasoning_content: StrictStr | None = None
 
 
 class _FunctionDef(BaseModel):
     model_config = ConfigDict(extra="allow")
-    name: StrictStr = Field(min_length=1)
+    name: Name
+    description: StrictStr | None = None
+    parameters: ObjectSchema | None = None
+    strict: StrictBool | None = None
 
 
 class _Tool(BaseModel):
@@ -58,18 +118,65 @@ class _StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class _JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: Name
+    schema_: Schema | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+    description: StrictStr | None = None
+
+
+class _ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: _JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> _ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object")
+        return self
+
+
 class _ChatBody(BaseModel):
-    """Only what the gateway must understand; everything else passes through."""
+    """What the gateway understands or forwards, typed and bounded (docs/protocols/chat.md);
+    any other key passes through to the upstream within the value limits."""
 
     model_config = ConfigDict(extra="allow")
-    model: StrictStr = Field(min_length=1)
+    model: Name
     messages: list[_Message] = Field(min_length=1)
     stream: StrictBool = False
     stream_options: _StreamOptions | None = None
-    n: StrictInt | None = Field(None, ge=1)
+    n: StrictInt | None = Field(None, ge=1, le=MAX_OUTPUT_TOKENS)
     tools: list[_Tool] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
+    # sampling and limits (OpenAI's ranges)
+    max_tokens: OutputTokens | None = None
+    max_completion_tokens: OutputTokens | None = None
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    stop: StopSequences | None = None
+    seed: Int64 | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: Count | None = None
+    logit_bias: dict[str, TokenBias] | None = None
+    response_format: _ResponseFormat | None = None
+    user: StrictStr | None = None
+    metadata: dict[str, StrictStr] | None = None
+    reasoning_effort: StrictStr | None = None
+    # vLLM / SGLang sampling extras (their types; forwarded as sent)
+    top_k: TopK | None = None
+    min_p: Probability | None = None
+    repetition_penalty: PositiveFactor | None = None
+    min_tokens: Count | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def _tool_rules(body: _ChatBody) -> ToolRules:
@@ -83,7 +190,8 @@ def _tool_rules(body: _ChatBody) -> ToolRules:
             )
         choice = body.tool_choice
     elif isinstance(body.tool_choice, dict):
-        name = (body.tool_choice.get("function") or {}).get("name")
+        function = body.tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str) or not name:
             raise invalid_request("tool_choice.function.name is required", param="tool_choice")
         if declared and name not in declared:

@@ -16,7 +16,7 @@ ignored (documented in docs/protocols/messages.md) or refused by name. The decis
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import (
@@ -24,7 +24,6 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
-    StrictFloat,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -32,6 +31,14 @@ from pydantic import (
 
 from gateway.errors import GatewayError, invalid_request
 from gateway.protocols.base import load_json_object, validation_error
+from gateway.protocols.fields import (
+    MAX_NAME_CHARS,
+    MAX_OUTPUT_TOKENS,
+    Name,
+    OutputTokens,
+    Probability,
+    check_object_schema,
+)
 from gateway.stream.accumulator import ToolRules
 
 #: Joins text blocks that become one upstream string (system, a turn's text).
@@ -62,14 +69,14 @@ class _Body(BaseModel):
     """Only what the gateway must understand; the rest is ignored or checked by hand."""
 
     model_config = ConfigDict(extra="allow")
-    model: StrictStr = Field(min_length=1)
+    model: Name
     messages: list[_Message] = Field(min_length=1)
-    max_tokens: StrictInt = Field(ge=1)
+    max_tokens: OutputTokens
     stream: StrictBool = False
     stop_sequences: list[StrictStr] | None = None
-    temperature: StrictFloat | None = None
-    top_p: StrictFloat | None = None
-    top_k: StrictInt | None = Field(None, ge=0)
+    temperature: Probability | None = None
+    top_p: Probability | None = None
+    top_k: Annotated[StrictInt, Field(ge=0, le=MAX_OUTPUT_TOKENS)] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
@@ -80,7 +87,7 @@ class _Body(BaseModel):
 class _CountBody(_Body):
     """``count_tokens`` takes the same body without ``max_tokens`` (the SDK omits it)."""
 
-    max_tokens: StrictInt | None = Field(None, ge=1)  # type: ignore[assignment]
+    max_tokens: OutputTokens | None = None  # type: ignore[assignment]
 
 
 @dataclass(slots=True)
@@ -303,15 +310,12 @@ def _tools(tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]
             dropped.append(str(tool.get("name") or kind))
             continue
         name = _str_field(tool, "name", param)
-        if not name:
-            raise _bad(f"{param}.name must not be empty", f"{param}.name", "invalid_value")
-        schema = tool.get("input_schema")
-        if not isinstance(schema, dict):
+        if not name or len(name) > MAX_NAME_CHARS:
             raise _bad(
-                f"{param}.input_schema must be a JSON schema object",
-                f"{param}.input_schema",
-                "invalid_type",
+                f"{param}.name must be 1 to {MAX_NAME_CHARS} characters", f"{param}.name", "invalid_value"
             )
+        schema = tool.get("input_schema")
+        check_object_schema(schema, f"{param}.input_schema")
         function: dict[str, Any] = {"name": name}
         description = tool.get("description")
         if description is not None:

@@ -15,10 +15,7 @@ from typing import Any
 from pydantic import (
     BaseModel,
     ConfigDict,
-    Field,
     StrictBool,
-    StrictFloat,
-    StrictInt,
     StrictStr,
     ValidationError,
 )
@@ -32,6 +29,15 @@ from gateway.protocols.responses_compaction import (
     SUMMARY_PROMPT,
     open_summary,
     summary_message,
+)
+from gateway.protocols.fields import (
+    MAX_NAME_CHARS,
+    Name,
+    OutputTokens,
+    Probability,
+    Temperature,
+    check_object_schema,
+    check_schema,
 )
 from gateway.stream.accumulator import ToolRules
 
@@ -72,7 +78,7 @@ class _ResponsesBody(BaseModel):
     """The keys the gateway must understand; the rest is accepted and ignored."""
 
     model_config = ConfigDict(extra="allow")
-    model: StrictStr = Field(min_length=1)
+    model: Name
     input: StrictStr | list[Any] | None = None
     instructions: StrictStr | None = None
     stream: StrictBool = False
@@ -80,9 +86,9 @@ class _ResponsesBody(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
-    max_output_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: StrictFloat | StrictInt | None = None
-    top_p: StrictFloat | StrictInt | None = None
+    max_output_tokens: OutputTokens | None = None
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
     include: list[StrictStr] | None = None
@@ -258,17 +264,16 @@ def _function_tool(
     tool: dict[str, Any], namespace: str | None, tool_map: ToolMap, param: str
 ) -> dict[str, Any]:
     name = tool.get("name")
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
         raise invalid_request(
-            "a function tool needs a non-empty 'name'", param=f"{param}.name", code="invalid_value"
+            f"a function tool needs a 'name' of 1 to {MAX_NAME_CHARS} characters",
+            param=f"{param}.name",
+            code="invalid_value",
         )
     parameters = tool.get("parameters")
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
-    if not isinstance(parameters, dict):
-        raise invalid_request(
-            "tool parameters must be a JSON schema object", param=f"{param}.parameters"
-        )
+    check_object_schema(parameters, f"{param}.parameters")
     function: dict[str, Any] = {
         "name": tool_map.add(name, namespace, param),
         "parameters": parameters,
@@ -304,9 +309,11 @@ def _tools(
         elif kind == "namespace":
             namespace = tool.get("name")
             inner = tool.get("tools")
-            if not isinstance(namespace, str) or not namespace:
+            if not isinstance(namespace, str) or not namespace or len(namespace) > MAX_NAME_CHARS:
                 raise invalid_request(
-                    "a namespace tool needs a 'name'", param=f"{param}.name", code="invalid_value"
+                    f"a namespace tool needs a 'name' of 1 to {MAX_NAME_CHARS} characters",
+                    param=f"{param}.name",
+                    code="invalid_value",
                 )
             if not isinstance(inner, list):
                 raise invalid_request(
@@ -405,14 +412,16 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
         return {"type": "json_object"}
     if kind == "json_schema":
         name, schema = fmt.get("name"), fmt.get("schema")
-        if not isinstance(name, str) or not name:
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
             raise invalid_request(
-                "text.format.name is required for json_schema", param="text.format.name"
+                f"text.format.name (1 to {MAX_NAME_CHARS} characters) is required for json_schema",
+                param="text.format.name",
             )
         if not isinstance(schema, dict):
             raise invalid_request(
                 "text.format.schema must be an object", param="text.format.schema"
             )
+        check_schema(schema, "text.format.schema")
         spec: dict[str, Any] = {"name": name, "schema": schema}
         if isinstance(fmt.get("strict"), bool):
             spec["strict"] = fmt["strict"]
@@ -618,7 +627,15 @@ class _Builder:
             )
         self.messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
 
-    def reasoning_item(self, item: dict[str, Any]) -> None:
+    def reasoning_item(self, item: dict[str, Any], param: str) -> None:
+        for key in ("summary", "content"):
+            parts = item.get(key)
+            if parts is not None and not (isinstance(parts, list) and all(isinstance(p, dict) for p in parts)):
+                raise invalid_request(
+                    f"a reasoning item's {key} must be a list of parts",
+                    param=f"{param}.{key}",
+                    code="invalid_type",
+                )
         text = open_reasoning(item.get("encrypted_content"))
         if text is None:
             pieces = [p.get("text") for p in (item.get("content") or []) if isinstance(p, dict)]
@@ -648,7 +665,7 @@ def _input_messages(value: str | list[Any] | None, tool_map: ToolMap) -> _Builde
         elif kind == "function_call_output":
             builder.function_call_output(item, param)
         elif kind == "reasoning":
-            builder.reasoning_item(item)
+            builder.reasoning_item(item, param)
         elif kind in client_tools.REPLAYED_CALLS:
             builder.client_tool_call(item, client_tools.REPLAYED_CALLS[kind], param)
         elif kind in client_tools.CALL_OUTPUTS:

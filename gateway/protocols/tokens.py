@@ -31,11 +31,40 @@ def _encoding() -> Any:
     return bpe_openai.get_encoding("o200k_base")
 
 
+#: Characters fed to the tokenizer at once: it refuses 1 M characters and 200 k tokens a
+#: call, and one character can be up to four byte-tokens.
+PIECE_CHARS = 40_000
+#: Characters counted exactly per string (2 Mi: ~0.15 s of CPU for prose); beyond, the rest
+#: is estimated at the counted part's rate, so no string costs seconds of counting.
+EXACT_CHARS = 2 * 1024 * 1024
+
+
+def _pieces(text: str) -> list[str]:
+    """``text`` cut into tokenizer-sized pieces, at whitespace where there is some (a cut
+    inside a word adds at most a token or two to the count)."""
+    pieces = []
+    start = 0
+    while len(text) - start > PIECE_CHARS:
+        end = start + PIECE_CHARS
+        space = text.rfind(" ", start + PIECE_CHARS // 2, end)
+        end = space if space > start else end
+        pieces.append(text[start:end])
+        start = end
+    pieces.append(text[start:])
+    return pieces
+
+
 def count_text(text: str) -> int:
-    """Tokens of one string (special-token text counted as ordinary text)."""
+    """Tokens of one string (special-token text counted as ordinary text), of any length."""
     if not text:
         return 0
-    return len(_encoding().encode_ordinary(text))
+    encoding = _encoding()
+    if len(text) <= PIECE_CHARS:
+        return len(encoding.encode_ordinary(text))
+    head = text[:EXACT_CHARS]
+    tokens = sum(len(encoding.encode_ordinary(piece)) for piece in _pieces(head))
+    rest = len(text) - len(head)
+    return tokens + (rest * tokens + len(head) - 1) // len(head) if rest else tokens
 
 
 def _content_tokens(content: Any) -> int:

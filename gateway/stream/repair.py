@@ -18,6 +18,7 @@ from typing import Any
 import json_repair
 import jsonschema
 import orjson
+from referencing.exceptions import Unresolvable
 
 from gateway.errors import ErrorCode, GatewayError
 from gateway.stream.accumulator import ChatSSEAccumulator, ToolSlot, parse_arguments
@@ -79,8 +80,8 @@ def repair_arguments(arguments: str, schema: dict[str, Any] | None) -> str | Non
     if schema:
         try:
             jsonschema.validate(value, schema)
-        except (jsonschema.ValidationError, jsonschema.SchemaError):
-            return None
+        except (jsonschema.ValidationError, jsonschema.SchemaError, Unresolvable, RecursionError):
+            return None  # a schema the client declared that cannot be applied: no safe repair
     return orjson.dumps(value).decode()
 
 
