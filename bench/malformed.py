@@ -78,8 +78,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         gateway.start()
         simulator.wait_ready()
         gateway.wait_ready()
-        sim = httpx.Client(base_url=simulator.base, timeout=30)
-        client = httpx.Client(base_url=gateway.base, timeout=120)
+        sim = httpx.Client(base_url=simulator.base, timeout=300)  # a loaded machine is slow, not wrong
+        client = httpx.Client(base_url=gateway.base, timeout=300)
         result["rss_idle_kib"] = memory_kib(gateway.pid)["rss_kib"]
         for route in ROUTES:  # warm-up: one valid request per route (loads the tokenizer)
             client.post(route, content=encode(SEEDS[route][0]), headers={"content-type": "application/json"})
