@@ -28,7 +28,6 @@ from pydantic import (
 
 from gateway.errors import GatewayError, invalid_request
 from gateway.protocols.base import ParsedRequest, dumps, load_json_object, sse, validation_error
-from gateway.protocols.openai_shapes import assistant_message, error_json, usage_json
 from gateway.protocols.fields import (
     MAX_OUTPUT_TOKENS,
     Count,
@@ -46,6 +45,7 @@ from gateway.protocols.fields import (
     TokenId,
     TopK,
 )
+from gateway.protocols.openai_shapes import assistant_message, error_json, usage_json
 from gateway.stream.accumulator import ToolRules
 from gateway.stream.events import (
     BlockDelta,
