@@ -62,3 +62,13 @@ test-clients: $(STAMP)
 ## Hostile input: ~2,700 malformed bodies against a gateway + simulator (5xx, error shapes, upstream calls, RSS)
 bench-malformed: $(STAMP)
 	$(BIN)/python bench/malformed.py
+
+.PHONY: llama-server test-real
+
+## Build llama.cpp's llama-server and fetch SmolLM2-135M into ~/.cache/codebuddy2api/llama (once; ~15+ min)
+llama-server:
+	PYTHON=$(PYTHON) bash scripts/build-llama-server.sh
+
+## Integration tests against the real llama-server (3 protocols x 2 modes); they skip without the build
+test-real: $(STAMP)
+	$(BIN)/python -m pytest -q -m real tests/test_real_llama.py

@@ -35,11 +35,13 @@ from gateway.errors import GatewayError
 from gateway.outcome import internal_error
 from gateway.policy import StreamPolicy
 from gateway.protocols.base import ParsedRequest, ProtocolRoom, StreamEncoder
+from gateway.protocols.tokens import usage_estimator
 from gateway.record import RequestRecord
 from gateway.settings import StreamMode
 from gateway.stream.answer import CompatibleAnswer, RealtimeAnswer
 from gateway.stream.events import KEEPALIVE, BlockDelta, Completion, Error, Event
 from gateway.stream.repair import RepairPolicy
+from gateway.stream.signatures import restore_thought_signatures
 from gateway.upstream.attempts import UpstreamAttempts
 from gateway.upstream.client import ANSWERED, UpstreamItem
 from gateway.upstream.config import with_engine_extras
@@ -88,7 +90,7 @@ class GenerationRun:
         self.attempts = attempts
         self.response_id = room.new_response_id()
         self.encoder: StreamEncoder = room.encoder(parsed, self.response_id)
-        self.upstream_body = with_engine_extras(parsed.upstream_body, policy.engine_extras)
+        self.upstream_body = restore_thought_signatures(with_engine_extras(parsed.upstream_body, policy.engine_extras))
         self.answer: RealtimeAnswer | CompatibleAnswer = self._answer_state(parsed.stream)
         self.committed = False  # the opening frames went out: errors are in-stream now
         self.terminated = False  # a terminal frame (finish or error) went out
@@ -104,10 +106,15 @@ class GenerationRun:
 
     def _answer_state(self, streamed: bool) -> RealtimeAnswer | CompatibleAnswer:
         p = self.policy
+        answer: RealtimeAnswer | CompatibleAnswer
         if streamed and p.mode is StreamMode.REALTIME:
-            return RealtimeAnswer(p.max_collect_bytes, self.parsed.rules, self.upstream_body, self.room.sequential_blocks)
-        repair = RepairPolicy(self.upstream_body, p.tool_repair_attempts)
-        return CompatibleAnswer(p.max_collect_bytes, self.parsed.rules, self.upstream_body, repair)
+            answer = RealtimeAnswer(p.max_collect_bytes, self.parsed.rules, self.upstream_body, self.room.sequential_blocks)
+        else:
+            repair = RepairPolicy(self.upstream_body, p.tool_repair_attempts)
+            answer = CompatibleAnswer(p.max_collect_bytes, self.parsed.rules, self.upstream_body, repair)
+        answer.reasoning_tags = p.reasoning_tags_for(self.parsed.model)
+        answer.estimate_usage = usage_estimator  # the one rule when the upstream reports none
+        return answer
 
     # -- the two ways to consume a run ------------------------------------------------------
 
@@ -290,6 +297,8 @@ def note_run(record: RequestRecord, run: GenerationRun) -> None:
             "reasoning_tokens": u.reasoning_tokens,
             "cached_tokens": u.cached_tokens,
         }
+        if u.estimated:
+            record.usage["estimated"] = True
 
 
 def capture_record(run: GenerationRun) -> dict[str, Any]:

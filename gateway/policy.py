@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.settings import Settings, StreamMode
+from gateway.stream.think_tags import Start
+from gateway.upstream.model_options import model_reasoning_tags
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +25,7 @@ class StreamPolicy:
     failover_max: int
     upstream_stream: str  # always | never | auto
     engine_extras: dict[str, dict[str, Any]]  # model glob -> extra upstream body fields
+    reasoning_tags: dict[str, str]  # model glob -> "auto" | "open" (<think> splitting)
 
     @classmethod
     def snapshot(cls, settings: Settings) -> StreamPolicy:
@@ -38,4 +42,13 @@ class StreamPolicy:
             failover_max=settings.failover_max,
             upstream_stream=settings.upstream_stream,
             engine_extras=settings.engine_extras,
+            reasoning_tags={**model_reasoning_tags(settings.config), **settings.reasoning_tags},
         )
+
+    def reasoning_tags_for(self, model: str) -> Start | None:
+        """How ``<think>`` tags in this model's content are split (None: left as text)."""
+        mode = None
+        for pattern, value in self.reasoning_tags.items():
+            if fnmatch.fnmatchcase(model, pattern):
+                mode = value  # later globs win
+        return mode  # type: ignore[return-value]

@@ -62,6 +62,9 @@ class Settings(BaseSettings):
     admin_token: SecretStr | None = None
     upstream_stream: Literal["auto", "always", "never"] = "always"
     engine_extras: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    reasoning_tags: Annotated[dict[str, Literal["auto", "open"]], NoDecode] = Field(
+        default_factory=dict, description="model glob -> how <think> tags in content are split into reasoning"
+    )
     capture_dir: Path | None = None
     capture_max_bytes: int = Field(256 * 1024 * 1024, ge=1024)
     rollout_header: str = "x-rollout-id"
@@ -134,6 +137,15 @@ class Settings(BaseSettings):
             raise ValueError("must start with postgresql:// (or sqlite:///path)")
         return value if value is not None and value.get_secret_value() else None
 
+    @field_validator("reasoning_tags", mode="before")
+    @classmethod
+    def _globs_with_mode(cls, value: Any) -> Any:
+        """``glob[=auto|open],...``: which models write ``<think>`` tags into content."""
+        if isinstance(value, str):
+            pairs = (p.strip().partition("=") for p in value.split(",") if p.strip())
+            return {glob.strip(): (mode.strip() or "auto") for glob, _, mode in pairs}
+        return value
+
     @field_validator("engine_extras", mode="before")
     @classmethod
     def _json_object(cls, value: Any) -> Any:
@@ -191,6 +203,8 @@ CLI_FIELDS: dict[str, str] = {
     "admin_token": "token for the admin API and WebUI (without one: a token generated at start-up, its login URL in the banner)",
     "upstream_stream": "always (stream from the upstream), never (ask for JSON, synthesize the stream) or auto",
     "engine_extras": 'JSON {"model glob": {extra upstream body fields}}, e.g. vLLM logprobs / return_token_ids',
+    "reasoning_tags": "model globs whose <think>...</think> content is split into reasoning: glob[=auto|open],..."
+    " (open: the template opened the tag, output starts as reasoning)",
     "capture_dir": "write one model-call record per generation request here (training harnesses)",
     "capture_max_bytes": "rotate a capture file past this size",
     "rollout_header": "request header carrying the rollout/session id for capture",

@@ -1,5 +1,8 @@
-"""The stream-integrity matrix: 3 protocols x 2 modes x 13 upstream behaviours, each
-driven through the official SDK stream helper (strict) with the exact outcome asserted.
+"""The stream-integrity matrix: 3 protocols x 2 modes x every scripted upstream behaviour,
+each driven through the official SDK stream helper (strict) with the exact outcome
+asserted: finish, tool names and arguments, text and reasoning, block order, usage
+numbers, call ids, and the wire order the SDKs let pass (Responses sequence numbers
+contiguous from 0 after ``response.created``; ``message_start`` first).
 
 Compatible mode may repair (locally, then by regeneration within the bound); realtime
 has already relayed the bytes, so a bad terminal becomes the protocol's error event.
@@ -14,10 +17,15 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.stream.signatures import client_call_id
+from gateway.upstream.sim_scenarios import TEXT, THINK_ANSWER, THINK_REASONING, THOUGHT_SIGNATURE
 from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway, wait_for
-from tests.drivers import DRIVERS
+from tests.drivers import DRIVERS, PROMPT
 
 BUDGET = 20_000
+ARGS = {"get_weather": {"city": "Paris", "unit": "celsius"}, "get_time": {"timezone": "Europe/Paris"}}
+#: The simulator's usage: characters // 4 + 1 (the prompt is the one user message).
+TEXT_USAGE = (len(PROMPT) // 4 + 1, len(TEXT) // 4 + 1)
 
 
 @dataclass(frozen=True)
@@ -26,9 +34,21 @@ class Expect:
     finish: str | None = None
     tools: tuple[str, ...] = ()
     code: str = ""
+    text: str | None = None
+    reasoning: str | None = None
+    blocks: tuple[str, ...] | None = None  # Messages and Responses (Chat has no block order)
+    usage: tuple[int, int] | None = None
+    ids: tuple[str, ...] | None = None
+    message: str = ""  # also in the error text the client saw
 
 
 VALID_TOOL = Expect(True, "tool_calls", ("get_weather",))
+TWO_TOOLS = Expect(True, "tool_calls", ("get_weather", "get_time"))
+TEXT_OK = Expect(True, "stop", text=TEXT, usage=TEXT_USAGE)
+
+
+def both(expect: Expect) -> tuple[Expect, Expect]:
+    return expect, expect
 
 # cell -> (model, tool_choice, expected in compatible, expected in realtime)
 CELLS: dict[str, tuple[str, Any, Expect, Expect]] = {
@@ -50,6 +70,41 @@ CELLS: dict[str, tuple[str, Any, Expect, Expect]] = {
     "budget_exceeded": (f"large;size={BUDGET * 3}", None, Expect(False, code="response_too_large"),
                         Expect(False, code="response_too_large")),
     "slow_first_byte": ("slow_first_byte;ttfb=1.1", None, Expect(True, "stop"), Expect(True, "stop")),
+    # -- round 2: what real servers send --------------------------------------------------
+    "object_arguments": ("object_arguments", None, *both(TWO_TOOLS)),
+    "usage_in_choice": ("usage_in_choice;chunk=16", None, *both(TEXT_OK)),
+    "usage_x_groq": ("usage_x_groq;chunk=16", None, *both(TEXT_OK)),
+    "usage_running": ("usage_running;chunk=16", None, *both(TEXT_OK)),
+    "usage_on_finish_chunk": ("text;chunk=16;usage=last;finish_chunk=last", None, *both(TEXT_OK)),
+    "finish_eos": ("finish_eos;chunk=16", None, *both(TEXT_OK)),
+    "finish_eos_token": ("finish_eos_token;chunk=16", None, *both(TEXT_OK)),
+    "finish_empty": ("finish_empty;chunk=16", None, *both(TEXT_OK)),
+    "finish_tool_call": ("finish_tool_call;chunk=5", None, *both(VALID_TOOL)),
+    "finish_function_call": ("finish_function_call;chunk=5", None, *both(VALID_TOOL)),
+    "finish_error": ("finish_error", None, *both(Expect(False, code="upstream_error", message="finish_reason 'error'"))),
+    "legacy_function_call": ("legacy_function_call;chunk=6", None,
+                             *both(Expect(True, "tool_calls", ("get_weather", "get_time"), ids=("call_sim_0", "call_sim_1")))),
+    "only_function_call": ("only_function_call;chunk=6", None, *both(VALID_TOOL)),
+    "explicit_nulls": ("explicit_nulls;chunk=5", None,
+                       *both(Expect(True, "tool_calls", ("get_weather",), text="Let me check. ", blocks=("text", "tool")))),
+    "json_error_200": ("json_error_200", None,
+                       *both(Expect(False, code="upstream_error", message="tool_choice 'required' is not supported"))),
+    "html_200": ("html_200", None, *both(Expect(False, code="upstream_error", message="Gateway Timeout from the proxy"))),
+    "empty_200": ("empty_200", None, *both(Expect(False, code="upstream_empty_response"))),
+    "reasoning_after_text": ("reasoning_after_text;chunk=7", None, *both(Expect(
+        True, "stop", text="Here is a first part. And the rest.", reasoning="First I think.Now I think again.",
+        blocks=("reasoning", "text", "reasoning", "text")))),
+    "reasoning_with_content": ("reasoning_with_content", None, *both(Expect(
+        True, "stop", text="Answer done.", reasoning="Thinking. More.", blocks=("reasoning", "text", "reasoning", "text")))),
+    "think_tags": ("think_tags;chunk=3", None, *both(Expect(
+        True, "stop", text=THINK_ANSWER, reasoning=THINK_REASONING, blocks=("reasoning", "text")))),
+    "think_close_only": ("think_close_only;chunk=4", None, *both(Expect(
+        True, "stop", text=THINK_ANSWER, reasoning=THINK_REASONING, blocks=("reasoning", "text")))),
+    "think_tags_not_opted_in": ("text;chunk=9", None, *both(Expect(True, "stop", text=TEXT, reasoning="", blocks=("text",)))),
+    "gemini_signature": ("gemini_signature;chunk=6", None, *both(Expect(
+        True, "tool_calls", ("get_weather", "get_time"), ids=(client_call_id("call_sim_0", THOUGHT_SIGNATURE), "call_sim_1")))),
+    "interleaved_tools": ("interleaved_tools;chunk=4", None, *both(TWO_TOOLS)),
+    "slow_headers": ("slow_headers;ttfb=1.2", None, *both(TEXT_OK)),
 }
 
 ROUTES = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
@@ -58,7 +113,8 @@ ROUTES = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses
 @pytest.fixture(scope="module")
 def budget_gateways(server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Gateway]:
     return {
-        mode: start_gateway(server_loop, simulator, tmp_path_factory, stream_mode=mode, max_collect_bytes=BUDGET)
+        mode: start_gateway(server_loop, simulator, tmp_path_factory, stream_mode=mode, max_collect_bytes=BUDGET,
+                            reasoning_tags={"think_*": "auto"})
         for mode in ("compatible", "realtime")
     }
 
@@ -77,19 +133,30 @@ def test_matrix(budget_gateways: dict[str, Gateway], protocol: str, mode: str, c
     model, tool_choice, *expected = CELLS[cell]
     expect = expected[0] if mode == "compatible" else expected[1]
     outcome = DRIVERS[protocol](gateway.url, model, tool_choice)
+    assert outcome.violations == []
     if expect.ok:
         assert outcome.ok, outcome.error
         assert outcome.finish == expect.finish
         assert tuple(name for name, _ in outcome.tools) == expect.tools
         for name, args in outcome.tools:
-            assert isinstance(args, dict)
-            if name == "get_weather":
-                assert args == {"city": "Paris", "unit": "celsius"}
+            assert args == ARGS[name]
         if expect.finish in ("stop", "length"):
             assert outcome.text
+        if expect.text is not None:
+            assert outcome.text == expect.text
+        if expect.reasoning is not None:
+            assert outcome.reasoning == expect.reasoning
+        if expect.blocks is not None and protocol != "chat":
+            assert tuple(outcome.blocks) == expect.blocks
+        if expect.usage is not None:
+            assert outcome.usage == expect.usage
+        if expect.ids is not None:
+            assert tuple(outcome.tool_ids) == expect.ids
     else:
         assert not outcome.ok, f"expected {expect.code}, got success {outcome}"
         assert expect.code in outcome.error
+        assert expect.message in outcome.error
+        assert "SSEError" not in outcome.error
 
 
 def audit_rows(gateway: Gateway, model: str) -> list[dict[str, Any]]:

@@ -244,10 +244,34 @@ def test_arguments_that_cannot_be_json_are_never_released() -> None:
         acc.seal()
 
 
-def test_replay_orders_reasoning_text_tools() -> None:
+def test_replay_keeps_the_upstream_order_of_reasoning_and_text_then_tools() -> None:
     acc = ChatSSEAccumulator()
-    for c in [tool(0, "c", "a", "{}"), chunk({"content": "t"}), chunk({"reasoning_content": "r"}), chunk({}, "tool_calls")]:
+    for c in [tool(0, "c", "a", "{}"), chunk({"content": "t"}), chunk({"reasoning_content": "r"}),
+              chunk({"content": "u"}), chunk({"reasoning_content": "s", "content": "v"}), chunk({}, "tool_calls")]:
         acc.feed(c)
     events = replay(acc.seal())
     check_sequential(events)
-    assert [e.kind for e in events if isinstance(e, BlockStart)] == ["reasoning", "text", "tool"]
+    starts = [e.kind for e in events if isinstance(e, BlockStart)]
+    assert starts == ["text", "reasoning", "text", "reasoning", "text", "tool"]
+    assert [e.content for e in events if isinstance(e, BlockStop)][:5] == ["t", "r", "u", "s", "v"]
+
+
+def test_chat_realtime_never_interleaves_two_calls_and_never_holds_text() -> None:
+    """Chat: call 1 waits while call 0's arguments are incomplete; text flows meanwhile."""
+    acc = ChatSSEAccumulator()
+    scheduler = RealtimeScheduler(sequential=False)
+    steps = [
+        (tool(0, "c0", "a", '{"x": '), [BlockStart(0, "tool", "c0", "a"), BlockDelta(0, "tool", '{"x": ')]),
+        (tool(1, "c1", "b", '{"y": '), []),  # held: call 0 is not complete
+        (chunk({"content": "meanwhile"}), [BlockStart(1, "text"), BlockDelta(1, "text", "meanwhile")]),
+        (tool(1, args="2}"), []),  # call 1 complete, but still held behind call 0
+        (tool(0, args="1}"), [BlockDelta(0, "tool", "1}"), BlockStop(0, "tool", '{"x": 1}'),
+                              BlockStart(2, "tool", "c1", "b"), BlockDelta(2, "tool", '{"y": 2}'),
+                              BlockStop(2, "tool", '{"y": 2}')]),
+    ]
+    for c, expected in steps:
+        assert scheduler.push(acc.feed(c)) == expected
+    acc.feed(chunk({}, "tool_calls"))
+    completion = acc.seal()
+    tail = scheduler.finish(acc.sealed_slots, completion.finish_reason, completion.usage)
+    assert tail == [BlockStop(1, "text", "meanwhile"), Finish("tool_calls", None)]

@@ -78,12 +78,13 @@ def error_json(error: GatewayError) -> dict[str, Any]:
 
 
 def usage_json(usage: Usage | None, estimate_in: Callable[[], int], estimate_out: Callable[[], int]) -> dict[str, Any]:
-    """Anthropic usage from the upstream's numbers; o200k counts where it gave none (only
-    computed then: they tokenize the whole request and answer).
+    """Anthropic usage from the answer's numbers (the generation estimated them when the
+    upstream gave none: the rule every room shares); o200k counts here only for an
+    answer that reached the encoder without any.
 
     Anthropic's ``input_tokens`` excludes cache reads, which it reports separately.
     """
-    if usage is None or (usage.prompt_tokens == 0 and usage.completion_tokens == 0):
+    if usage is None:
         return {"input_tokens": estimate_in(), "output_tokens": estimate_out()}
     out: dict[str, Any] = {
         "input_tokens": max(0, usage.prompt_tokens - usage.cached_tokens),
@@ -150,12 +151,11 @@ class MessagesRoom:
 
     def json_body(self, request: ParsedRequest, response_id: str, completion: Completion) -> dict:
         content: list[dict[str, Any]] = []
-        if completion.reasoning:
-            content.append(
-                {"type": "thinking", "thinking": completion.reasoning, "signature": SIGNATURE}
-            )
-        if completion.text:
-            content.append({"type": "text", "text": completion.text})
+        for run in completion.runs():  # thinking and text blocks in the upstream's order
+            if run.kind == "reasoning":
+                content.append({"type": "thinking", "thinking": run.text, "signature": SIGNATURE})
+            else:
+                content.append({"type": "text", "text": run.text})
         for call in completion.tool_calls:
             content.append(
                 {

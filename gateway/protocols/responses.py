@@ -591,10 +591,12 @@ class ResponsesRoom:
         output: list[dict[str, Any]] = []
         if facts.compaction:
             output.append(compaction_item(completion.text))
-        elif completion.reasoning:
-            output.append(reasoning_item(_new_id("rs_"), completion.reasoning, facts.envelope))
-        if completion.text and not facts.compaction:
-            output.append(message_item(_new_id("msg_"), completion.text, "completed"))
+        else:
+            for run in completion.runs():  # reasoning and message items in the upstream's order
+                if run.kind == "reasoning":
+                    output.append(reasoning_item(_new_id("rs_"), run.text, facts.envelope))
+                else:
+                    output.append(message_item(_new_id("msg_"), run.text, "completed"))
         for call in completion.tool_calls:
             item_id = _new_id("fc_" if call.name not in facts.tool_map.kinds else "ctc_")
             output.append(

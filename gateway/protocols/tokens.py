@@ -9,10 +9,13 @@ schemas — never base64 image payloads, which count a flat :data:`IMAGE_TOKENS`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
 import orjson
+
+from gateway.stream.events import Completion, Usage
 
 #: Per message: role and separators, as OpenAI's chat format spends them.
 MESSAGE_OVERHEAD = 3
@@ -106,3 +109,19 @@ def quick_token_estimate(body: dict[str, Any]) -> int:
     tools, four to a token): for ``message_start``, before the upstream's real count."""
     size = len(orjson.dumps(body.get("messages") or [])) + len(orjson.dumps(body.get("tools") or []))
     return size // 4 + 1
+
+
+def usage_estimator(body: dict[str, Any]) -> Callable[[Completion], Usage]:
+    """The one rule for every room when the upstream reports no usage at all: prompt
+    tokens are :func:`count_chat_tokens` of the body sent upstream, completion tokens
+    the o200k count of the answer's reasoning, text and tool arguments (reasoning tokens
+    of its reasoning). Zeros the upstream did report are kept as reported."""
+
+    def estimate(completion: Completion) -> Usage:
+        reasoning = count_text(completion.reasoning)
+        output = reasoning + count_text(completion.text) + sum(count_text(c.arguments) for c in completion.tool_calls)
+        prompt = count_chat_tokens(body)
+        return Usage(prompt_tokens=prompt, completion_tokens=output, total_tokens=prompt + output,
+                     reasoning_tokens=reasoning, estimated=True)
+
+    return estimate

@@ -23,13 +23,15 @@ bytes retained so far.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from gateway.stream.accumulator import ChatSSEAccumulator, ToolRules
+from gateway.stream.accumulator import ChatSSEAccumulator, ToolRules, UsageEstimator
 from gateway.stream.compatible import replay
 from gateway.stream.events import Completion, Event
 from gateway.stream.realtime import RealtimeScheduler
 from gateway.stream.repair import RepairPolicy
+from gateway.stream.think_tags import Start
 
 
 class Done:
@@ -51,6 +53,9 @@ class _Answer:
         self.completion: Completion | None = None
         self.bodies: list[dict[str, Any]] = []  # every body sent upstream, in order
         self._next: dict[str, Any] | None = upstream_body
+        # set by the generation from its policy (see ChatSSEAccumulator):
+        self.reasoning_tags: Start | None = None  # <think> splitting for this model
+        self.estimate_usage: Callable[[dict[str, Any]], UsageEstimator] | None = None  # body -> estimator
 
     @property
     def retained_bytes(self) -> int:
@@ -60,7 +65,8 @@ class _Answer:
         """The body of the next upstream answer to read, or None when the answer is done."""
         body, self._next = self._next, None
         if body is not None:
-            acc = ChatSSEAccumulator(self.max_collect_bytes, self.rules)
+            estimate = self.estimate_usage(body) if self.estimate_usage is not None else None
+            acc = ChatSSEAccumulator(self.max_collect_bytes, self.rules, self.reasoning_tags, estimate)
             acc.retained_bytes = self.retained_bytes
             self.acc = acc
             self.bodies.append(body)

@@ -2,8 +2,8 @@
 
 Collecting is :class:`gateway.stream.answer.CompatibleAnswer` (fed by the generation
 loop, which owns the I/O and the keepalive timer); this module turns a validated
-:class:`Completion` back into canonical block events, in a fixed order (reasoning, text,
-tool calls).
+:class:`Completion` back into canonical block events: reasoning and text runs in the
+upstream's order (thinking, text, thinking, text stay four blocks), then the tool calls.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ def replay(completion: Completion) -> list[Event]:
     """The events of a validated answer, block indexes from 0 in replay order."""
     events: list[Event] = []
     index = 0
-    for kind, text in (("reasoning", completion.reasoning), ("text", completion.text)):
-        if not text:
-            continue
+    for run in completion.runs():
+        kind, text = run.kind, run.text
         events.append(BlockStart(index, kind))  # type: ignore[arg-type]
         events.extend(BlockDelta(index, kind, piece) for piece in _pieces(text))  # type: ignore[arg-type]
         events.append(BlockStop(index, kind, text))  # type: ignore[arg-type]

@@ -28,6 +28,7 @@ class Usage:
     total_tokens: int = 0
     reasoning_tokens: int = 0
     cached_tokens: int = 0
+    estimated: bool = False  # the upstream reported none: the gateway counted (o200k)
 
     @classmethod
     def from_upstream(cls, raw: dict) -> Usage:
@@ -46,9 +47,23 @@ class Usage:
 
 @dataclass(slots=True)
 class ToolCall:
-    id: str
+    id: str  # as the upstream sent it (or synthesized); see client_call_id
     name: str
     arguments: str
+    thought_signature: str | None = None  # Gemini's, to send back with the call
+
+
+@dataclass(slots=True)
+class Segment:
+    """One run of reasoning or text, in the upstream's order (reasoning may resume after
+    text: thinking, text, thinking, text are four segments)."""
+
+    kind: Literal["reasoning", "text"]
+    parts: list[str]
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
 
 
 @dataclass(slots=True)
@@ -61,6 +76,14 @@ class Completion:
     finish_reason: FinishReason
     usage: Usage | None = None
     token_data: TokenData | None = None
+    segments: list[Segment] | None = None  # None: one reasoning run, then one text run
+
+    def runs(self) -> list[Segment]:
+        """Reasoning and text runs in the order they were produced."""
+        if self.segments is not None:
+            return [s for s in self.segments if s.text]
+        runs = [Segment("reasoning", [self.reasoning]), Segment("text", [self.text])]
+        return [s for s in runs if s.text]
 
 
 @dataclass(slots=True)

@@ -8,6 +8,12 @@ call is released only once identified (id and name known); text never waits for 
 (Anthropic Messages, OpenAI Responses). There, while a tool block is open and its
 arguments are not yet a complete JSON object, anything else is held back in order; it
 is released as soon as the open tool's arguments complete, or at the terminal.
+
+``sequential=False`` (Chat Completions) lets text, reasoning and one tool call stream
+side by side, but never two tool calls: the openai SDK finalises (and for ``strict``
+tools parses) a call when a delta for the next index arrives, so a call identified while
+another's arguments are incomplete waits, and is released when they complete. Text
+never waits for a tool.
 """
 
 from __future__ import annotations
@@ -138,6 +144,12 @@ class RealtimeScheduler:
     def _tool_identified(self, slot: ToolSlot, out: list[Event]) -> None:
         block = _Block("tool", slot=slot)
         self._block_of_slot[id(slot)] = block
+        if not self.sequential:
+            if self._held or any(b.kind == "tool" and not self._tool_done(b) for b in self._open):
+                self._held.append(block)  # one call's fragments at a time
+                return
+            for tool in [b for b in self._open if b.kind == "tool"]:
+                self._stop(tool, out)
         if self.sequential:
             active = self._open[0] if self._open else None
             if self._held or (active is not None and active.kind == "tool" and not self._tool_done(active)):
@@ -155,8 +167,22 @@ class RealtimeScheduler:
             # after its object completed: more text can only make it invalid, which the
             # terminal validation reports
         self._send_args(block, out)
-        if self.sequential and self._held and self._tool_done(block):
-            self._release_held(out)
+        if self._held and self._tool_done(block):
+            if self.sequential:
+                self._release_held(out)
+            else:
+                self._release_held_tools(block, out)
+
+    def _release_held_tools(self, done: _Block, out: list[Event]) -> None:
+        """Chat: the open call finished; release waiting calls until one stays open."""
+        self._stop(done, out)
+        while self._held:
+            block = self._held.pop(0)
+            self._start(block, out)
+            self._send_args(block, out)
+            if not self._tool_done(block):
+                return
+            self._stop(block, out)
 
     def _release_held(self, out: list[Event]) -> None:
         """The open tool finished: release held blocks until one must stay open."""
@@ -189,8 +215,10 @@ class RealtimeScheduler:
         self._next_index += 1
         self._open.append(block)
         slot = block.slot
+        if slot is not None:
+            slot.shown_id = slot.client_id
         out.append(
-            BlockStart(block.index, block.kind, slot.id if slot else None, slot.name if slot else None)
+            BlockStart(block.index, block.kind, slot.client_id if slot else None, slot.name if slot else None)
         )
 
     def _send(self, block: _Block, text: str, out: list[Event]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -50,15 +51,34 @@ def parse_retry_after(value: str | None) -> int | None:
     return max(0, int(when.timestamp() - time.time() + 0.999))
 
 
+_TITLE = re.compile(rb"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
+_TAGS = re.compile(rb"<(script|style)[^>]*>.*?</\1>|<[^>]+>", re.IGNORECASE | re.DOTALL)
+
+
 def _upstream_message(body: bytes) -> str:
+    """What the upstream said, in one short line: the ``error.message`` of a JSON error
+    (or its string ``error``), the title or text of an HTML page, else the start of the
+    body. Callers pass it through :data:`SECRETS` (the one redaction point)."""
+    message: str | None = None
     try:
         data = orjson.loads(body)
-        message = data.get("error", {}).get("message") if isinstance(data, dict) else None
-        if isinstance(message, str):
-            return message[:500]
-    except (orjson.JSONDecodeError, AttributeError):
-        pass
-    return body[:200].decode("utf-8", "replace")
+    except orjson.JSONDecodeError:
+        data = None
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            message = error["message"]
+        elif isinstance(error, str):
+            message = error
+        elif isinstance(data.get("message"), str):
+            message = data["message"]
+    if message is None and body.lstrip()[:1] == b"<":
+        title = _TITLE.search(body)
+        raw = title.group(1) if title else _TAGS.sub(b" ", body)
+        message = "an HTML page: " + " ".join(raw.decode("utf-8", "replace").split())[:200]
+    if message is None:
+        message = " ".join(body[:200].decode("utf-8", "replace").split())
+    return message[:500]
 
 
 def status_error(status: int, body: bytes, retry_after: int | None) -> GatewayError:
@@ -168,6 +188,15 @@ class UpstreamClient:
                 raise status_error(
                     response.status_code, content, parse_retry_after(response.headers.get("retry-after"))
                 )
+            if not buffered and not _is_event_stream(response):
+                # a 200 that is no stream: an error body, an HTML page, nothing, or a
+                # JSON answer from a server that ignored stream: true
+                answer = _answer_not_streamed(await _read_capped(response))
+                yield ANSWERED
+                for chunk in completion_as_chunks(answer):
+                    yield chunk
+                yield DONE
+                return
             yield ANSWERED
             if buffered:
                 for chunk in completion_as_chunks(await _json_answer(response)):
@@ -175,10 +204,12 @@ class UpstreamClient:
                 yield DONE
                 return
             events = EventSource(response).aiter_sse()
+            got_data = False
             async for event in events:
                 data = event.data
                 if not data:
                     continue
+                got_data = True
                 if data == "[DONE]":
                     yield DONE
                     await _drain(events)
@@ -189,6 +220,8 @@ class UpstreamClient:
                     raise GatewayError("upstream", "upstream_bad_frame", "the upstream sent a frame that is not JSON") from None
                 if isinstance(chunk, dict):
                     yield SECRETS.mask_value(chunk) if chunk.get("error") else chunk
+            if not got_data:
+                raise empty_answer()
         except httpx.TimeoutException:
             raise GatewayError("timeout", "upstream_idle_timeout", "the upstream went silent mid-answer") from None
         except httpx.HTTPError as exc:
@@ -210,6 +243,43 @@ async def _drain(events: AsyncIterator[Any]) -> None:
                 pass
     except (TimeoutError, httpx.HTTPError):
         pass
+
+
+#: How much of a 200 body that is not a stream is read to find out what it says.
+NON_STREAM_MAX_BYTES = 4 * 1024 * 1024
+
+
+def _is_event_stream(response: httpx.Response) -> bool:
+    return response.headers.get("content-type", "").partition(";")[0].strip().lower() == "text/event-stream"
+
+
+async def _read_capped(response: httpx.Response) -> bytes:
+    body = bytearray()
+    async for piece in response.aiter_bytes():
+        body += piece
+        if len(body) > NON_STREAM_MAX_BYTES:
+            break
+    return bytes(body)
+
+
+def empty_answer() -> GatewayError:
+    return GatewayError("upstream", "upstream_empty_response", "the upstream answered 200 with an empty body")
+
+
+def _answer_not_streamed(body: bytes) -> dict[str, Any]:
+    """A 200 body without SSE framing: a ``chat.completion`` to relay, or the error it is."""
+    if not body.strip():
+        raise empty_answer()
+    try:
+        answer = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        answer = None
+    if isinstance(answer, dict) and isinstance(answer.get("choices"), list) and not answer.get("error"):
+        return answer
+    raise GatewayError(
+        "upstream", "upstream_error",
+        f"the upstream answered 200 without a stream: {SECRETS.mask(_upstream_message(body))}",
+    )
 
 
 def refuses_streaming(error: GatewayError) -> bool:

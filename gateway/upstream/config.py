@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 
 from gateway.settings import Settings, SettingsError, check_base_url
 from gateway.store.credentials import CredentialState
+from gateway.upstream.model_options import model_reasoning_tags
 from gateway.upstream.pool import Credential, Upstream, UpstreamPool
 
 
@@ -155,6 +156,7 @@ def build_pool(settings: Settings, state: CredentialState | None, simulator_url:
         credentials += [Credential(upstream, key) for key in keys]
     if settings.config:
         credentials += _upstreams_from_toml(settings.config)
+        model_reasoning_tags(settings.config)  # a bad [models] table fails at start-up
     if not credentials and simulator_url:
         credentials.append(Credential(Upstream("simulator", simulator_url), None))
     if state is not None:

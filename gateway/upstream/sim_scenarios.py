@@ -48,7 +48,7 @@ _OPTION_TYPES: dict[str, Callable[[str], Any]] = {
     "size": int, "status": int, "retry_after": int, "repairable": _flag,
 }
 _SCENARIO_DEFAULTS: dict[str, dict[str, Any]] = {
-    "slow_first_byte": {"ttfb": 2.0}, "large": {"chunk": 256},
+    "slow_first_byte": {"ttfb": 2.0}, "slow_headers": {"ttfb": 2.0}, "large": {"chunk": 256},
 }
 _CHOICES = {"usage": {"separate", "last", "none"}, "finish_chunk": {"own", "last"}}
 
@@ -161,6 +161,7 @@ class Reply:
     finish: str | None = "stop"
     terminal: list[Frame] | None = None  # ends the stream abruptly (no finish/usage/done)
     done: bool = True
+    usage_at: str | None = None  # choice (Moonshot), x_groq (Groq), running (vLLM continuous)
 
 
 def _args(i: int) -> str:
@@ -243,6 +244,103 @@ def _identity_change(ctx: Ctx) -> Reply:
 
 def _empty_tool_array(ctx: Ctx) -> Reply:
     return Reply([{**d, "tool_calls": []} for d in _content(ctx, TEXT)])
+
+
+# -- round 2: what real servers send (see ../shared/PROTOCOLS.md, "Upstream variety") ----
+
+THOUGHT_SIGNATURE = "CiQBVKhc7sim+signature/for==call0"
+THINK_REASONING = "Let me think about Paris."
+THINK_ANSWER = "It is sunny in Paris."
+
+
+def _object_arguments(ctx: Ctx) -> Reply:
+    """llama.cpp: ``arguments`` as a JSON object, the whole call in one delta."""
+    deltas = [
+        {"tool_calls": [{"index": i, "id": _call_id(i), "type": "function",
+                         "function": {"name": ctx.tools[i], "arguments": dict(TOOL_ARGS[i])}}]}
+        for i in (0, 1)
+    ]
+    return Reply(deltas, "tool_calls")
+
+
+def _nulls(delta: Delta) -> Delta:
+    """Every delta field present, absent ones as explicit nulls (llama-cpp-python)."""
+    base: Delta = {"role": None, "content": None, "reasoning_content": None, "function_call": None,
+                   "tool_calls": None, "refusal": None}
+    return {**base, **delta}
+
+
+def _explicit_nulls(ctx: Ctx) -> Reply:
+    text = [_nulls(d) for d in _content(ctx, "Let me check. ")]
+    calls = []
+    for d in _call(ctx, 0):
+        entry = d["tool_calls"][0]
+        fn = entry.setdefault("function", {})
+        fn.setdefault("name", None)
+        entry.setdefault("id", None)
+        entry.setdefault("type", None)
+        calls.append(_nulls(d))
+    return Reply(text + calls, "tool_calls")
+
+
+def _legacy_function_call(ctx: Ctx) -> Reply:
+    """llama-cpp-python's server: every call chunk carries the same content twice, as a
+    legacy ``function_call`` and as ``tool_calls`` (name and id repeated), nulls elsewhere."""
+    deltas: list[Delta] = []
+    for i in (0, 1):
+        for frag in ["", *ctx.split(_args(i))]:
+            fn = {"name": ctx.tools[i], "arguments": frag}
+            deltas.append(_nulls({
+                "function_call": dict(fn),
+                "tool_calls": [{"index": i, "id": _call_id(i), "type": "function", "function": dict(fn)}],
+            }))
+    return Reply(deltas, "tool_calls")
+
+
+def _only_function_call(ctx: Ctx) -> Reply:
+    """The oldest shape: ``function_call`` deltas and no ``tool_calls`` at all."""
+    frags = ctx.split(_args(0))
+    deltas = [{"function_call": {"name": ctx.tools[0], "arguments": ""}}]
+    deltas += [{"function_call": {"arguments": f}} for f in frags]
+    return Reply(deltas, "function_call")
+
+
+def _reasoning_after_text(ctx: Ctx) -> Reply:
+    """DeepSeek V4 on vLLM: reasoning resumes after text."""
+    return Reply(
+        _content(ctx, "First I think.", "reasoning_content") + _content(ctx, "Here is a first part. ")
+        + _content(ctx, "Now I think again.", "reasoning_content") + _content(ctx, "And the rest.")
+    )
+
+
+def _reasoning_with_content(ctx: Ctx) -> Reply:
+    """Reasoning and content in the same delta."""
+    return Reply([{"reasoning_content": "Thinking.", "content": "Answer"},
+                  {"reasoning_content": " More.", "content": " done."}])
+
+
+def _think_tags(ctx: Ctx) -> Reply:
+    """A server without a reasoning parser: ``<think>`` inside content, cut anywhere."""
+    return Reply(_content(ctx, f"<think>{THINK_REASONING}</think>{THINK_ANSWER}"))
+
+
+def _think_close_only(ctx: Ctx) -> Reply:
+    """The chat template opened the tag: only a closing ``</think>`` arrives."""
+    return Reply(_content(ctx, f"{THINK_REASONING}</think>{THINK_ANSWER}"))
+
+
+def _gemini_signature(ctx: Ctx) -> Reply:
+    """Gemini: the first call's thought signature in a delta with nothing else, between its
+    start and its arguments; the second call has none."""
+    first, second = _call(ctx, 0), _call(ctx, 1)
+    signature = {"tool_calls": [{"index": 0, "extra_content": {"google": {"thought_signature": THOUGHT_SIGNATURE}}}]}
+    return Reply([first[0], signature, *first[1:], *second], "tool_calls")
+
+
+def _usage_placed(where: str) -> Callable[[Ctx], Reply]:
+    def scenario(ctx: Ctx) -> Reply:
+        return Reply(_content(ctx, TEXT), usage_at=where)
+    return scenario
 
 
 def _echo(ctx: Ctx) -> Reply:
@@ -345,8 +443,36 @@ SCENARIOS: dict[str, Callable[[Ctx], Reply]] = {
     "error_frame": lambda c: Reply(_content(c, GREETING), None, [copy.deepcopy(ERROR_FRAME)]),
     "drop": lambda c: Reply(_content(c, TEXT), None, [{"_op": "drop"}]),
     "slow_first_byte": lambda c: Reply(_content(c, TEXT)),
+    "slow_headers": lambda c: Reply(_content(c, TEXT)),
     "large": _large,
     "agent": _agent,
+    "object_arguments": _object_arguments,
+    "usage_in_choice": _usage_placed("choice"),
+    "usage_x_groq": _usage_placed("x_groq"),
+    "usage_running": _usage_placed("running"),
+    "finish_eos": lambda c: Reply(_content(c, TEXT), "eos"),
+    "finish_eos_token": lambda c: Reply(_content(c, TEXT), "eos_token"),
+    "finish_empty": lambda c: Reply(_content(c, TEXT), ""),
+    "finish_tool_call": lambda c: Reply(_call(c, 0), "tool_call"),
+    "finish_function_call": lambda c: Reply(_call(c, 0), "function_call"),
+    "finish_error": lambda c: Reply(_content(c, GREETING), "error"),
+    "legacy_function_call": _legacy_function_call,
+    "only_function_call": _only_function_call,
+    "explicit_nulls": _explicit_nulls,
+    "reasoning_after_text": _reasoning_after_text,
+    "reasoning_with_content": _reasoning_with_content,
+    "think_tags": _think_tags,
+    "think_close_only": _think_close_only,
+    "gemini_signature": _gemini_signature,
+}
+
+#: 200 answers that are no stream: name -> (content type, body)
+RAW_200: dict[str, tuple[str, bytes]] = {
+    "json_error_200": ("application/json", json.dumps(
+        {"error": {"message": "tool_choice 'required' is not supported", "type": "invalid_request_error"}}).encode()),
+    "html_200": ("text/html", b"<html><head><title>Gateway Timeout from the proxy</title></head>"
+                 b"<body><h1>504</h1></body></html>"),
+    "empty_200": ("application/json", b""),
 }
 
 # name -> (default status, error type, error code, message)
@@ -367,6 +493,7 @@ class Plan:
     headers: dict[str, str]
     frames: list[Frame]
     options: Options
+    raw: tuple[str, bytes] | None = None  # (content type, body): a 200 that is no stream
 
 
 @dataclass
@@ -395,7 +522,7 @@ def _usage(body: Mapping[str, Any], deltas: list[Delta]) -> dict[str, Any]:
         text += len(d.get("content") or "")
         reasoning += len(d.get("reasoning_content") or d.get("reasoning") or "")
         for tc in d.get("tool_calls") or []:
-            text += len((tc.get("function") or {}).get("arguments") or "")
+            text += len(_arguments_text(tc))
     completion = (text + reasoning) // 4 + 1
     usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
                              "total_tokens": prompt + completion}
@@ -404,10 +531,15 @@ def _usage(body: Mapping[str, Any], deltas: list[Delta]) -> dict[str, Any]:
     return usage
 
 
+def _arguments_text(tc: Mapping[str, Any]) -> str:
+    args = (tc.get("function") or {}).get("arguments") or ""
+    return args if isinstance(args, str) else json.dumps(args)
+
+
 def _generated_text(delta: Delta) -> str:
     text = (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning") or "")
     for tc in delta.get("tool_calls") or []:
-        text += (tc.get("function") or {}).get("arguments") or ""
+        text += _arguments_text(tc)
     return text
 
 
@@ -441,17 +573,36 @@ def _frames(reply: Reply, ctx: Ctx) -> list[Frame]:
     first["delta"] = {"role": "assistant", **first["delta"]}
     if reply.terminal is not None:
         return chunks + reply.terminal
-    if reply.finish and ctx.opts.finish_chunk == "last":
+    if reply.finish == "":
+        for chunk in chunks:  # "" on every chunk, never a real value
+            chunk["choices"][0]["finish_reason"] = ""
+    elif reply.finish and ctx.opts.finish_chunk == "last":
         chunks[-1]["choices"][0]["finish_reason"] = reply.finish
     elif reply.finish:
         chunks.append(_chunk({}, reply.finish))
-    if ctx.opts.usage == "last":
+    if reply.usage_at is not None:
+        _place_usage(chunks, reply, ctx)
+    elif ctx.opts.usage == "last":
         chunks[-1]["usage"] = _usage(ctx.body, reply.deltas)
     elif ctx.opts.usage == "separate" and _wants_usage(ctx.body):
         chunks.append({"choices": [], "usage": _usage(ctx.body, reply.deltas)})
     if reply.done and ctx.opts.done:
         chunks.append({"_op": "done"})
     return chunks
+
+
+def _place_usage(chunks: list[Frame], reply: Reply, ctx: Ctx) -> None:
+    """Usage where some servers put it (always sent, as they do)."""
+    usage = _usage(ctx.body, reply.deltas)
+    if reply.usage_at == "choice":
+        chunks[-1]["choices"][0]["usage"] = usage
+    elif reply.usage_at == "x_groq":
+        chunks[-1]["x_groq"] = {"id": "req_sim", "usage": usage}
+    else:  # running: a growing total on every chunk, the last one exact
+        for n, chunk in enumerate(chunks, 1):
+            partial = dict(usage, completion_tokens=usage["completion_tokens"] * n // len(chunks))
+            partial["total_tokens"] = partial["prompt_tokens"] + partial["completion_tokens"]
+            chunk["usage"] = partial
 
 
 def _error_plan(opts: Options) -> Plan:
@@ -495,6 +646,8 @@ def build_plan(
         return _script_plan(opts, scripts or {})
     if opts.scenario in _ERRORS:
         return _error_plan(opts)
+    if opts.scenario in RAW_200:
+        return Plan(200, {}, [], opts, raw=RAW_200[opts.scenario])
     if opts.repairable and _asks_for_repair(request_body):
         opts = dataclasses.replace(opts, scenario="tool")
     ctx = Ctx(opts, request_body, _tool_names(request_body))
@@ -517,7 +670,7 @@ def build_frames(
 
 
 def scenario_names() -> list[str]:
-    return [*SCENARIOS, *_ERRORS]
+    return [*SCENARIOS, *_ERRORS, *RAW_200]
 
 
 def _as_chunk(frame: Frame) -> Frame | None:
@@ -547,7 +700,7 @@ def _merge_tool_call(calls: list[dict[str, Any]], tc: Mapping[str, Any]) -> None
     fn = tc.get("function") or {}
     if fn.get("name") and not target["function"]["name"]:
         target["function"]["name"] = fn["name"]
-    target["function"]["arguments"] += fn.get("arguments") or ""
+    target["function"]["arguments"] += _arguments_text(tc)
     target["id"] = target["id"] or tc.get("id")
 
 

@@ -227,6 +227,9 @@ async def chat_completions(request: Request) -> Response:
         await asyncio.sleep(plan.options.ttfb)
     if plan.status != 200:
         return JSONResponse(plan.frames[0], status_code=plan.status, headers=plan.headers)
+    if plan.raw is not None:
+        media_type, content = plan.raw
+        return Response(content, media_type=media_type, headers=plan.headers)
     stamp = Stamp(model, plan.options.unstable_id)
     if not stream:
         return await _non_stream(plan, stamp, _sim(request).stats)
