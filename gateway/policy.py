@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.settings import Settings, StreamMode
@@ -25,7 +25,7 @@ class StreamPolicy:
     failover_max: int
     upstream_stream: str  # always | never | auto
     engine_extras: dict[str, dict[str, Any]]  # model glob -> extra upstream body fields
-    reasoning_tags: dict[str, str]  # model glob -> "auto" | "open" (<think> splitting)
+    reasoning_tags: dict[str, str] = field(default_factory=dict)  # model glob -> "auto" | "open" (<think> splitting)
 
     @classmethod
     def snapshot(cls, settings: Settings) -> StreamPolicy:
