@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.protocols import messages as messages_module
+from gateway.protocols import tokens as tokens_module
 from gateway.protocols.chat import ChatRoom
 from tests.conftest import Gateway
 
@@ -47,9 +47,10 @@ def test_a_failing_parser_is_a_chat_500_in_the_openai_shape(gateway: Gateway, mo
 
 
 def test_a_failing_tokenizer_in_a_messages_json_answer_is_an_anthropic_500(gateway: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
-    # the o200k count runs only when the upstream gave no usage (scenario usage=none)
-    monkeypatch.setattr(messages_module, "count_chat_tokens", boom)
-    monkeypatch.setattr(messages_module, "count_text", boom)
+    # the o200k count (the usage estimate every room shares) runs only when the upstream
+    # gave no usage (scenario usage=none)
+    monkeypatch.setattr(tokens_module, "count_chat_tokens", boom)
+    monkeypatch.setattr(tokens_module, "count_text", boom)
     client = anthropic.Anthropic(base_url=gateway.url, api_key="x", max_retries=0, _strict_response_validation=True)
     with pytest.raises(anthropic.InternalServerError) as caught:
         client.messages.create(model="text;usage=none", max_tokens=64, messages=USER)  # type: ignore[arg-type]
@@ -60,8 +61,8 @@ def test_a_failing_tokenizer_in_a_messages_json_answer_is_an_anthropic_500(gatew
 
 
 def test_a_failing_tokenizer_mid_stream_is_the_in_stream_error_event(gateway: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(messages_module, "count_chat_tokens", boom)
-    monkeypatch.setattr(messages_module, "count_text", boom)
+    monkeypatch.setattr(tokens_module, "count_chat_tokens", boom)
+    monkeypatch.setattr(tokens_module, "count_text", boom)
     client = anthropic.Anthropic(base_url=gateway.url, api_key="x", max_retries=0, _strict_response_validation=True)
     with client.messages.with_streaming_response.create(
         model="text;usage=none", max_tokens=64, messages=USER, stream=True  # type: ignore[arg-type]
