@@ -265,6 +265,10 @@ def test_reasoning_tags_from_flag_and_toml(tmp_path: Path) -> None:
     config.write_text('[models."x"]\nreasoning_tags = "sometimes"\n')
     with pytest.raises(SettingsError, match="reasoning_tags"):
         model_reasoning_tags(config)
+    # the one TOML model validates [models] too: a typo is refused with its line
+    config.write_text('[models."x"]\nreasoning_tag = true\n')
+    with pytest.raises(SettingsError, match=r"gateway.toml:2: models.x.reasoning_tag: unknown key"):
+        model_reasoning_tags(config)
 
 
 @pytest.mark.parametrize("protocol", list(DRIVERS))

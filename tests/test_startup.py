@@ -246,7 +246,7 @@ def test_address_in_use_is_one_line(tmp_path: Path) -> None:
          ":2: upstreams[0].base_url: Field required"),
         ("[[upstreams]]\nbase_url = 'http://h:1/v1'\n[[upstreams]]\nbase_url = 'vllm:8000'\n",
          ":4: upstreams[1].base_url: 'vllm:8000' is not an http:// or https:// URL"),
-        ("upstream = []\n", ":1: upstream: unknown key (allowed: upstreams)"),
+        ("upstream = []\n", ":1: upstream: unknown key (allowed: upstreams, models)"),
         ("[[upstreams]]\nbase_url = 'http://h:1/v1'\nheaders = {x = 1}\n", ":3: upstreams[0].headers.x: Input should be a valid string"),
         ("[[upstreams]\nbase_url = 1\n", ": not valid TOML: "),
         ("upstreams = []\n", ": no [[upstreams]] table"),

@@ -8,7 +8,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
@@ -48,6 +48,16 @@ class UpstreamEntry(BaseModel):
         return check_base_url(value)
 
 
+class ModelEntry(BaseModel):
+    """One ``[models."<glob>"]`` table: options for the models whose name matches the glob."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reasoning_tags: bool | Literal["auto", "open"] = Field(
+        False, description='split <think> tags out of content: true/"auto", or "open" when the template opens <think>'
+    )
+
+
 class ConfigFile(BaseModel):
     """The whole ``--config`` TOML file: unknown keys are refused (a typo must not
     silently disable a setting)."""
@@ -55,6 +65,7 @@ class ConfigFile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     upstreams: list[UpstreamEntry] = Field(default_factory=list, description="one table per upstream")
+    models: dict[str, ModelEntry] = Field(default_factory=dict, description='per-model options, keyed by a name glob')
 
 
 def _key_line(text: str, loc: tuple[int | str, ...]) -> int | None:
@@ -64,6 +75,17 @@ def _key_line(text: str, loc: tuple[int | str, ...]) -> int | None:
     if not loc:
         return None
     table, rest = loc[0], loc[1:]
+    if table == "models" and len(rest) >= 2:  # [models."<glob>"], then the key in it
+        header = re.compile(rf"""^\s*\[\s*models\s*\.\s*["']?{re.escape(str(rest[0]))}["']?\s*\]""")
+        key = re.compile(rf"^\s*{re.escape(str(rest[1]))}\s*=")
+        start = next((n for n, line in enumerate(lines, 1) if header.match(line)), None)
+        if start is not None:
+            for n in range(start + 1, len(lines) + 1):
+                if re.match(r"^\s*\[", lines[n - 1]):
+                    break
+                if key.match(lines[n - 1]):
+                    return n
+        return start
     if table != "upstreams" or not rest or not isinstance(rest[0], int):
         pattern = re.compile(rf"^\s*(\[\[?\s*)?{re.escape(str(table))}\b")
         return next((n for n, line in enumerate(lines, 1) if pattern.match(line)), None)
@@ -92,7 +114,7 @@ def _error_line(path: Path, text: str, exc: ValidationError) -> str:
     where = f"{path}:{line}" if line else str(path)
     message = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
-        parent = ConfigFile if len(loc) == 1 else UpstreamEntry
+        parent = ConfigFile if len(loc) == 1 else ModelEntry if loc[0] == "models" else UpstreamEntry
         message = "unknown key (allowed: " + ", ".join(parent.model_fields) + ")"
     return f"--config {where}: {key}: {message}"
 

@@ -11,11 +11,8 @@ costs a stat, not a parse.
 
 from __future__ import annotations
 
-import tomllib
 from functools import lru_cache
 from pathlib import Path
-
-from gateway.settings import SettingsError
 
 
 def model_reasoning_tags(path: Path | None) -> dict[str, str]:
@@ -31,18 +28,13 @@ def model_reasoning_tags(path: Path | None) -> dict[str, str]:
 
 @lru_cache(maxsize=8)
 def _read(path: str, mtime: int) -> tuple[tuple[str, str], ...]:
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise SettingsError(f"cannot read --config {path}: {exc}") from None
+    """The file's ``[models]`` tables, validated by the one TOML model (unknown keys refused)."""
+    from gateway.upstream.config import load_config_file  # config imports settings; keep this light
+
     found: list[tuple[str, str]] = []
-    for glob, entry in (data.get("models") or {}).items():
-        value = entry.get("reasoning_tags") if isinstance(entry, dict) else None
-        if value is True:
-            value = "auto"
-        if value in (None, False):
+    for glob, entry in load_config_file(Path(path)).models.items():
+        value = entry.reasoning_tags
+        if value is False:
             continue
-        if value not in ("auto", "open"):
-            raise SettingsError(f'--config {path}: models."{glob}".reasoning_tags must be true, "auto" or "open"')
-        found.append((str(glob), str(value)))
+        found.append((glob, "auto" if value is True else value))
     return tuple(found)
