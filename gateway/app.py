@@ -174,6 +174,7 @@ def create_app(
         await state_writer.start()
         prober = CredentialProber(lambda: relay.pool, upstream, settings.credential_probe_interval)
         await prober.start()
+        observability.metrics.declare_configuration(relay.pool)
         if getattr(app.state, "print_banner", False):
             from gateway.banner import print_banner, startup_facts
 

@@ -164,9 +164,13 @@ class GenerationRun:
         body = answer.begin()
         events: list[Event] = []
         while body is not None:
-            async for out in self._read(body, keepalives=streaming):
-                yield out
-            events = answer.finish()
+            began, logged = time.time(), self._repairs_logged()
+            try:
+                async for out in self._read(body, keepalives=streaming):
+                    yield out
+                events = answer.finish()
+            finally:
+                self._time_repairs(logged, began)
             body = answer.begin()
         self.completion = answer.completion
         if streaming:
@@ -195,6 +199,8 @@ class GenerationRun:
                             ended = item
                             break
                         if item is _TICK:
+                            if self.record.first_keepalive_ms is None:  # the trace's keepalive wait
+                                self.record.first_keepalive_ms = round((time.time() - self.record.started_at) * 1000, 2)
                             self.record.keepalives += 1
                             out.append(self._commit() + self.encoder.encode(KEEPALIVE))  # opening first
                         elif item is ANSWERED:
@@ -221,6 +227,22 @@ class GenerationRun:
         finally:
             self.record.output_bytes = self.answer.retained_bytes
             await self._stop_reading()
+
+    def _repairs_logged(self) -> int:
+        repair = getattr(self.answer, "repair", None)
+        return len(repair.log) if repair is not None else 0
+
+    def _time_repairs(self, since: int, began: float) -> None:
+        """When the repair steps logged since ``since`` ran (the trace's repair spans): an
+        answer's read for ``original``/``regenerate``, an instant at its end for ``local``."""
+        repair = getattr(self.answer, "repair", None)
+        if repair is None:
+            return
+        ended = time.time()
+        for entry in repair.log[since:]:
+            local = entry.get("kind") == "local"
+            entry.setdefault("started_at", ended if local else began)
+            entry.setdefault("duration_ms", 0.0 if local else round((ended - began) * 1000, 1))
 
     async def _stop_reading(self) -> None:
         if self._timer is not None:

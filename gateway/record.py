@@ -29,6 +29,7 @@ class RequestRecord:
     finish_reason: str | None = None
     ttfb_ms: float | None = None  # first byte sent to the client
     ttft_ms: float | None = None  # first content delta (text, reasoning, tool arguments) written
+    first_keepalive_ms: float | None = None  # first keepalive sent while the client waited
     duration_ms: float = 0.0
     ended_at: float = 0.0
     output_bytes: int = 0
@@ -40,6 +41,8 @@ class RequestRecord:
     upstream_attempts: list[dict[str, Any]] = field(default_factory=list)  # fingerprint, status, ms
     repairs: list[dict[str, Any]] = field(default_factory=list)  # kind, outcome, usage
     bodies: dict[str, Any] | None = None  # only with --audit-bodies
+    traceparent: str | None = None  # the client's W3C trace context, when it sent one
+    trace_context: str | None = None  # tracing on: this request span's traceparent (its trace id)
 
 
 class RequestObserver(Protocol):

@@ -77,6 +77,7 @@ class GenerationService:
         settings = self.live.current
         policy = StreamPolicy.snapshot(settings)
         record.mode = policy.mode.value
+        record.traceparent = (request.headers.get("traceparent") or "")[:128] or None
         self.observer.on_start(record)
         headers = {"x-request-id": record.request_id, "x-codebuddy2api-stream-mode": policy.mode.value}
         run: GenerationRun | None = None
@@ -119,7 +120,7 @@ class GenerationService:
             return error_response(room, err, headers)
         session = request.headers.get(settings.session_header) if settings.session_header else None
         try:
-            run = GenerationRun(room, parsed, policy, record, UpstreamAttempts(self.pool, self.upstream, policy, session))
+            run = GenerationRun(room, parsed, policy, record, UpstreamAttempts(self.pool, self.upstream, policy, session, record.trace_context))
         except Exception as exc:
             err = internal_error(exc, record.request_id, "encoder")
             outcome.failed(err)

@@ -95,6 +95,9 @@ class Settings(BaseSettings):
     credential_probe_interval: float = Field(
         5.0, gt=0, description="first re-probe of a credential disabled by a 401/403 (seconds; doubles up to 300)"
     )
+    otlp_endpoint: str | None = Field(
+        None, description="OTLP/HTTP collector URL for OpenTelemetry traces, e.g. http://127.0.0.1:4318; none = no tracing"
+    )
 
 
     @field_validator("upstream_url", "api_key", mode="before")
@@ -144,6 +147,22 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             pairs = (p.strip().partition("=") for p in value.split(",") if p.strip())
             return {glob.strip(): (mode.strip() or "auto") for glob, _, mode in pairs}
+        return value
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _otlp_url(cls, value: str | None) -> str | None:
+        """An http(s) URL without credentials: settings are shown in the admin API and the
+        WebUI; a collector's auth goes in OTEL_EXPORTER_OTLP_HEADERS (read by the exporter)."""
+        if not value:
+            return None
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL, e.g. http://127.0.0.1:4318")
+        if parts.username or parts.password:
+            raise ValueError("must not carry credentials; put them in OTEL_EXPORTER_OTLP_HEADERS")
         return value
 
     @field_validator("engine_extras", mode="before")
@@ -230,6 +249,7 @@ CLI_FIELDS: dict[str, str] = {
     "spill_max_bytes": "the spill journal's bound, reserved on disk at start-up",
     "shutdown_timeout": "on SIGTERM, seconds open requests may finish before they are ended with an error event",
     "credential_probe_interval": "seconds before re-probing a credential disabled by a 401/403 (doubles up to 300)",
+    "otlp_endpoint": "send OpenTelemetry traces (GenAI conventions) to this OTLP/HTTP collector, e.g. http://127.0.0.1:4318",
 }
 
 
@@ -250,7 +270,7 @@ def _describe_error(exc: ValidationError, cli_keys: set[str], saved: bool = Fals
     annotation = Settings.model_fields[field].annotation if field in Settings.model_fields else None
     if isinstance(annotation, type) and issubclass(annotation, StrEnum):
         allowed = " (allowed: " + ", ".join(m.value for m in annotation) + ")"
-    shown = "[redacted]" if field in ("database_url", "upstream_api_key", "admin_token", "api_key") else err.get("input")
+    shown = "[redacted]" if field in ("database_url", "upstream_api_key", "admin_token", "api_key", "otlp_endpoint") else err.get("input")
     return f"invalid value {shown!r} for {where}: {err['msg'].removeprefix('Value error, ')}{allowed}"
 
 

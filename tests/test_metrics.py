@@ -45,6 +45,12 @@ FAMILIES = {
     "codebuddy2api_shutdown_cut_requests": "counter",
     "codebuddy2api_config_revision": "gauge",
     "codebuddy2api_stream_mode": "gauge",
+    "codebuddy2api_time_to_first_token_seconds": "histogram",
+    "codebuddy2api_tokens": "counter",
+    "codebuddy2api_request_errors": "counter",
+    "codebuddy2api_build_info": "gauge",
+    "process_resident_memory_bytes": "gauge",
+    "process_cpu_seconds": "counter",
 }
 USER = [{"role": "user", "content": "hi"}]
 
@@ -166,6 +172,11 @@ def test_serve_with_two_workers_aggregates_metrics(tmp_path: Path) -> None:
             assert sum(v for (n, _), v in samples.items() if n == "codebuddy2api_in_flight_requests") == 0
             assert samples[("codebuddy2api_stream_mode", (("mode", "realtime"),))] == 1  # the CLI flag reached workers
             assert sum(v for (n, _), v in samples.items() if n == "codebuddy2api_request_duration_seconds_count") == sent
+            # process_* of both workers, summed (prometheus-client's own collector sees one process)
+            assert samples[("codebuddy2api_workers", ())] == 2
+            assert samples[("process_resident_memory_bytes", ())] > 2 * 10_000_000
+            assert samples[("process_open_fds", ())] > 0
+            assert samples[("codebuddy2api_build_info", (("python", sys.version.split()[0]), ("version", "0.1.0")))] == 1
         # no --admin-token: the CLI generated one for this run, printed its login URL once,
         # and every worker accepts it (new connections: either worker may answer)
         login = [json.loads(line)["admin_login_url"] for line in (tmp_path / "stderr").read_text().splitlines() if '"startup"' in line]
@@ -198,14 +209,36 @@ def test_grafana_dashboard_queries_only_exposed_metrics(
     httpx.post(gw.base_url + "/chat/completions", json={"model": "echo", "messages": USER, "stream": True})
     exposed = families(httpx.get(gw.url + "/metrics").text)  # labelled families may have no sample yet
     dashboard = json.loads((Path(__file__).parent.parent / "docs" / "grafana-dashboard.json").read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert {"job", "instance"} <= set(variables)
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
-    used = {name for e in exprs for name in re.findall(r"codebuddy2api_[a-z_]+", e)}
+    queries = [v["query"]["query"] for v in variables.values()]
+    metric = re.compile(r"\b((?:codebuddy2api|process)_[a-z_]+)\b(\{[^}]*\})?")
+    used = {m.group(1) for e in exprs + queries for m in metric.finditer(e)}
     suffix = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     valid = {name + end for name, kind in exposed.items() for end in suffix[kind]}
     assert used and used <= valid, used - valid
+    docs = (Path(__file__).parent.parent / "docs" / "observability.md").read_text()
+    alerts = docs.split("### Alerts to start from", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    alerted = {m.group(1) for m in metric.finditer(alerts)}
+    assert len(alerted) >= 4 and alerted <= valid, alerted - valid  # the documented alert rules too
+    for e in exprs:  # every series is narrowed to the chosen jobs and instances (two replicas: scaling.md)
+        for m in metric.finditer(e):
+            assert m.group(2) and 'job=~"$job"' in m.group(2) and 'instance=~"$instance"' in m.group(2), e
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
-    for topic in ("requests/s", "error rate", "first byte", "in-flight", "repairs", "budget", "keepalives"):
+    for topic in ("requests/s", "error rate", "first byte", "first token", "duration", "tokens/s by model",
+                  "error code", "upstream attempts", "process", "build", "in-flight", "repairs", "budget",
+                  "keepalives"):
         assert topic in titles, topic
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    cells = set()
+    for p in dashboard["panels"]:  # no two panels overlap on the 24-column grid
+        g = p["gridPos"]
+        assert g["x"] + g["w"] <= 24
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not mine & cells, p["title"]
+        cells |= mine
 
 
 def test_observability_flags_map_onto_settings() -> None:

@@ -22,7 +22,11 @@ from typing import Any
 import httpx
 import pytest
 
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
 from gateway.app import create_app
+from gateway.observability.tracing import Tracing
 from gateway.servers import bind_loopback, start_embedded, stop_embedded
 from gateway.settings import Settings
 from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway
@@ -67,6 +71,8 @@ def ui(server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.T
     settings = Settings(upstream_url=[simulator.url + "/v1"], data_dir=tmp_path_factory.mktemp("webui"),
                         keepalive_interval=0.5, admin_token=TOKEN, audit_bodies=True)
     app = create_app(settings, sources)
+    # traces to memory: the audit detail shows each request's trace id
+    app.state.observability.observer.tracing = Tracing(SimpleSpanProcessor(InMemorySpanExporter()))
     return Gateway(server_loop.serve(app), app)
 
 
@@ -125,8 +131,8 @@ def settings_api(ui: Gateway) -> dict[str, Any]:
     return httpx.get(ui.url + "/admin/api/settings", headers=AUTH).json()
 
 
-def shot(page: Any, shots: Path, name: str) -> None:
-    page.screenshot(path=str(shots / f"{name}.png"))
+def shot(page: Any, shots: Path, name: str, full_page: bool = False) -> None:
+    page.screenshot(path=str(shots / f"{name}.png"), full_page=full_page)
 
 
 # -- tests ---------------------------------------------------------------------------------
@@ -261,9 +267,101 @@ def test_the_dashboard_moves_after_a_burst(page: Any, ui: Gateway, shots: Path) 
     assert int(rows.nth(1).text_content()) >= 3
     assert page.locator("#credential-health tbody .pill.ok").count() == 1
     assert page.text_content("#dash-ready .pill") == "ready"  # the same reasons as /readyz
-    assert page.locator(".chart canvas").count() == 6  # every chart drew
+    assert page.locator(".chart canvas").count() == 10  # every chart drew
     page.wait_for_timeout(300)  # let the charts settle before the picture
     shot(page, shots, "dashboard")
+
+
+RANGES = {"300": ("5 min", 5), "3600": ("1 h", 10), "21600": ("6 h", 60), "86400": ("24 h", 300),
+          "604800": ("7 d", 1800)}
+
+
+def test_the_range_picker_drives_every_chart_and_the_new_panels_show_ttft_tokens_and_codes(
+    page: Any, ui: Gateway, shots: Path
+) -> None:
+    with httpx.Client(timeout=20) as http:
+        for model in ("reasoning", "echo", "reasoning"):
+            body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                    "stream_options": {"include_usage": True}}
+            assert http.post(ui.base_url + "/chat/completions", json=body).status_code == 200
+        failed = http.post(ui.base_url + "/chat/completions",
+                           json={"model": "server_error", "messages": [{"role": "user", "content": "hi"}]})
+        wait_audited(ui, failed.headers["x-request-id"])
+    login(page, ui, "#/dashboard")
+    page.wait_for_selector("#chart-tokens[data-series]")
+    charts = page.locator(".charts .chart")
+    ids = [charts.nth(i).get_attribute("id") for i in range(charts.count())]
+    for panel in ("chart-ttft", "chart-tokens", "chart-error-codes", "chart-duration"):
+        assert panel in ids
+    for seconds, (label, bucket) in RANGES.items():
+        page.click(f"#range-picker button[data-range='{seconds}']")
+        page.wait_for_function(f"document.querySelector('.page-head').dataset.range === '{seconds}'")
+        assert page.get_attribute(f"#range-picker button[data-range='{seconds}']", "aria-pressed") == "true"
+        assert page.locator("#range-picker button[aria-pressed='true']").count() == 1
+        assert page.text_content("#dash-updated").startswith(f"last {label} · {bucket}s buckets")
+        assert page.text_content("#stat-requests .stat-sub") == f"last {label}"
+        for chart in ids:  # every chart, in-flight included
+            since, until = (float(v) for v in page.get_attribute(f"#{chart}", "data-range").split(":"))
+            assert until - since == int(seconds), chart  # the x axis spans the chosen range
+            assert int(page.get_attribute(f"#{chart}", "data-points")) == int(seconds) // bucket
+        assert float(page.get_attribute("#stat-ttft-p50", "data-value")) > 0
+        assert "reasoning" in page.get_attribute("#chart-tokens", "data-series").split(",")
+        assert "upstream_error" in page.get_attribute("#chart-error-codes", "data-series").split(",")
+        if seconds == "300":
+            page.wait_for_timeout(300)
+            shot(page, shots, "dashboard-5min", full_page=True)
+    assert page.locator(".chart canvas").count() == 10
+    ttft_p95 = float(page.get_attribute("#stat-ttft-p95", "data-value"))
+    series = httpx.get(ui.url + "/admin/api/audit/timeseries?window=604800&bucket=1800", headers=AUTH).json()
+    assert ttft_p95 == series["total"]["summary"]["ttft_ms_p95"]
+    page.click("#range-picker button[data-range='3600']")  # the default again, for the other tests
+
+
+def test_audit_filters_by_code_model_protocol_mode_and_request_id_and_fits_1280(
+    page: Any, ui: Gateway, shots: Path
+) -> None:
+    long_model = "echo;chunk=7;delay=0" + ";usage=separate" * 4  # a long name must not widen the table
+    ok = chat(ui, model=long_model, stream=True)
+    failed = chat(ui, model="server_error", stream=False)
+    for response in (ok, failed):
+        wait_audited(ui, response.headers["x-request-id"])
+    login(page, ui, "#/audit")
+    page.wait_for_selector(f"tr[data-request-id='{ok.headers['x-request-id']}']")
+    sizes = page.evaluate("""() => ({page: document.documentElement.scrollWidth,
+        card: document.querySelector('.table-card').scrollWidth,
+        cardClient: document.querySelector('.table-card').clientWidth})""")
+    assert sizes["page"] <= VIEWPORT["width"] and sizes["card"] <= sizes["cardClient"], sizes
+    shot(page, shots, "audit")
+
+    def rows() -> list[str]:
+        return page.eval_on_selector_all("#audit-rows tr[data-request-id]", "els => els.map(e => e.dataset.requestId)")
+
+    def apply(**fields: str) -> list[str]:
+        for selector, value in fields.items():
+            if selector in ("f-outcome", "f-protocol", "f-mode"):
+                page.select_option(f"#{selector}", value)
+            else:
+                page.fill(f"#{selector}", value)
+        loads = int(page.get_attribute("#audit-rows", "data-loads") or 0)
+        page.click("#apply-filters")
+        page.wait_for_function(f"Number(document.querySelector('#audit-rows').dataset.loads) > {loads}")
+        return rows()
+
+    found = apply(**{"f-error-code": "upstream_error"})
+    assert set(page.locator("#audit-rows td[data-col=error]").all_text_contents()) == {"upstream_error"}
+    shot(page, shots, "audit-filtered")
+    expected = httpx.get(ui.url + "/admin/api/audit?error_code=upstream_error&limit=50", headers=AUTH).json()
+    assert found == [r["request_id"] for r in expected["data"]] and failed.headers["x-request-id"] in found
+    assert apply(**{"f-error-code": "", "f-model": long_model}) == [ok.headers["x-request-id"]]
+    assert apply(**{"f-protocol": "messages"}) == []  # the model was asked over chat
+    assert apply(**{"f-protocol": "chat", "f-mode": "realtime", "f-model": ""}) == [
+        r["request_id"] for r in httpx.get(ui.url + "/admin/api/audit?protocol=chat&mode=realtime&limit=50",
+                                           headers=AUTH).json()["data"]]
+    assert apply(**{"f-mode": "", "f-protocol": "", "f-outcome": "error",
+                    "f-request-id": failed.headers["x-request-id"]}) == [failed.headers["x-request-id"]]
+    assert page.locator("#audit-rows .pill").all_text_contents() == ["error"]
+    assert apply(**{"f-outcome": "success"}) == []  # filters combine
+    apply(**{"f-outcome": "", "f-request-id": ""})
 
 
 def test_audit_detail_renders_model_output_as_text(page: Any, ui: Gateway, shots: Path) -> None:
@@ -298,6 +396,7 @@ def test_audit_detail_renders_model_output_as_text(page: Any, ui: Gateway, shots
     assert page.locator("#audit-bodies img").count() == 0
     assert page.evaluate("typeof window.__xss") == "undefined"
     assert page.text_content("#detail-mode") == record["mode"]
+    assert page.text_content("#detail-trace") == record["trace_context"].split("-")[1]
     page.wait_for_timeout(200)  # an injected onerror handler would have fired by now
     assert page.evaluate("typeof window.__xss") == "undefined"
     page.evaluate("window.scrollTo(0, document.querySelector('#audit-bodies').offsetTop - 300)")
@@ -344,6 +443,34 @@ def test_credentials_add_disable_enable_reset(page: Any, ui: Gateway, shots: Pat
     row.locator(".pill.error").wait_for()
     state = {c["id"]: c for c in httpx.get(ui.url + "/admin/api/credentials", headers=AUTH).json()["credentials"]}
     assert state[added["id"]]["disabled"] is True
+
+
+def test_credentials_show_each_ones_success_rate_and_last_error(page: Any, ui: Gateway, shots: Path) -> None:
+    failed = chat(ui, model="server_error", stream=False)
+    chat(ui)
+    wait_audited(ui, failed.headers["x-request-id"])
+    rows = httpx.get(ui.url + "/admin/api/audit?limit=1000", headers=AUTH).json()["data"]
+    [main] = [c for c in httpx.get(ui.url + "/admin/api/credentials", headers=AUTH).json()["credentials"]
+              if c["upstream"] == "upstream"]
+    attempts = [a for r in rows for a in r["upstream_attempts"] if a["credential"] == main["fingerprint"]]
+    succeeded = sum(1 for a in attempts if a["status"] == 200 and not a.get("error"))
+    failures = [a for a in attempts if a.get("error")]
+    stats = main["stats"]
+    assert (stats["succeeded"], stats["failed"]) == (succeeded, len(failures)) and failures and succeeded
+    assert stats["success_rate"] == succeeded / (succeeded + len(failures))
+    assert stats["last_error"]["code"] == "upstream_error" and stats["last_error"]["status"] == 500
+
+    login(page, ui, "#/credentials")
+    row = page.locator(f"#credential-rows tr[data-credential-id='{main['id']}']")
+    row.wait_for()
+    rate = row.locator("td.success-rate")
+    assert float(rate.get_attribute("data-value")) == stats["success_rate"]
+    assert rate.text_content().startswith(f"{stats['success_rate'] * 100:.1f} %")
+    assert f"of {succeeded + len(failures)}" in rate.text_content()
+    assert "upstream_error (HTTP 500)" in row.locator("td.last-error").text_content()
+    sizes = page.evaluate("() => [document.documentElement.scrollWidth, window.innerWidth]")
+    assert sizes[0] <= sizes[1]
+    shot(page, shots, "credentials")
 
 
 def test_without_an_admin_token_loopback_needs_the_login_url_and_its_writes_work(
@@ -406,6 +533,7 @@ def test_status_and_timeseries_on_postgres(
 
 def check_status_and_timeseries(ui: Gateway) -> None:
     """The two routes the dashboard reads, checked against the audit rows themselves."""
+    wait_audited(ui, chat(ui, model="reasoning").headers["x-request-id"])  # streamed: TTFB, TTFT, tokens
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     body = {"model": "invalid_json", "messages": [{"role": "user", "content": "hi"}], "tools": tools}
     repaired = httpx.post(ui.base_url + "/chat/completions", json=body, timeout=20)
@@ -450,6 +578,30 @@ def check_status_and_timeseries(ui: Gateway) -> None:
         assert counted == expected
     ttfbs = sorted(r["ttfb_ms"] for r in in_window if r["ttfb_ms"] is not None)
     assert total["summary"]["ttfb_ms_p50"] == ttfbs[(len(ttfbs) + 1) // 2 - 1]  # nearest rank
+    for name in ("ttft", "duration"):
+        values = sorted(r[f"{name}_ms"] for r in in_window if r.get(f"{name}_ms") is not None)
+        assert values and total["summary"][f"{name}_ms_p95"] == values[-(-len(values) * 95 // 100) - 1]
+    tokens: dict[str, float] = {}
+    codes: dict[str, int] = {}
+    for r in in_window:
+        if r["usage"].get("completion_tokens"):
+            tokens[r["model"]] = tokens.get(r["model"], 0) + r["usage"]["completion_tokens"]
+        if r["error_code"]:
+            codes[r["error_code"]] = codes.get(r["error_code"], 0) + 1
+    assert {m: v["total_output_tokens"] for m, v in series["by_model"].items()} == tokens  # < 8 models: no "other"
+    assert all(sum(v["tokens_per_second"]) * 60 == v["total_output_tokens"] for v in series["by_model"].values())
+    assert {c: v["total"] for c, v in series["by_error_code"].items()} == codes and codes
+    # mean requests in flight per bucket: every request's duration, spread over its buckets
+    busy = sum(total["in_flight_mean"]) * 60
+    spent = sum(min(r["started_at"] + r["duration_ms"] / 1000, series["until"]) - r["started_at"] for r in in_window)
+    assert busy == pytest.approx(spent, rel=1e-6) and busy > 0
+    assert sum(sum(g["in_flight_mean"]) for g in series["by_protocol"].values()) == pytest.approx(sum(total["in_flight_mean"]))
+
+    # per-credential stats (JSON arrays out of the store: text on SQLite, jsonb on PostgreSQL)
+    for credential in httpx.get(ui.url + "/admin/api/credentials", headers=AUTH).json()["credentials"]:
+        attempts = [a for r in rows for a in r["upstream_attempts"] if a["credential"] == credential["fingerprint"]]
+        assert credential["stats"]["attempts"] == len(attempts)
+        assert credential["stats"]["failed"] == sum(1 for a in attempts if a.get("error"))
 
     bad = httpx.get(ui.url + "/admin/api/audit/timeseries?window=86400&bucket=1", headers=AUTH)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "bucket"

@@ -98,46 +98,115 @@ async def aggregate_audit(request: Request) -> Response:
 
 
 MAX_BUCKETS = 1440
+#: The charts' per-model and per-error-code series: the biggest ones, the rest as "other".
+TOP_SERIES = 8
+
+
+class _Cell:
+    """One time bucket of one group: counts and the latencies to take percentiles of."""
+
+    __slots__ = ("requests", "errors", "ttfb", "ttft", "duration", "busy")
+
+    def __init__(self) -> None:
+        self.busy = 0.0  # request-seconds spent inside this bucket (-> mean requests in flight)
+        self.requests = 0
+        self.errors = 0
+        self.ttfb: list[float] = []
+        self.ttft: list[float] = []
+        self.duration: list[float] = []
 
 
 def _bucketed(rows: list[tuple[Any, ...]], start: float, bucket: float, count: int, column: int) -> dict[str, Any]:
-    """Per-bucket requests, errors and p50/p95 TTFB, grouped by protocol (column 1),
-    mode (column 2) or not at all (column -1: one group, "all")."""
-    cells: dict[str, list[tuple[list[int], list[float]]]] = {}
+    """Per-bucket requests, errors, p50/p95 TTFB, TTFT and duration, and the mean number
+    of requests in flight (each request's time spread over the buckets it spans), grouped
+    by protocol (column 1), mode (column 2) or not at all (column -1: one group, "all")."""
+    cells: dict[str, list[_Cell]] = {}
     if column < 0:
-        cells["all"] = [([0, 0], []) for _ in range(count)]
-    for started_at, protocol, mode, outcome, ttfb in rows:
+        cells["all"] = [_Cell() for _ in range(count)]
+    for row in rows:
+        started_at, protocol, mode, outcome, ttfb, ttft, duration = row[:7]
         key = "all" if column < 0 else str((protocol, mode)[column - 1])
-        slots = cells.setdefault(key, [([0, 0], []) for _ in range(count)])
-        counts, ttfbs = slots[min(count - 1, max(0, int((started_at - start) // bucket)))]
-        counts[0] += 1
-        counts[1] += outcome == "error"
-        if ttfb is not None:
-            ttfbs.append(float(ttfb))
+        slots = cells.setdefault(key, [_Cell() for _ in range(count)])
+        first = min(count - 1, max(0, int((started_at - start) // bucket)))
+        cell = slots[first]
+        if duration is not None:  # spread the request's time over the buckets it spans
+            ends = started_at + float(duration) / 1000
+            for i in range(first, count):
+                low, high = start + i * bucket, start + (i + 1) * bucket
+                if low >= ends:
+                    break
+                slots[i].busy += max(0.0, min(ends, high) - max(started_at, low))
+        cell.requests += 1
+        cell.errors += outcome == "error"
+        for values, value in ((cell.ttfb, ttfb), (cell.ttft, ttft), (cell.duration, duration)):
+            if value is not None:
+                values.append(float(value))
     out: dict[str, Any] = {}
     for key, slots in sorted(cells.items()):
-        ordered = [sorted(t) for _, t in slots]
-        everything = sorted(v for t in ordered for v in t)
-        requests, errors = sum(c[0] for c, _ in slots), sum(c[1] for c, _ in slots)
-        out[key] = {
-            "requests": [c[0] for c, _ in slots],
-            "errors": [c[1] for c, _ in slots],
-            "ttfb_ms_p50": [audit.percentile(t, 50) for t in ordered],
-            "ttfb_ms_p95": [audit.percentile(t, 95) for t in ordered],
-            "summary": {  # the whole window
-                "requests": requests,
-                "errors": errors,
-                "error_rate": errors / requests if requests else 0.0,
-                "ttfb_ms_p50": audit.percentile(everything, 50),
-                "ttfb_ms_p95": audit.percentile(everything, 95),
-            },
+        requests, errors = sum(c.requests for c in slots), sum(c.errors for c in slots)
+        group: dict[str, Any] = {
+            "requests": [c.requests for c in slots], "errors": [c.errors for c in slots],
+            "in_flight_mean": [c.busy / bucket for c in slots],
         }
+        summary: dict[str, Any] = {
+            "requests": requests, "errors": errors, "error_rate": errors / requests if requests else 0.0,
+        }
+        for name in ("ttfb", "ttft", "duration"):
+            ordered = [sorted(getattr(c, name)) for c in slots]
+            everything = sorted(v for t in ordered for v in t)
+            for q in (50, 95):
+                group[f"{name}_ms_p{q}"] = [audit.percentile(t, q) for t in ordered]
+                summary[f"{name}_ms_p{q}"] = audit.percentile(everything, q)
+        group["summary"] = summary  # the whole window
+        out[key] = group
     return out
 
 
+def _top(totals: dict[str, float]) -> set[str]:
+    return {k for k, _ in sorted(totals.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_SERIES]}
+
+
+def _by_model(rows: list[tuple[Any, ...]], start: float, bucket: float, count: int) -> dict[str, Any]:
+    """Output tokens per second of each model (the biggest TOP_SERIES; the rest "other")."""
+    totals: dict[str, float] = {}
+    for row in rows:
+        if row[9]:
+            totals[str(row[8])] = totals.get(str(row[8]), 0) + float(row[9])
+    top = _top(totals)
+    series: dict[str, list[float]] = {}
+    for row in rows:
+        if not row[9]:
+            continue
+        key = str(row[8]) if str(row[8]) in top else "other"
+        slots = series.setdefault(key, [0.0] * count)
+        slots[min(count - 1, max(0, int((row[0] - start) // bucket)))] += float(row[9])
+    return {
+        model: {"output_tokens": slots, "tokens_per_second": [t / bucket for t in slots],
+                "total_output_tokens": sum(slots)}
+        for model, slots in sorted(series.items())
+    }
+
+
+def _by_error_code(rows: list[tuple[Any, ...]], start: float, bucket: float, count: int) -> dict[str, Any]:
+    """Requests per bucket for each error code (the biggest TOP_SERIES; the rest "other")."""
+    totals: dict[str, float] = {}
+    for row in rows:
+        if row[7]:
+            totals[str(row[7])] = totals.get(str(row[7]), 0) + 1
+    top = _top(totals)
+    series: dict[str, list[int]] = {}
+    for row in rows:
+        if row[7]:
+            key = str(row[7]) if str(row[7]) in top else "other"
+            slots = series.setdefault(key, [0] * count)
+            slots[min(count - 1, max(0, int((row[0] - start) // bucket)))] += 1
+    return {code: {"requests": slots, "total": sum(slots)} for code, slots in sorted(series.items())}
+
+
 async def timeseries_audit(request: Request) -> Response:
-    """Counts, errors and TTFB percentiles per time bucket, overall, by protocol and by mode
-    (the WebUI dashboard's charts). Buckets are aligned to multiples of ``bucket`` seconds."""
+    """Counts, errors, TTFB/TTFT/duration percentiles per time bucket, overall, by protocol
+    and by mode, plus output tokens/s by model and errors by code (the WebUI dashboard's
+    charts). Buckets are aligned to multiples of ``bucket`` seconds."""
     try:
         window = _number(request, "window", 3600.0, 1.0, MAX_WINDOW, integer=False)
         bucket = _number(request, "bucket", 60.0, 1.0, MAX_WINDOW, integer=False)
@@ -151,7 +220,9 @@ async def timeseries_audit(request: Request) -> Response:
 
     def run(conn: Any) -> list[tuple[Any, ...]]:  # SQL that runs on SQLite and PostgreSQL
         return conn.execute(
-            "SELECT started_at, protocol, mode, outcome, json_extract(record, '$.ttfb_ms')"
+            "SELECT started_at, protocol, mode, outcome, json_extract(record, '$.ttfb_ms'),"
+            " json_extract(record, '$.ttft_ms'), json_extract(record, '$.duration_ms'), error_code, model,"
+            " json_extract(record, '$.usage.completion_tokens')"
             " FROM audit WHERE started_at >= ? AND started_at < ?",
             (start, end),
         ).fetchall()
@@ -166,6 +237,8 @@ async def timeseries_audit(request: Request) -> Response:
         "total": _bucketed(rows, start, bucket, count, -1)["all"],
         "by_protocol": _bucketed(rows, start, bucket, count, 1),
         "by_mode": _bucketed(rows, start, bucket, count, 2),
+        "by_model": _by_model(rows, start, bucket, count),
+        "by_error_code": _by_error_code(rows, start, bucket, count),
     })
 
 

@@ -4,12 +4,14 @@ one, disable, re-enable, reset cooldowns. Keys go in, never come out."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.admin.common import BAD_BODY, NotAnObject, admin_error, json_object
+from gateway.store import audit
 
 from gateway.upstream.pool import Credential, Upstream, UpstreamPool
 
@@ -18,9 +20,18 @@ def _pool(request: Request) -> UpstreamPool:
     return request.app.state.relay.pool
 
 
+#: The window of each credential's success rate and last error (from the audit store).
+STATS_WINDOW = 86400.0
+
+
 async def list_credentials(request: Request) -> Response:
+    """Every credential (never a key), with its upstream attempts over the last day."""
     pool = _pool(request)
-    return JSONResponse({"credentials": [c.public() for c in pool.credentials], "in_flight": pool.in_flight})
+    now = time.time()
+    stats = await audit.credential_stats(request.app.state.db, now - STATS_WINDOW)
+    empty = {"attempts": 0, "succeeded": 0, "failed": 0, "success_rate": None, "last_error": None}
+    credentials = [c.public(now) | {"stats": stats.get(c.fingerprint, empty)} for c in pool.credentials]
+    return JSONResponse({"credentials": credentials, "in_flight": pool.in_flight, "stats_window": STATS_WINDOW})
 
 
 async def add_credential(request: Request) -> Response:
@@ -43,6 +54,7 @@ async def add_credential(request: Request) -> Response:
     # off the event loop: a slow store must not stall the streams this process serves
     await asyncio.to_thread(state.add_credential, credential.id, credential.upstream.name, base_url, api_key)
     pool.add(credential)
+    request.app.state.observability.metrics.declare_configuration(pool)  # its upstream's series, at zero
     return JSONResponse(credential.public(), status_code=201)
 
 

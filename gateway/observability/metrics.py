@@ -1,6 +1,12 @@
 """Prometheus metrics for generation requests, fed from finished :class:`RequestRecord`\\ s.
 
 Each app owns its own :class:`CollectorRegistry` (tests run several apps in one process).
+Label values that come from traffic (model names, upstream names, error codes) go through a
+:class:`BoundedLabel`: configured values and a bounded set of the most frequent others keep
+their name, the rest become ``other``, so no client can grow the series without bound.
+Known label combinations are declared at zero at start, so a scraper sees them before the
+first event.
+
 With several worker processes (``--workers N``) prometheus-client runs in multiprocess
 mode: ``PROMETHEUS_MULTIPROC_DIR`` is set before the workers import it, every worker
 writes its values to files there, and ``/metrics`` aggregates them with
@@ -10,6 +16,10 @@ writes its values to files there, and ``/metrics`` aggregates them with
 from __future__ import annotations
 
 import os
+import platform
+import re
+from collections.abc import Iterable, Iterator
+from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -19,17 +29,50 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
+    ProcessCollector,
+    disable_created_metrics,
     multiprocess,
 )
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from gateway.errors import ErrorCode
 
 if TYPE_CHECKING:
     from gateway.record import RequestRecord
     from gateway.settings import LiveSettings
+    from gateway.upstream.pool import UpstreamPool
+
+#: No ``*_created`` samples: with every known series declared they would double the
+#: exposition and the series Prometheus stores, for a timestamp no dashboard reads
+#: (``rate()`` handles counter resets without it).
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 PREFIX = "codebuddy2api_"
 PROTOCOLS = ("chat", "messages", "responses")
 MODES = ("compatible", "realtime")
 OUTCOMES = ("success", "error", "cancelled", "invalid", "refused")
+ATTEMPT_OUTCOMES = ("success", "error", "cancelled", "unknown")
+STATUS_CLASSES = ("2xx", "4xx", "5xx", "timeout", "network", "none")
+REPAIR_OUTCOMES = ("valid", "repaired", "invalid")
+#: Token kinds counted, and the ``usage`` field of the record each comes from.
+TOKEN_KINDS = {
+    "input": "prompt_tokens",
+    "output": "completion_tokens",
+    "reasoning": "reasoning_tokens",
+    "cached": "cached_tokens",
+}
+#: Error codes declared at zero: the gateway's shared codes and those only raised in one
+#: place (others are admitted as they happen, within the bound).
+KNOWN_ERROR_CODES = tuple(sorted({code.value for code in ErrorCode} | {
+    "failover_exhausted", "model_not_available", "no_upstream_available", "upstream_rate_limited", "upstream_unavailable",
+    "upstream_error", "upstream_idle_timeout", "upstream_disconnected", "upstream_rejected",
+    "upstream_auth_failed", "upstream_not_found", "upstream_bad_frame", "upstream_capacity",
+}))
+OTHER = "other"
+#: How many traffic-chosen values a label admits beyond the configured ones.
+DYNAMIC_MODELS = 20
+DYNAMIC_UPSTREAMS = 20
+DYNAMIC_ERROR_CODES = 30
 #: Error codes meaning the upstream's terminal failed the gateway's validation.
 TERMINAL_VALIDATION_CODES = frozenset(
     {"tool_call_invalid", "upstream_incomplete", "tool_identity_changed", "empty_response"}
@@ -74,6 +117,105 @@ def attempt_labels(attempt: dict[str, Any], request_outcome: str) -> tuple[str, 
     return outcome, status_class
 
 
+class BoundedLabel:
+    """Label values for one unbounded dimension, with at most ``len(known) + capacity``
+    distinct values.
+
+    Configured values always keep their name. Any other value keeps it once it has been
+    seen ``min_hits`` times while there is room (so the frequent ones win the places and
+    a stream of one-off names does not); until then, and once the places are taken, it is
+    ``other``. Hit counts are kept for at most ``max_candidates`` values, then forgotten.
+    """
+
+    def __init__(self, known: Iterable[str] = (), capacity: int = 20, min_hits: int = 3,
+                 max_candidates: int = 1000) -> None:
+        self.known: set[str] = set(known)
+        self.capacity = capacity
+        self.min_hits = min_hits
+        self.max_candidates = max_candidates
+        self.admitted: set[str] = set()
+        self._hits: dict[str, int] = {}
+
+    def add_known(self, values: Iterable[str]) -> None:
+        self.known.update(v for v in values if v)
+
+    def __call__(self, value: str | None) -> str:
+        if not value:
+            return "none"
+        if value in self.known or value in self.admitted:
+            return value
+        if len(self.admitted) >= self.capacity:
+            return OTHER
+        hits = self._hits.get(value, 0) + 1
+        if hits >= self.min_hits:
+            self._hits.pop(value, None)
+            self.admitted.add(value)
+            return value
+        if len(self._hits) >= self.max_candidates:
+            self._hits.clear()
+        self._hits[value] = hits
+        return OTHER
+
+    def values(self) -> set[str]:
+        """Every value this label may take now (``other`` included)."""
+        return self.known | self.admitted | {OTHER}
+
+
+def build_version() -> str:
+    try:
+        return metadata.version("codebuddy2api")
+    except metadata.PackageNotFoundError:  # pragma: no cover - run from a bare checkout
+        return "unknown"
+
+
+_PID_FILE = re.compile(r"_(\d+)\.db$")
+
+
+class WorkersProcessCollector:
+    """``process_*`` for every live worker of ``--workers N``, summed (memory, CPU, file
+    descriptors; the earliest start time), whichever worker answers the scrape.
+
+    prometheus-client's :class:`ProcessCollector` sees only its own process, so in
+    multiprocess mode it is run once per worker pid found among the live-gauge files of
+    ``PROMETHEUS_MULTIPROC_DIR`` (a worker removes them when it exits)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def worker_pids(self) -> list[int]:
+        pids: set[int] = set()
+        for name in os.listdir(self.directory):
+            match = _PID_FILE.search(name)
+            if name.startswith("gauge_live") and match:
+                pids.add(int(match.group(1)))
+        pids.add(os.getpid())
+        return sorted(pid for pid in pids if os.path.exists(f"/proc/{pid}"))
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        pids = self.worker_pids()
+        for pid in pids:
+            collector = ProcessCollector(pid=lambda pid=pid: pid, registry=None)  # type: ignore[misc]
+            for family in collector.collect():
+                sample = family.samples[0] if family.samples else None
+                if sample is None:
+                    continue
+                known = merged.get(family.name)
+                if known is None:
+                    merged[family.name] = family
+                    continue
+                old = known.samples[0]
+                if family.name in ("process_start_time_seconds", "process_max_fds"):
+                    value = min(old.value, sample.value)
+                else:
+                    value = old.value + sample.value
+                known.samples[0] = old._replace(value=value)
+        workers = GaugeMetricFamily(PREFIX + "workers", "Live worker processes whose process_* are summed here")
+        workers.add_metric([], len(pids))
+        yield from merged.values()
+        yield workers
+
+
 class Metrics:
     """Every gateway metric, registered in one per-app registry."""
 
@@ -93,13 +235,26 @@ class Metrics:
             p + "time_to_first_byte_seconds", "Streamed requests: start to the first byte sent to the client",
             ["protocol", "mode"], buckets=_LATENCY_BUCKETS, registry=r,
         )
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds",
+            "Streamed requests: start to the first content (text, reasoning or tool arguments) sent to the client",
+            ["protocol", "mode"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.tokens = Counter(
+            p + "tokens", "Tokens reported by the upstream for finished answers (input, output, reasoning, cached)",
+            ["protocol", "mode", "model", "upstream", "kind"], registry=r,
+        )
+        self.request_errors = Counter(
+            p + "request_errors", "Generation requests that ended with an error code, by code",
+            ["protocol", "mode", "error_code"], registry=r,
+        )
         self.in_flight = Gauge(
             p + "in_flight_requests", "Generation requests running now", ["protocol"],
             registry=r, multiprocess_mode="livesum",
         )
         self.upstream_attempts = Counter(
-            p + "upstream_attempts", "Upstream attempts by outcome and HTTP status class",
-            ["outcome", "status_class"], registry=r,
+            p + "upstream_attempts", "Upstream attempts by upstream, outcome and HTTP status class",
+            ["upstream", "outcome", "status_class"], registry=r,
         )
         self.tool_repairs = Counter(p + "tool_repairs", "Tool-call repair attempts", ["outcome"], registry=r)
         self.budget_overflows = Counter(
@@ -150,36 +305,105 @@ class Metrics:
         self.shutdown_cut = Counter(
             p + "shutdown_cut_requests", "Requests ended by the shutdown deadline", registry=r
         )
-        for protocol in PROTOCOLS:
-            self.in_flight.labels(protocol)
         for kind in ("audit", "response"):
             for counter in (self.records_spilled, self.records_replayed, self.records_lost):
                 counter.labels(kind)
+        self.build_info = Gauge(
+            p + "build_info", "Always 1: the gateway's version and Python", ["version", "python"],
+            registry=r, multiprocess_mode="livemax",
+        )
+        self.build_info.labels(build_version(), platform.python_version()).set(1)
+        if not self.multiprocess:
+            ProcessCollector(registry=r)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self.models = BoundedLabel(capacity=DYNAMIC_MODELS)
+        self.upstreams = BoundedLabel(capacity=DYNAMIC_UPSTREAMS)
+        self.error_codes = BoundedLabel(KNOWN_ERROR_CODES, capacity=DYNAMIC_ERROR_CODES, min_hits=1)
+        self._declare()
+
+    def _declare(self) -> None:
+        """Every series of the known label values, at zero (idempotent)."""
+        for protocol in PROTOCOLS:
+            self.in_flight.labels(protocol)
+            self.keepalives.labels(protocol)
+            self.output_bytes.labels(protocol)
+            for mode in MODES:
+                for streamed in ("true", "false"):
+                    for outcome in OUTCOMES:
+                        self.requests.labels(protocol, mode, streamed, outcome)
+                self.duration.labels(protocol, mode)
+                self.ttfb.labels(protocol, mode)
+                self.ttft.labels(protocol, mode)
+                for code in self.error_codes.known:
+                    self.request_errors.labels(protocol, mode, code)
+                for model in self.models.known:
+                    for upstream in self.upstreams.known:
+                        for kind in TOKEN_KINDS:
+                            self.tokens.labels(protocol, mode, model, upstream, kind)
+        for upstream in self.upstreams.known:
+            for outcome in ATTEMPT_OUTCOMES:
+                for status_class in STATUS_CLASSES:
+                    self.upstream_attempts.labels(upstream, outcome, status_class)
+        for outcome in REPAIR_OUTCOMES:
+            self.tool_repairs.labels(outcome)
+        for reason in TERMINAL_VALIDATION_CODES:
+            self.terminal_failures.labels(reason)
+
+    def declare_configuration(self, pool: UpstreamPool) -> None:
+        """Learn the configured models (allow-lists, model maps) and upstream names, and
+        declare their series at zero."""
+        for credential in pool.credentials:
+            upstream = credential.upstream
+            self.upstreams.add_known([upstream.name])
+            self.models.add_known([*(upstream.models or ()), *upstream.model_map])
+        self._declare()
 
     # -- request events ----------------------------------------------------------------
 
+    def _child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, remembered (the values are bounded; ``labels()``
+        validates and locks on every call and was most of the per-request cost)."""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
+
     def on_start(self, record: RequestRecord) -> None:
-        self.in_flight.labels(record.protocol).inc()
+        self._child(self.in_flight, record.protocol).inc()
 
     def on_finish(self, record: RequestRecord) -> None:
+        child = self._child
         protocol, mode = record.protocol, record.mode
-        self.in_flight.labels(protocol).dec()
-        self.requests.labels(protocol, mode, "true" if record.streamed else "false", record.outcome).inc()
-        self.duration.labels(protocol, mode).observe(max(0.0, record.duration_ms) / 1000)
+        child(self.in_flight, protocol).dec()
+        child(self.requests, protocol, mode, "true" if record.streamed else "false", record.outcome).inc()
+        child(self.duration, protocol, mode).observe(max(0.0, record.duration_ms) / 1000)
         if record.ttfb_ms is not None:
-            self.ttfb.labels(protocol, mode).observe(max(0.0, record.ttfb_ms) / 1000)
+            child(self.ttfb, protocol, mode).observe(max(0.0, record.ttfb_ms) / 1000)
+        if record.ttft_ms is not None:
+            child(self.ttft, protocol, mode).observe(max(0.0, record.ttft_ms) / 1000)
+        if record.error_code:
+            child(self.request_errors, protocol, mode, self.error_codes(record.error_code)).inc()
         for attempt in record.upstream_attempts:
-            self.upstream_attempts.labels(*attempt_labels(attempt, record.outcome)).inc()
+            upstream = self.upstreams(str(attempt.get("upstream") or ""))
+            child(self.upstream_attempts, upstream, *attempt_labels(attempt, record.outcome)).inc()
+        if record.usage:
+            answered = record.upstream_attempts[-1].get("upstream") if record.upstream_attempts else None
+            model, upstream = self.models(record.model), self.upstreams(str(answered or ""))
+            for kind, field in TOKEN_KINDS.items():
+                count = record.usage.get(field) or 0
+                if count > 0:
+                    child(self.tokens, protocol, mode, model, upstream, kind).inc(count)
         for repair in record.repairs:
-            self.tool_repairs.labels(str(repair.get("outcome", "unknown"))).inc()
+            child(self.tool_repairs, str(repair.get("outcome", "unknown"))).inc()
         if record.budget_exceeded:
             self.budget_overflows.inc()
         if record.keepalives:
-            self.keepalives.labels(protocol).inc(record.keepalives)
+            child(self.keepalives, protocol).inc(record.keepalives)
         if record.error_code in TERMINAL_VALIDATION_CODES:
-            self.terminal_failures.labels(record.error_code).inc()
+            child(self.terminal_failures, record.error_code).inc()
         if record.output_bytes:
-            self.output_bytes.labels(protocol).inc(record.output_bytes)
+            child(self.output_bytes, protocol).inc(record.output_bytes)
 
     # -- scrape --------------------------------------------------------------------------
 
@@ -197,6 +421,7 @@ class Metrics:
         if self.multiprocess:
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+            registry.register(WorkersProcessCollector(os.environ["PROMETHEUS_MULTIPROC_DIR"]))  # type: ignore[arg-type]
             return generate_latest(registry), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 

@@ -8,6 +8,7 @@ failures are logged and swallowed: bookkeeping never breaks a client's request.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 import structlog
@@ -23,6 +24,7 @@ from gateway.store.responses import RESPONSE_UPSERT
 from gateway.store.spill import DurableWriter, SpillJournal
 
 if TYPE_CHECKING:
+    from gateway.observability.tracing import Tracing
     from gateway.record import RequestRecord
     from gateway.settings import LiveSettings
 
@@ -44,6 +46,7 @@ def log_request(record: RequestRecord) -> None:
         finish_reason=record.finish_reason,
         duration_ms=round(record.duration_ms, 1),
         ttfb_ms=record.ttfb_ms,
+        ttft_ms=record.ttft_ms,
         output_bytes=record.output_bytes,
         tool_calls=record.tool_calls,
         keepalives=record.keepalives,
@@ -52,17 +55,21 @@ def log_request(record: RequestRecord) -> None:
 
 
 class GatewayObserver:
-    """Feeds metrics, the audit queue and the request log; tolerant of a double finish."""
+    """Feeds metrics, the audit queue, the request log and (with ``--otlp-endpoint``)
+    the traces; tolerant of a double finish."""
 
     def __init__(self, metrics: Metrics, audit: AuditWriter) -> None:
         self.metrics = metrics
         self.audit = audit
+        self.tracing: Tracing | None = None
         self._open: set[str] = set()
 
     def on_start(self, record: RequestRecord) -> None:
         self._open.add(record.request_id)
         try:
             self.metrics.on_start(record)
+            if self.tracing is not None:
+                self.tracing.on_start(record)
         except Exception:  # pragma: no cover - a metrics bug must not fail the request
             log.exception("observer_failed", stage="start", request_id=record.request_id)
 
@@ -71,7 +78,10 @@ class GatewayObserver:
             log.warning("observer_unexpected_finish", request_id=record.request_id)
             return
         self._open.discard(record.request_id)
-        for stage, step in (("metrics", self.metrics.on_finish), ("audit", self.audit.submit), ("log", log_request)):
+        steps = [("metrics", self.metrics.on_finish), ("audit", self.audit.submit), ("log", log_request)]
+        if self.tracing is not None:
+            steps.append(("trace", self.tracing.on_finish))
+        for stage, step in steps:
             try:
                 step(record)
             except Exception:  # pragma: no cover
@@ -110,6 +120,15 @@ class Observability:
             durable=self.durable,
         )
         self.observer = GatewayObserver(self.metrics, self.audit)
+        endpoint = live.current.otlp_endpoint
+        if endpoint:  # the SDK is imported only now: no tracing, no cost
+            from gateway.observability.tracing import Tracing
+
+            self.observer.tracing = Tracing.to_endpoint(endpoint, live.current.replica_id)
+
+    @property
+    def tracing(self) -> Tracing | None:
+        return self.observer.tracing
 
     async def start(self) -> None:
         route_uvicorn_logs()  # after any embedded server detached uvicorn.access
@@ -120,6 +139,8 @@ class Observability:
         """Drain the audit queue (before the database closes); what the store still
         cannot take stays in the spill journal for the next start."""
         await self.audit.aclose()
+        if self.observer.tracing is not None:  # flushes the last spans (blocking HTTP)
+            await asyncio.to_thread(self.observer.tracing.shutdown)
         await self.durable.aclose()
         if self.journal is not None:
             self.journal.close()
@@ -134,10 +155,12 @@ class Observability:
 
 
 async def metrics_endpoint(request: Request) -> Response:
-    """``GET /metrics``: Prometheus text exposition (all workers in multiprocess mode)."""
+    """``GET /metrics``: Prometheus text exposition (all workers in multiprocess mode).
+
+    Rendered in a worker thread, never on the event loop: with every known series declared
+    the text is ~600 lines (tens of milliseconds of Python), and in multiprocess mode it
+    also reads every worker's files. prometheus-client copies each family's children
+    under its lock, so requests finishing meanwhile are safe."""
     obs: Observability = request.app.state.observability
-    if obs.metrics.multiprocess:  # reads every worker's files: keep it off the loop
-        body, content_type = await run_in_threadpool(obs.exposition)
-    else:
-        body, content_type = obs.exposition()
+    body, content_type = await run_in_threadpool(obs.exposition)
     return Response(body, media_type=content_type)

@@ -260,7 +260,7 @@ class AuditWriter:
 
 # -- queries -----------------------------------------------------------------------------
 
-FILTER_COLUMNS = ("outcome", "protocol", "mode", "model")
+FILTER_COLUMNS = ("outcome", "protocol", "mode", "model", "error_code", "request_id")
 
 
 def _where(since: float | None, until: float | None, filters: dict[str, str | None]) -> tuple[str, list[Any]]:
@@ -364,6 +364,39 @@ async def aggregate(db: Store, window: float, now: float | None = None) -> dict[
         "error_rate": (by_outcome["error"] / total) if total else 0.0,
         "by_protocol_mode": series,
     }
+
+
+async def credential_stats(db: Store, since: float) -> dict[str, dict[str, Any]]:
+    """Per credential fingerprint since ``since``: upstream attempts, how many succeeded
+    (answered 200 without an error) or failed, the success rate and the last error."""
+
+    def run(conn: Any) -> list[tuple[Any, ...]]:  # SQL that runs on SQLite and PostgreSQL
+        return conn.execute(
+            "SELECT started_at, json_extract(record, '$.upstream_attempts') FROM audit"
+            " WHERE started_at >= ? ORDER BY started_at",
+            (since,),
+        ).fetchall()
+
+    stats: dict[str, dict[str, Any]] = {}
+    for started_at, attempts in await db.arun(run):
+        if isinstance(attempts, (str, bytes)):
+            attempts = orjson.loads(attempts)
+        for attempt in attempts or ():
+            key = str(attempt.get("credential") or "")
+            entry = stats.setdefault(key, {"attempts": 0, "succeeded": 0, "failed": 0, "last_error": None})
+            entry["attempts"] += 1
+            if attempt.get("error"):
+                entry["failed"] += 1
+                entry["last_error"] = {
+                    "code": attempt["error"], "status": attempt.get("status"),
+                    "at": float(attempt.get("started_at") or started_at),
+                }
+            elif attempt.get("status") == 200:
+                entry["succeeded"] += 1
+    for entry in stats.values():
+        judged = entry["succeeded"] + entry["failed"]
+        entry["success_rate"] = entry["succeeded"] / judged if judged else None
+    return stats
 
 
 async def export(

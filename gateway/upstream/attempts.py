@@ -9,6 +9,7 @@ not touched here — the generation copies the log when it reports the request.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,11 +23,16 @@ from gateway.upstream.pool import UpstreamPool
 class UpstreamAttempts:
     """Streams one upstream answer for a body, failing over between credentials."""
 
-    def __init__(self, pool: UpstreamPool, client: UpstreamClient, policy: StreamPolicy, session: str | None = None) -> None:
+    def __init__(
+        self, pool: UpstreamPool, client: UpstreamClient, policy: StreamPolicy, session: str | None = None,
+        trace_context: str | None = None,
+    ) -> None:
         self.pool = pool
         self.client = client
         self.policy = policy
         self.session = session
+        #: the request span's W3C traceparent (tracing on): each attempt sends a child of it
+        self.trace_context = trace_context
         #: every attempt of this request (over every regeneration), oldest first
         self.log: list[dict[str, Any]] = []
         self.upstream_model: str | None = None  # the model name the last attempt sent
@@ -51,12 +57,18 @@ class UpstreamAttempts:
             self.upstream_model = upstream_body["model"]
             attempt: dict[str, Any] = {
                 "credential": credential.fingerprint, "upstream": credential.upstream.name, "status": None,
+                "started_at": time.time(),  # wall clock, for the trace's attempt span
             }
             self.log.append(attempt)
+            headers = None
+            if self.trace_context:  # the attempt's span id, told to the upstream (vLLM, SGLang trace it)
+                version, trace_id, _, flags = self.trace_context.split("-")
+                attempt["span_id"] = secrets.token_hex(8)
+                headers = {"traceparent": f"{version}-{trace_id}-{attempt['span_id']}-{flags}"}
             started = time.monotonic()
             answered = False
             try:
-                async for item in self.client.stream_chat(credential, upstream_body, self.policy):
+                async for item in self.client.stream_chat(credential, upstream_body, self.policy, headers):
                     if item is ANSWERED:
                         answered = True
                         attempt["status"] = 200

@@ -140,34 +140,38 @@ class UpstreamClient:
         return 200 <= response.status_code < 300, f"HTTP {response.status_code}"
 
     async def stream_chat(
-        self, credential: Credential, body: dict[str, Any], policy: StreamPolicy
+        self, credential: Credential, body: dict[str, Any], policy: StreamPolicy,
+        extra_headers: dict[str, str] | None = None,
     ) -> AsyncIterator[UpstreamItem]:
         """Yield ANSWERED once the upstream says 200, then each chunk, then DONE if sent.
 
         ``policy.upstream_stream``: ``always`` streams; ``never`` asks for one JSON answer
         and yields it as chunks (the rest of the gateway cannot tell); ``auto`` streams and
         falls back to a JSON answer when the upstream refuses ``stream: true``.
+        ``extra_headers``: per-attempt headers (the W3C ``traceparent`` with tracing on).
         Raises GatewayError for every failure; the caller closes the generator to cancel.
         """
         buffered = policy.upstream_stream == "never"
         try:
-            async for item in self._request(credential, body, policy, buffered):
+            async for item in self._request(credential, body, policy, buffered, extra_headers):
                 yield item
         except GatewayError as err:
             if not (policy.upstream_stream == "auto" and refuses_streaming(err)):
                 raise
-            async for item in self._request(credential, body, policy, buffered=True):
+            async for item in self._request(credential, body, policy, True, extra_headers):
                 yield item
 
     async def _request(
-        self, credential: Credential, body: dict[str, Any], policy: StreamPolicy, buffered: bool
+        self, credential: Credential, body: dict[str, Any], policy: StreamPolicy, buffered: bool,
+        extra_headers: dict[str, str] | None = None,
     ) -> AsyncIterator[UpstreamItem]:
         if buffered:
             payload = dict(body, stream=False)
         else:
             payload = dict(body, stream=True, stream_options={"include_usage": True})
         upstream = credential.upstream
-        headers = {**upstream.headers, "accept": "application/json" if buffered else "text/event-stream"}
+        headers = {**upstream.headers, **(extra_headers or {}),
+                   "accept": "application/json" if buffered else "text/event-stream"}
         if credential.api_key:
             headers["authorization"] = f"Bearer {credential.api_key}"
         timeout = httpx.Timeout(policy.idle_timeout, connect=policy.connect_timeout)

@@ -16,7 +16,8 @@ const PROTOCOLS = ["chat", "responses", "messages"];
 const MODES = ["compatible", "realtime"];
 
 // Kept across visits so "back to the list" keeps the filters and page.
-const state = { outcome: "", protocol: "", mode: "", model: "", range: "3600", from: "", to: "", offset: 0 };
+const state = { outcome: "", protocol: "", mode: "", model: "", error_code: "", request_id: "", range: "3600",
+                from: "", to: "", offset: 0 };
 
 function select(id, label, options, value) {
   return h("label.filter", null, label,
@@ -49,7 +50,13 @@ export function mount(main) {
   const custom = h("span.custom-range", { hidden: state.range !== "custom" },
     h("label.filter", null, "From", from), h("label.filter", null, "To", to));
   rangeSelect.addEventListener("change", () => { custom.hidden = rangeSelect.value !== "custom"; });
-  const model = h("input#f-model", { type: "text", value: state.model, placeholder: "exact model name" });
+  const model = h("input#f-model.narrow", { type: "text", value: state.model, placeholder: "exact model name" });
+  const errorCode = h("input#f-error-code.narrow", { type: "text", value: state.error_code, placeholder: "e.g. upstream_error",
+                                                     list: "known-error-codes" });
+  const requestId = h("input#f-request-id", { type: "text", value: state.request_id, placeholder: "req_…" });
+  const knownCodes = h("datalist#known-error-codes", null,
+    ["upstream_error", "upstream_timeout", "upstream_rate_limited", "upstream_unavailable", "tool_call_invalid",
+     "response_too_large", "client_disconnected", "invalid_request", "capacity_exceeded"].map((c) => h("option", { value: c })));
   const form = h("form.filters#audit-filters", {
     onsubmit: (e) => { e.preventDefault(); state.offset = 0; readFilters(); load(); },
   },
@@ -57,6 +64,8 @@ export function mount(main) {
   select("f-protocol", "Protocol", PROTOCOLS, state.protocol),
   select("f-mode", "Mode", MODES, state.mode),
   h("label.filter", null, "Model", model),
+  h("label.filter", null, "Error code", errorCode, knownCodes),
+  h("label.filter", null, "Request id", requestId),
   h("label.filter", null, "Time", rangeSelect),
   custom,
   h("button.primary#apply-filters", { type: "submit" }, "Apply"),
@@ -66,13 +75,15 @@ export function mount(main) {
   const tbody = h("tbody#audit-rows");
   const prev = h("button#audit-prev", { type: "button", onclick: () => { state.offset = Math.max(0, state.offset - PAGE); load(); } }, "← Newer");
   const next = h("button#audit-next", { type: "button", onclick: () => { state.offset += PAGE; load(); } }, "Older →");
-  const columns = ["Started", "Request", "Protocol", "Mode", "Model", "Stream", "Outcome", "Status", "Error",
-    "TTFB", "Duration", "Tokens"];
+  const columns = ["Started", "Request", "Protocol", "Mode", "Model", "Outcome", "Status", "Error",
+    "TTFB", "TTFT", "Duration", "Tokens"];
   replace(main,
     h("div.page-head", null, h("h1", null, "Audit log"), summary),
     form, status,
     h("section.card.table-card", null,
-      h("table.grid.clickable#audit-table", null,
+      h("table.grid.clickable.fixed#audit-table", null,
+        h("colgroup", null, ["c-time", "c-id", "c-proto", "c-mode", "c-model", "c-outcome", "c-status", "c-error",
+          "c-ms", "c-ms", "c-ms", "c-tokens"].map((c) => h(`col.${c}`))),
         h("thead", null, h("tr", null, columns.map((c) => h("th", null, c)))), tbody)),
     h("div.pager", null, prev, next));
 
@@ -81,6 +92,8 @@ export function mount(main) {
     state.protocol = form.querySelector("#f-protocol").value;
     state.mode = form.querySelector("#f-mode").value;
     state.model = model.value.trim();
+    state.error_code = errorCode.value.trim();
+    state.request_id = requestId.value.trim();
     state.range = rangeSelect.value;
     state.from = from.value;
     state.to = to.value;
@@ -88,7 +101,7 @@ export function mount(main) {
 
   function params() {
     const p = { outcome: state.outcome, protocol: state.protocol, mode: state.mode, model: state.model,
-                limit: PAGE, offset: state.offset };
+                error_code: state.error_code, request_id: state.request_id, limit: PAGE, offset: state.offset };
     if (state.range === "custom") {
       p.since = toEpoch(state.from);
       p.until = toEpoch(state.to);
@@ -107,6 +120,7 @@ export function mount(main) {
       return;
     }
     status.clear();
+    tbody.dataset.loads = String(Number(tbody.dataset.loads || 0) + 1); // tests wait on this
     const first = page.total ? page.offset + 1 : 0;
     summary.textContent = `${fmtNumber(first)}–${fmtNumber(page.offset + page.data.length)} of ${fmtNumber(page.total)}`;
     prev.disabled = page.offset === 0;
@@ -123,15 +137,15 @@ export function mount(main) {
         onkeydown: (e) => { if (e.key === "Enter") open(); },
       },
       h("td.nowrap", { title: fmtTime(r.started_at) }, shortTime(r.started_at)),
-      h("td.mono", null, r.request_id),
-      h("td", null, r.protocol),
+      h("td.mono.cut", { title: r.request_id }, r.request_id),
+      h("td", { title: r.streamed ? "streamed" : "JSON answer" }, r.protocol, r.streamed ? "" : h("span.muted", null, " (json)")),
       h("td", { "data-col": "mode" }, r.mode),
-      h("td.mono", null, r.model),
-      h("td", null, r.streamed ? "yes" : "no"),
+      h("td.mono.cut", { title: r.model }, r.model),
       h("td", null, outcomePill(r.outcome)),
       h("td.num", null, String(r.http_status)),
-      h("td.mono", null, r.error_code || ""),
+      h("td.mono.cut", { title: r.error_code || "", "data-col": "error" }, r.error_code || ""),
       h("td.num", null, fmtMs(r.ttfb_ms)),
+      h("td.num", null, fmtMs(r.ttft_ms)),
       h("td.num", null, fmtMs(r.duration_ms)),
       h("td.num", null, usage.prompt_tokens === undefined ? "–"
         : `${fmtNumber(usage.prompt_tokens)} / ${fmtNumber(usage.completion_tokens)}`));
@@ -225,11 +239,13 @@ export function mountDetail(main, requestId) {
           ["Upstream model", h("span.mono", null, r.upstream_model || "–")],
           ["Finish reason", r.finish_reason || "–"],
           ["Client key", r.client_key_fingerprint || "–"],
+          ["Trace id", h("span.mono#detail-trace", null, r.trace_context ? r.trace_context.split("-")[1] : "–")],
         ])),
         h("section.card", null, h("h2", null, "Timing and size"), kv([
           ["Started", fmtTime(r.started_at)],
           ["Ended", fmtTime(r.ended_at)],
           ["Time to first byte", fmtMs(r.ttfb_ms)],
+          ["Time to first token", fmtMs(r.ttft_ms)],
           ["Duration", fmtMs(r.duration_ms)],
           ["Output", fmtBytes(r.output_bytes)],
           ["Tool calls", String(r.tool_calls ?? 0)],

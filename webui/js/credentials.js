@@ -2,7 +2,7 @@
 // re-enable and reset cooldowns, over /admin/api/credentials.
 
 import { get, post } from "./api.js";
-import { h, notice, replace } from "./dom.js";
+import { fmtNumber, fmtPercent, fmtTime, h, notice, replace } from "./dom.js";
 
 export function mount(main) {
   const status = notice();
@@ -24,7 +24,7 @@ export function mount(main) {
     h("section.card.table-card", null,
       h("table.grid#credentials-table", null,
         h("thead", null, h("tr", null,
-          ["Upstream", "Base URL", "Key fingerprint", "State", "Cooldowns", "In flight", ""].map((t) => h("th", null, t)))),
+          ["Upstream", "Base URL", "Key fingerprint", "State", "Success (24 h)", "Last error", "Cooldowns", "In flight", ""].map((t) => h("th", null, t)))),
         tbody)),
     h("section.card", null, h("h2", null, "Add an upstream credential"),
       h("p.muted", null, "The key is stored in the gateway's database and never shown again; only its fingerprint is."),
@@ -41,7 +41,7 @@ export function mount(main) {
     const creds = answer.credentials;
     total.textContent = `${creds.length} credential(s), ${answer.in_flight} request(s) in flight`;
     if (!creds.length) {
-      replace(tbody, h("tr", null, h("td.empty", { colspan: 7 }, "No upstream credentials.")));
+      replace(tbody, h("tr", null, h("td.empty", { colspan: 9 }, "No upstream credentials.")));
       return;
     }
     replace(tbody, creds.map((c) => {
@@ -57,6 +57,14 @@ export function mount(main) {
         h("td", null, c.disabled
           ? h("span.pill.error", null, `disabled${c.disabled_reason ? `: ${c.disabled_reason}` : ""}`)
           : h("span.pill.ok", null, "enabled"), health(c)),
+        h("td.num.success-rate", { "data-value": c.stats.success_rate ?? "" },
+          c.stats.success_rate === null ? "–" : fmtPercent(c.stats.success_rate),
+          h("span.muted", null, ` of ${fmtNumber(c.stats.succeeded + c.stats.failed)}`)),
+        h("td.last-error", null, c.stats.last_error
+          ? [h("span.mono", null, c.stats.last_error.code),
+             c.stats.last_error.status ? ` (HTTP ${c.stats.last_error.status})` : "",
+             h("br"), h("span.muted", null, fmtTime(c.stats.last_error.at))]
+          : "–"),
         h("td", null, cooldowns.length
           ? cooldowns.map(([m, s]) => `${m === "*" ? "all models" : m}: ${Math.ceil(s)} s`).join(", ") : "–"),
         h("td.num", null, String(c.in_flight)),
