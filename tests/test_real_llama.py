@@ -170,3 +170,31 @@ def test_context_size_is_a_400(real_gateways: dict[str, Gateway], protocol: str,
     assert not outcome.ok, outcome
     assert "Error code: 400" in outcome.error and "upstream_rejected" in outcome.error
     assert "context" in outcome.error
+
+
+def test_doctor_against_the_real_llama_server(llama_url: str) -> None:
+    """``codebuddy2api doctor`` probes the real server the way the gateway will use it and
+    finds nothing the gateway cannot handle (what a 135M model's tool call looks like is
+    the model's business: reported, not judged)."""
+    import json
+    import sys
+
+    import jsonschema
+
+    from tests.test_doctor import JSON_SCHEMA
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CODEBUDDY2API_")}
+    run = subprocess.run(
+        [sys.executable, "-m", "gateway", "doctor", llama_url, "--json"],
+        capture_output=True, text=True, timeout=900, env=env,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    document = json.loads(run.stdout)
+    jsonschema.validate(document, JSON_SCHEMA)
+    assert document["ok"] is True and document["url"] == llama_url
+    checks = {f["check"]: f["status"] for f in document["findings"]}
+    # a real OpenAI-compatible server: models, a streamed text answer ending in [DONE]
+    # with usage, a finish reason, a non-streamed answer
+    for check in ("models list", "streamed text", "[DONE]", "include_usage", "finish_reason", "non-streamed answer"):
+        assert checks.get(check) == "ok", (check, checks)
+    assert document["recommended"]["command"].startswith(f"codebuddy2api serve --upstream-url {llama_url} ")
