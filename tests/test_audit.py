@@ -13,6 +13,7 @@ import io
 import json
 import logging
 import sqlite3
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -30,9 +31,10 @@ from gateway.observability.logging import make_formatter
 from gateway.record import RequestRecord
 from gateway.servers import bind_loopback, start_embedded, stop_embedded
 from gateway.settings import Settings
-from gateway.store.audit import AuditWriter, cap_bodies, percentile
+from gateway.store.audit import AUDIT_UPSERT, AuditWriter, cap_bodies, percentile
 from gateway.store.db import Database
-from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway
+from gateway.store.spill import DurableWriter, SpillJournal
+from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway, wait_for
 
 USER = [{"role": "user", "content": "hi there"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
@@ -506,4 +508,71 @@ async def test_writer_retention_and_drops(tmp_path: Path) -> None:
     assert small.depth == 2 and small.dropped == 3 and drops == [1, 1, 1]
     await small.aclose()  # never started: still drains
     assert {r[0] for r in db.execute("SELECT request_id FROM audit")} == {"req_new", "req_0", "req_1"}
+    db.close()
+
+
+def audit_ids(db: Database) -> list[str]:
+    return [r[0] for r in db.execute("SELECT request_id FROM audit ORDER BY request_id")]
+
+
+class StalledStore:
+    """A SQLite store whose writes hang while ``stalled`` is set (a store slower than the traffic)."""
+
+    def __init__(self, path: Path) -> None:
+        self.inner = Database(path)
+        self.stalled = threading.Event()
+        self.released = threading.Event()
+        self.dialect, self.shared, self.errors = "sqlite", False, (sqlite3.Error,)
+
+    def run_tx(self, fn: Any, write: bool = True) -> Any:
+        if self.stalled.is_set():
+            self.released.wait(30)
+        return self.inner.run_tx(fn, write)
+
+
+async def test_a_full_queue_overflows_to_the_spill_journal_not_to_the_floor(tmp_path: Path) -> None:
+    store = StalledStore(tmp_path / "db.sqlite3")
+    spilled: list[int] = []
+    durable = DurableWriter(store, SpillJournal(tmp_path / "spill", 1 << 20), {"audit": AUDIT_UPSERT},  # type: ignore[arg-type]
+                            write_timeout=60, on_spilled=lambda _, n: spilled.append(n))
+    drops: list[int] = []
+    writer = AuditWriter(store.inner, max_queue=3, batch_size=2, flush_interval=0.01, durable=durable,
+                         on_drop=drops.append)
+    await writer.start()
+    store.stalled.set()
+    writer.submit(_record("req_00"))
+    await asyncio.to_thread(wait_for, lambda: writer._in_flight == 1)  # the writer hangs on the store
+    ids = [f"req_{i:02d}" for i in range(1, 13)]
+    for group in range(4):  # records keep arriving: 3 fit the queue, the other 9 take the overflow way
+        for request_id in ids[group * 3:group * 3 + 3]:
+            writer.submit(_record(request_id))
+        await asyncio.to_thread(wait_for, lambda: durable.spill_entries == group * 3)
+    assert writer.dropped == 0 and drops == [] and writer.overflowed == 9 and sum(spilled) == 9
+    assert writer.depth == 4  # the batch stuck in the store + the full queue
+    store.stalled.clear()
+    store.released.set()
+    await writer.aclose()
+    assert await durable.recover() is True
+    assert audit_ids(store.inner) == ["req_00", *ids]  # every record once: no loss, no duplicate
+    assert writer.dropped == 0 and durable.lost == 0 and durable.spill_entries == 0
+    durable.journal.close()  # type: ignore[union-attr]
+    store.inner.close()
+
+
+async def test_past_both_bounds_a_record_is_dropped_counted_and_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    db = Database(tmp_path / "d.sqlite3")
+    durable = DurableWriter(db, SpillJournal(tmp_path / "spill", 1 << 20), {"audit": AUDIT_UPSERT})
+    drops: list[int] = []
+    writer = AuditWriter(db, max_queue=2, durable=durable, on_drop=drops.append)  # never started: nothing drains
+    with caplog.at_level(logging.ERROR):
+        for i in range(6):
+            writer.submit(_record(f"req_{i}"))
+    assert writer.depth == 4 and writer.overflowed == 2 and writer.dropped == 2 and drops == [1, 1]
+    assert sum("audit_records_dropped" in r.getMessage() for r in caplog.records) == 1  # said once, counted always
+    await writer.aclose()  # the overflow is spilled, the queue written
+    assert await durable.recover() is True
+    assert audit_ids(db) == ["req_0", "req_1", "req_2", "req_3"]
+    durable.journal.close()  # type: ignore[union-attr]
     db.close()

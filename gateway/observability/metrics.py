@@ -272,7 +272,7 @@ class Metrics:
             p + "audit_queue_depth", "Audit records waiting to be written", registry=r, multiprocess_mode="livesum"
         )
         self.audit_dropped = Counter(
-            p + "audit_dropped", "Audit records dropped because the queue was full", registry=r
+            p + "audit_dropped", "Audit records dropped: queue and spill overflow both full (or no spill journal), or submitted after shutdown", registry=r
         )
         self.audit_write_errors = Counter(
             p + "audit_write_errors", "Audit records lost: neither the store nor the spill journal took them",

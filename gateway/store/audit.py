@@ -5,7 +5,11 @@ record to a bounded in-memory queue; a background task batch-inserts the queue i
 transaction per batch through a :class:`~gateway.store.spill.DurableWriter` (in a worker
 thread), on SQLite or PostgreSQL alike: when the store cannot write, the batch goes to the
 spill journal and is replayed later, and only a batch that not even the journal takes is
-lost. Shutdown drains the queue completely before the database closes. Rows
+lost. A full queue (a store slower than the traffic) is no reason to lose a record either:
+what does not fit goes to a second queue of the same bound that a second task spills
+straight to the journal (fsync'd, no store in the way), replayed like any spill; only past
+both bounds, or with no journal, is a record dropped (counted, logged). Shutdown drains
+both queues completely before the database closes. Rows
 older than the retention period are deleted at start-up and hourly (on a shared store every
 replica purges; the deletes are idempotent).
 """
@@ -17,7 +21,7 @@ import collections
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -126,6 +130,11 @@ class AuditWriter:
         self.written = 0  # stored or spilled (replayed later)
         self.write_errors = 0  # lost: neither the store nor the spill journal took them
         self._pending: collections.deque[dict[str, Any]] = collections.deque()
+        #: records past ``max_queue``: spilled straight to the journal by their own task
+        self._overflow: collections.deque[dict[str, Any]] = collections.deque()
+        self._overflow_wake: asyncio.Event | None = None
+        self._overflow_task: asyncio.Task[None] | None = None
+        self.overflowed = 0  # records that took the overflow way (spilled, or lost if the journal refused)
         self._wake: asyncio.Event | None = None
         self._closed_event: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -137,34 +146,57 @@ class AuditWriter:
     @property
     def depth(self) -> int:
         """Records accepted but not yet written (including a batch being written)."""
-        return len(self._pending) + self._in_flight
+        return len(self._pending) + self._in_flight + len(self._overflow)
 
     # -- the hot path ------------------------------------------------------------------
 
     def submit(self, record: RequestRecord) -> None:
-        """Queue a finished record. Never blocks, never does I/O; drops (and counts) when full."""
-        if self._closed or len(self._pending) >= self.max_queue:
-            self.dropped += 1
-            if self.on_drop is not None:
-                self.on_drop(1)
+        """Queue a finished record. Never blocks, never does I/O. A full queue sends it
+        the overflow way (to the journal); drops (and counts) only past that bound too."""
+        if self._closed:
+            self._drop("closed")
             return
+        if len(self._pending) < self.max_queue:
+            self._pending.append(self._snapshot(record))
+            if self._wake is not None:
+                self._wake.set()
+        elif self.durable.journal is not None and len(self._overflow) < self.max_queue:
+            if not self._overflow:
+                log.warning("audit_queue_full", queued=len(self._pending), to="spill journal")
+            self._overflow.append(self._snapshot(record))
+            self.overflowed += 1
+            if self._overflow_wake is not None:
+                self._overflow_wake.set()
+        else:
+            self._drop("queue full")
+
+    def _snapshot(self, record: RequestRecord) -> dict[str, Any]:
         snap = snapshot(record)
         if not self.store_bodies():
             snap["bodies"] = None
-        self._pending.append(snap)
-        if self._wake is not None:
-            self._wake.set()
+        return snap
+
+    def _drop(self, why: str) -> None:
+        if not self.dropped:
+            log.error("audit_records_dropped", why=why, queued=len(self._pending), overflow=len(self._overflow))
+        self.dropped += 1
+        if self.on_drop is not None:
+            self.on_drop(1)
 
     # -- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
         """Purge expired rows, then start the writer and the hourly retention task."""
         self._wake = asyncio.Event()
+        self._overflow_wake = asyncio.Event()
         self._closed_event = asyncio.Event()
         if self._pending:
             self._wake.set()
+        if self._overflow:
+            self._overflow_wake.set()
         await self.purge()
         self._task = asyncio.create_task(self._run(), name="audit-writer")
+        self._overflow_task = asyncio.create_task(self._spill_overflow(), name="audit-overflow")
         self._retention = asyncio.create_task(self._retention_loop(), name="audit-retention")
 
     async def aclose(self) -> None:
@@ -175,11 +207,17 @@ class AuditWriter:
         if self._retention is not None:
             self._retention.cancel()
             await asyncio.gather(self._retention, return_exceptions=True)
+        if self._overflow_task is not None:
+            assert self._overflow_wake is not None
+            self._overflow_wake.set()
+            await self._overflow_task
         if self._task is not None:
             assert self._wake is not None
             self._wake.set()
             await self._task
-        elif self._pending:  # never started: write synchronously-in-a-thread anyway
+        else:  # never started: write synchronously-in-a-thread anyway
+            while self._overflow:
+                await self._spill_batch()
             await self._write_all()
         self._closed = True
 
@@ -229,10 +267,37 @@ class AuditWriter:
         while self._pending:
             await self._write_batch()
 
+    async def _spill_overflow(self) -> None:
+        """The overflow way: what did not fit the queue, straight to the journal."""
+        assert self._overflow_wake is not None
+        while True:
+            await self._overflow_wake.wait()
+            self._overflow_wake.clear()
+            while self._overflow:
+                await self._spill_batch()
+            if self._closing:
+                return
+
+    async def _spill_batch(self) -> None:
+        count = min(len(self._overflow), self.batch_size)
+        batch = [self._overflow.popleft() for _ in range(count)]
+        outcome = await self._persist(batch, self.durable.spill)
+        self._count(outcome, count)
+
     async def _write_batch(self) -> None:
         count = min(len(self._pending), self.batch_size)
         batch = [self._pending.popleft() for _ in range(count)]
         self._in_flight = count
+        try:
+            outcome = await self._persist(batch, self.durable.write)
+        finally:
+            self._in_flight = 0
+        self._count(outcome, count)
+
+    async def _persist(
+        self, batch: list[dict[str, Any]], persist: Callable[[str, list[tuple[Any, ...]]], Awaitable[str]]
+    ) -> str:
+        """Rows built in a worker thread (bodies capped, secrets masked), then persisted."""
         max_bytes = self.body_max_bytes()
 
         def rows() -> list[tuple[Any, ...]]:
@@ -244,12 +309,12 @@ class AuditWriter:
             return out
 
         try:
-            outcome = await self.durable.write("audit", await asyncio.shield(asyncio.to_thread(rows)))
+            return await persist("audit", await asyncio.shield(asyncio.to_thread(rows)))
         except (ValueError, TypeError) as exc:  # a record that cannot be serialized
-            log.error("audit_write_failed", rows=count, error=type(exc).__name__)
-            outcome = "lost"
-        finally:
-            self._in_flight = 0
+            log.error("audit_write_failed", rows=len(batch), error=type(exc).__name__)
+            return "lost"
+
+    def _count(self, outcome: str, count: int) -> None:
         if outcome == "lost":
             self.write_errors += count
             if self.on_write_error is not None:

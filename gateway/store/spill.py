@@ -230,6 +230,14 @@ class DurableWriter:
             except TimeoutError:  # still running in its thread; spilled too, replay upserts
                 write.add_done_callback(_consume)
                 self._store_failed(TimeoutError(f"no answer in {self.write_timeout} s"))
+        return await self.spill(kind, rows)
+
+    async def spill(self, kind: str, rows: Sequence[Sequence[Any]]) -> str:
+        """Straight to the journal (no store in the way): "spilled" or "lost". For rows
+        that must not wait on a slow store (the audit queue's overflow); replayed like
+        every spill, so they reach the store in the end."""
+        if not rows:
+            return "spilled"
         return await asyncio.shield(asyncio.to_thread(self._spill, kind, rows))
 
     def _store_failed(self, exc: BaseException) -> None:
