@@ -313,6 +313,30 @@ def targets_section(fg: Figures, peer: Figures | None) -> str:
     return table(["target (issue #9)", "threshold", "measured", "verdict"], rows)
 
 
+def redesign_section(fg: Figures) -> str:
+    """Issue #20's bar for the split generation core: CPU per streamed request <= 1.2x the
+    raw relay in both modes, added time to first content at c=16 within 1.25x the raw
+    relay's (realtime only: compatible mode's first content is the whole answer by design)."""
+    rows = []
+    for mode in ("realtime", "compatible"):
+        for proto in ("chat", "messages", "responses"):
+            target = f"{mode}-{proto}"
+            r = ratio(fg.cpu(16, target), fg.cpu(16, "raw"))
+            rows.append([f"CPU/request, {mode} {proto} (c=16)", "≤ 1.2× raw relay",
+                         f"{f(fg.cpu(16, target), 2)} ms vs raw {f(fg.cpu(16, 'raw'), 2)} ms = {rx(r)}",
+                         verdict(None if r is None else r <= 1.2)])
+    for src, label in (("load_paced", "paced 20 ms"), ("load", "paced 2 ms, CPU-saturating")):
+        if not fg.load(16, src):
+            continue
+        for proto in ("chat", "messages", "responses"):
+            target = f"realtime-{proto}"
+            r = fg.added_ratio(16, target, src=src)
+            rows.append([f"added TTFB c=16 p50, realtime {proto} ({label})", "≤ 1.25× raw's added",
+                         f"{f(fg.added(16, target, src=src))} ms vs raw {f(fg.added(16, 'raw', src=src))} ms = {rx(r)}",
+                         verdict(None if r is None else r <= 1.25)])
+    return table(["target (issue #20)", "threshold", "measured", "verdict"], rows)
+
+
 def peer_section(found: tuple[Path, dict[str, Any]] | None) -> str:
     failed = BENCH / "results" / "peer-install-failed.txt"
     note = ""
@@ -539,6 +563,10 @@ def render() -> int:
         "## Issue #9 targets",
         "",
         targets_section(fg, peer_fg),
+        "",
+        "## Issue #20 targets (the split generation core)",
+        "",
+        redesign_section(fg),
         "",
         "## Added latency (ms)",
         "",
