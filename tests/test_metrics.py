@@ -229,7 +229,7 @@ def test_grafana_dashboard_queries_only_exposed_metrics(
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
     for topic in ("requests/s", "error rate", "first byte", "first token", "duration", "tokens/s by model",
                   "error code", "upstream attempts", "process", "build", "in-flight", "repairs", "budget",
-                  "keepalives"):
+                  "keepalives", "store writable", "spill journal", "lost", "shutdown"):
         assert topic in titles, topic
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
