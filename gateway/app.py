@@ -185,7 +185,12 @@ def create_app(
             await replication.start(relay.pool)
             relay.capacity = replication.capacity
         if settings.capture_dir:
-            relay.capture = CaptureWriter(settings.capture_dir, settings.capture_max_bytes)
+            captured = observability.metrics.capture_records
+            relay.capture = CaptureWriter(
+                settings.capture_dir, settings.capture_max_bytes,
+                on_written=captured.labels("written").inc, on_dropped=captured.labels("dropped").inc,
+                on_lost=captured.labels("lost").inc,
+            )
         await observability.start()
         shutdown = app.state.shutdown = GracefulShutdown(
             settings.shutdown_timeout, relay.running.abort_all, lambda: relay.in_flight, observability.metrics.shutdown_cut.inc

@@ -3,6 +3,7 @@ streaming client, engine extras for token data, and per-rollout capture export."
 
 from __future__ import annotations
 
+import errno
 import json
 import subprocess
 import sys
@@ -13,7 +14,9 @@ import anthropic
 import httpx
 import pytest
 
+from gateway import capture
 from gateway.app import create_app
+from gateway.capture import CaptureWriter, open_append
 from gateway.settings import Settings
 from tests.conftest import Gateway, ServerLoop, Simulator, wait_for
 
@@ -111,6 +114,11 @@ def test_three_turn_rollout_is_captured_with_token_data(server_loop: ServerLoop,
     assert [json.loads(line) for line in admin.text.splitlines()] == records
     text = "\n".join(p.read_text() for p in capture.glob("*.jsonl"))
     assert UPSTREAM_KEY not in text and CLIENT_KEY not in text
+    def metrics() -> str:  # what an operator sees of it (counted just after the fsync)
+        return httpx.get(gateway.url + "/metrics").text
+
+    wait_for(lambda: 'codebuddy2api_capture_records_total{outcome="written"} 3.0' in metrics())
+    assert 'codebuddy2api_capture_records_total{outcome="lost"} 0.0' in metrics()
 
 
 def test_records_survive_a_restart_mid_rollout(server_loop: ServerLoop, simulator: Simulator, tmp_path: Path) -> None:
@@ -146,3 +154,68 @@ def test_streaming_clients_see_the_same_answer_with_capture(server_loop: ServerL
         plain = stream.get_final_message()
     assert [b.model_dump(exclude={"id"}) for b in with_capture.content] == [b.model_dump(exclude={"id"}) for b in plain.content]
     assert with_capture.stop_reason == plain.stop_reason
+
+
+# -- the writer on a failing disk (fed directly) --------------------------------------------
+
+class FullDisk:
+    """The ``open_file`` seam: real files whose writes fail with ENOSPC while ``full`` is
+    set, after half of the bytes reached the disk (the torn line a real full disk leaves)."""
+
+    def __init__(self) -> None:
+        self.full = False
+
+    def open(self, path: Path) -> Any:
+        real, disk = open_append(path), self
+
+        class File:
+            def write(self, data: Any) -> int:
+                if disk.full:
+                    real.write(bytes(data[: len(data) // 2]))
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return real.write(data)
+
+            def fileno(self) -> int:
+                return real.fileno()
+
+            def close(self) -> None:
+                real.close()
+
+        return File()
+
+
+def test_a_full_disk_holds_capture_records_and_writes_them_once_it_has_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(capture, "RETRY_SECONDS", 0.05)
+    disk, written, lost = FullDisk(), [], []
+    writer = CaptureWriter(tmp_path, open_file=disk.open, on_written=written.append, on_lost=lost.append)
+    writer.submit({"request_id": "r1"})
+    wait_for(lambda: writer.written == 1)
+    disk.full = True
+    writer.submit({"request_id": "r2", "secret": "x" * 100})
+    writer.submit({"request_id": "r3"})
+    wait_for(lambda: writer.held == 2)
+    # the failed batch was cut back off the file: no torn half line, nothing twice
+    assert [json.loads(line) for line in (tmp_path / "capture-000000.jsonl").read_bytes().splitlines()] == [{"request_id": "r1"}]
+    disk.full = False
+    wait_for(lambda: writer.written == 3)
+    writer.close()
+    assert [r["request_id"] for r in capture.read_records(tmp_path)] == ["r1", "r2", "r3"]
+    assert writer.lost == 0 and lost == [] and sum(written) == 3 and writer.held == 0
+
+
+def test_capture_records_past_the_hold_or_held_at_shutdown_are_lost_and_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(capture, "RETRY_SECONDS", 0.05)
+    disk, lost = FullDisk(), []
+    disk.full = True
+    writer = CaptureWriter(tmp_path, open_file=disk.open, hold_max_bytes=60, on_lost=lost.append)
+    for i in range(3):  # each line is 30 bytes: the 60-byte hold keeps the newest two
+        writer.submit({"request_id": f"r{i}", "pad": "p"})
+        wait_for(lambda: writer.held + writer.lost == i + 1)
+    assert writer.held == 2 and writer.lost == 1
+    writer.close()  # the disk is still full: what is held is lost, and said
+    assert writer.lost == 3 and sum(lost) == 3 and writer.written == 0
+    assert list(capture.read_records(tmp_path)) == []

@@ -43,6 +43,7 @@ FAMILIES = {
     "codebuddy2api_store_writable": "gauge",
     "codebuddy2api_spill_entries": "gauge",
     "codebuddy2api_shutdown_cut_requests": "counter",
+    "codebuddy2api_capture_records": "counter",
     "codebuddy2api_config_revision": "gauge",
     "codebuddy2api_stream_mode": "gauge",
     "codebuddy2api_time_to_first_token_seconds": "histogram",

@@ -302,6 +302,13 @@ class Metrics:
             p + "spill_entries", "Rows in the spill journal waiting for the store", registry=r,
             multiprocess_mode="livesum",
         )
+        self.capture_records = Counter(
+            p + "capture_records", "Model-call capture records (--capture-dir) by outcome: written, dropped"
+            " (the queue was full), lost (the disk failed longer than the in-memory hold lasted)", ["outcome"],
+            registry=r,
+        )
+        for outcome in ("written", "dropped", "lost"):
+            self.capture_records.labels(outcome)
         self.shutdown_cut = Counter(
             p + "shutdown_cut_requests", "Requests ended by the shutdown deadline", registry=r
         )
