@@ -215,7 +215,9 @@ class AuditWriter:
             assert self._wake is not None
             self._wake.set()
             await self._task
-        else:  # never started: write synchronously-in-a-thread anyway
+        # never started, or submitted while the tasks wound down: written here, and no
+        # await between the last check and closing, so nothing is stranded
+        while self._overflow or self._pending:
             while self._overflow:
                 await self._spill_batch()
             await self._write_all()
