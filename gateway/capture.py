@@ -114,7 +114,7 @@ class CaptureWriter:
             except queue.Empty:
                 pass
             stop = any(b is _STOP for b in batch)
-            lines = [SECRETS.mask_bytes(orjson.dumps(b)) + b"\n" for b in batch if b is not _STOP]
+            lines = [SECRETS.mask_bytes(orjson.dumps(b, default=str)) + b"\n" for b in batch if b is not _STOP]
             self._flush_held(lines)
             if stop:
                 self._lose(len(self._held), "still held at shutdown")
