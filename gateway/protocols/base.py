@@ -73,17 +73,18 @@ class ProtocolRoom(Protocol):
     def error_body(self, error: GatewayError) -> dict: ...
 
 
-def load_json_object(body: bytes) -> dict[str, Any]:
-    """The request body as a JSON object within the value limits (depth, string size,
-    finite numbers: ``fields.check_value_limits``), or a named 400."""
+def load_json_object(body: bytes | str, what: str = "the request body") -> dict[str, Any]:
+    """``body`` (``what``: the request body, a WebSocket frame) as a JSON object within the
+    value limits (depth, string size, finite numbers: ``fields.check_value_limits``), or a
+    named 400 ``invalid_json``."""
     if not body.strip():
-        raise invalid_request("the request body is empty; expected a JSON object", code="invalid_json")
+        raise invalid_request(f"{what} is empty; expected a JSON object", code="invalid_json")
     try:
         value = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise invalid_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        raise invalid_request(f"{what} is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(value, dict):
-        raise invalid_request("the request body must be a JSON object", code="invalid_json")
+        raise invalid_request(f"{what} must be a JSON object", code="invalid_json")
     check_value_limits(value)
     return value
 

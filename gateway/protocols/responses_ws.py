@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from gateway.errors import GatewayError, invalid_request
-from gateway.protocols.base import ParsedRequest
+from gateway.protocols.base import ParsedRequest, load_json_object
 from gateway.protocols.openai_shapes import error_json
 from gateway.protocols.responses import ResponsesFacts, ResponsesRoom
 from gateway.stream.events import Finish, Usage
@@ -153,12 +153,7 @@ class ResponsesConnection:
         raw = message.get("text")
         if raw is None:
             raw = message.get("bytes") or b""
-        try:
-            value = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise invalid_request(f"the frame is not valid JSON: {exc}", code="invalid_json") from None
-        if not isinstance(value, dict):
-            raise invalid_request("the frame must be a JSON object", code="invalid_json")
+        value = load_json_object(raw, what="the frame")
         kind = value.get("type")
         if kind in _IGNORED_TYPES:
             return None
