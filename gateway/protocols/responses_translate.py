@@ -187,18 +187,50 @@ def translate(raw: dict[str, Any], compaction: bool = False) -> Translation:
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     builder = _input_messages(body.input, tool_map)
     messages = builder.messages
-    if compaction or builder.compaction_trigger:
-        return _compaction_translation(body, raw, system, messages, tool_map, dropped)
-    upstream: dict[str, Any] = {"model": body.model, "messages": system + messages}
+    compaction = compaction or builder.compaction_trigger
+    if compaction:
+        upstream = _summary_upstream(body, system + messages)
+        rules = ToolRules(choice="none")
+    else:
+        upstream = _answer_upstream(body, system + messages, tools, choice)
+    return Translation(
+        body=body,
+        raw=raw,
+        upstream=upstream,
+        instructions_count=len(system),
+        input_messages=messages,
+        rules=rules,
+        tool_map=tool_map,
+        dropped_tools=dropped,
+        include_reasoning_envelope=not compaction and "reasoning.encrypted_content" in (body.include or []),
+        compaction=compaction,
+    )
+
+
+def _length_and_temperature(body: _ResponsesBody) -> dict[str, Any]:
+    """``max_output_tokens`` -> ``max_tokens`` and ``temperature``: the sampling keys both
+    the answer and the compaction summary keep."""
+    keys: dict[str, Any] = {}
+    if body.max_output_tokens is not None:
+        keys["max_tokens"] = body.max_output_tokens
+    if body.temperature is not None:
+        keys["temperature"] = body.temperature
+    return keys
+
+
+def _answer_upstream(
+    body: _ResponsesBody, messages: list[dict[str, Any]], tools: list[dict[str, Any]], choice: Any
+) -> dict[str, Any]:
+    """The upstream body of an ordinary turn: tools, sampling, format and effort renamed."""
+    upstream: dict[str, Any] = {"model": body.model, "messages": messages}
     if tools:
         upstream["tools"] = tools
         if choice is not None:
             upstream["tool_choice"] = choice
         if body.parallel_tool_calls is not None:
             upstream["parallel_tool_calls"] = body.parallel_tool_calls
-    if body.max_output_tokens is not None:
-        upstream["max_tokens"] = body.max_output_tokens
-    for key in ("temperature", "top_p", "user"):
+    upstream.update(_length_and_temperature(body))
+    for key in ("top_p", "user"):
         value = getattr(body, key)
         if value is not None:
             upstream[key] = value
@@ -212,49 +244,17 @@ def translate(raw: dict[str, Any], compaction: bool = False) -> Translation:
                 "reasoning.effort must be a string", param="reasoning.effort", code="invalid_type"
             )
         upstream["reasoning_effort"] = effort
-    return Translation(
-        body=body,
-        raw=raw,
-        upstream=upstream,
-        instructions_count=len(system),
-        input_messages=messages,
-        rules=rules,
-        tool_map=tool_map,
-        dropped_tools=dropped,
-        include_reasoning_envelope="reasoning.encrypted_content" in (body.include or []),
-    )
+    return upstream
 
 
-def _compaction_translation(
-    body: _ResponsesBody,
-    raw: dict[str, Any],
-    system: list[dict[str, Any]],
-    messages: list[dict[str, Any]],
-    tool_map: ToolMap,
-    dropped: list[str],
-) -> Translation:
+def _summary_upstream(body: _ResponsesBody, messages: list[dict[str, Any]]) -> dict[str, Any]:
     """The summarising generation: instructions, history, then the summary request; no
     tools (the answer is text), no response format."""
-    upstream: dict[str, Any] = {
+    return {
         "model": body.model,
-        "messages": system + messages + [{"role": "user", "content": SUMMARY_PROMPT}],
+        "messages": messages + [{"role": "user", "content": SUMMARY_PROMPT}],
+        **_length_and_temperature(body),
     }
-    if body.max_output_tokens is not None:
-        upstream["max_tokens"] = body.max_output_tokens
-    if body.temperature is not None:
-        upstream["temperature"] = body.temperature
-    return Translation(
-        body=body,
-        raw=raw,
-        upstream=upstream,
-        instructions_count=len(system),
-        input_messages=messages,
-        rules=ToolRules(choice="none"),
-        tool_map=tool_map,
-        dropped_tools=dropped,
-        include_reasoning_envelope=False,
-        compaction=True,
-    )
 
 
 # -- tools -----------------------------------------------------------------------------
