@@ -29,8 +29,8 @@ from gateway.protocols.responses_compaction import (
     compaction_item,
     summary_message,
 )
-from gateway.protocols.responses_tools import CustomInputStream, call_item
-from gateway.protocols.responses_translate import ToolMap, Translation, seal_reasoning, translate
+from gateway.protocols.responses_tools import CustomInputStream, ToolMap, call_item
+from gateway.protocols.responses_translate import Translation, seal_reasoning, translate
 from gateway.stream.events import (
     BlockDelta,
     BlockStart,

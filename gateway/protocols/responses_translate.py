@@ -1,15 +1,15 @@
 """OpenAI Responses request -> upstream Chat Completions body.
 
 Pure translation with named 400s (no I/O): ``instructions``/``input`` items become chat
-messages, function and namespace tools become chat function tools (namespaced ones under
-a flattened upstream name, mapped back when the model calls them), hosted tools the
-upstream cannot run are dropped, and the sampling/format keys are renamed. Every key's
-decision is listed in docs/protocols/responses.md.
+messages, the tools and ``tool_choice`` are translated by ``responses_tools`` (function
+and namespace tools become chat function tools, hosted tools the upstream cannot run are
+dropped), and the sampling/format keys are renamed. Every key's decision is listed in
+docs/protocols/responses.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import (
@@ -20,10 +20,11 @@ from pydantic import (
     ValidationError,
 )
 
-from gateway.errors import GatewayError, invalid_request
+from gateway.errors import invalid_request
 from gateway.protocols.base import validation_error
 from gateway.protocols.envelope import open_envelope, seal_envelope
 from gateway.protocols import responses_tools as client_tools
+from gateway.protocols.responses_tools import ToolMap, upstream_tool_choice, upstream_tools
 from gateway.protocols.responses_compaction import (
     COMPACTION_ITEMS,
     SUMMARY_PROMPT,
@@ -36,33 +37,10 @@ from gateway.protocols.fields import (
     OutputTokens,
     Probability,
     Temperature,
-    check_object_schema,
     check_schema,
 )
 from gateway.stream.accumulator import ToolRules
 
-#: Joins a namespace and a tool name into one upstream function name (``ns__tool``).
-NAMESPACE_SEP = "__"
-
-#: Tool types that only OpenAI's own servers can run; dropped before the upstream.
-HOSTED_TOOL_TYPES = frozenset(
-    {
-        "web_search",
-        "web_search_preview",
-        "web_search_2025_08_26",
-        "web_search_preview_2025_03_11",
-        "file_search",
-        "code_interpreter",
-        "image_generation",
-        "computer_use_preview",
-        "computer",
-        "mcp",
-        "tool_search",
-    }
-)
-
-#: Tool types the client runs itself: function tools upstream (see responses_tools).
-CLIENT_TOOL_TYPES = frozenset({"custom", "local_shell", "shell", "apply_patch"})
 
 def seal_reasoning(text: str) -> str:
     """An opaque, signed carrier for reasoning text (not secret: the summary shows it)."""
@@ -104,37 +82,6 @@ _REFUSED_KEYS = {
 }
 
 _UNION_FIELDS = frozenset({"input", "tool_choice", "temperature", "top_p"})
-
-
-@dataclass(slots=True)
-class ToolMap:
-    """Upstream function name -> what the client declared (name, namespace)."""
-
-    client: dict[str, tuple[str, str | None]] = field(default_factory=dict)
-    flat: dict[tuple[str | None, str], str] = field(default_factory=dict)
-    #: Upstream name -> client tool kind when not ``function`` (``custom``, ``local_shell``...).
-    kinds: dict[str, str] = field(default_factory=dict)
-
-    def add(self, name: str, namespace: str | None, param: str, kind: str = "function") -> str:
-        upstream = f"{namespace}{NAMESPACE_SEP}{name}" if namespace else name
-        if upstream in self.client:
-            raise invalid_request(
-                f"tool name {upstream!r} is declared twice (namespaced tools become "
-                f"'<namespace>{NAMESPACE_SEP}<name>' upstream)",
-                param=param,
-                code="duplicate_tool_name",
-            )
-        self.client[upstream] = (name, namespace)
-        self.flat[(namespace, name)] = upstream
-        if kind != "function":
-            self.kinds[upstream] = kind
-        return upstream
-
-    def upstream_name(self, name: str, namespace: str | None) -> str:
-        known = self.flat.get((namespace, name))
-        if known is not None:
-            return known
-        return f"{namespace}{NAMESPACE_SEP}{name}" if namespace else name
 
 
 @dataclass(slots=True)
@@ -182,8 +129,8 @@ def translate(raw: dict[str, Any], compaction: bool = False) -> Translation:
     otherwise a trailing ``compaction_trigger`` input item makes one."""
     body = parse_body(raw)
     tool_map = ToolMap()
-    tools, dropped = _tools(body.tools or [], tool_map)
-    rules, choice = _tool_choice(body, tool_map, dropped)
+    tools, dropped = upstream_tools(body.tools or [], tool_map)
+    rules, choice = upstream_tool_choice(body.tool_choice, body.parallel_tool_calls, tool_map, dropped)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     builder = _input_messages(body.input, tool_map)
     messages = builder.messages
@@ -255,148 +202,6 @@ def _summary_upstream(body: _ResponsesBody, messages: list[dict[str, Any]]) -> d
         "messages": messages + [{"role": "user", "content": SUMMARY_PROMPT}],
         **_length_and_temperature(body),
     }
-
-
-# -- tools -----------------------------------------------------------------------------
-
-
-def _function_tool(
-    tool: dict[str, Any], namespace: str | None, tool_map: ToolMap, param: str
-) -> dict[str, Any]:
-    name = tool.get("name")
-    if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
-        raise invalid_request(
-            f"a function tool needs a 'name' of 1 to {MAX_NAME_CHARS} characters",
-            param=f"{param}.name",
-            code="invalid_value",
-        )
-    parameters = tool.get("parameters")
-    if parameters is None:
-        parameters = {"type": "object", "properties": {}}
-    check_object_schema(parameters, f"{param}.parameters")
-    function: dict[str, Any] = {
-        "name": tool_map.add(name, namespace, param),
-        "parameters": parameters,
-    }
-    description = tool.get("description")
-    if isinstance(description, str) and description:
-        function["description"] = description
-    if tool.get("strict") is True:
-        function["strict"] = True
-    return {"type": "function", "function": function}
-
-
-def _client_tool(tool: dict[str, Any], kind: str, tool_map: ToolMap, param: str) -> dict[str, Any]:
-    name, description, parameters = client_tools.declaration(tool, kind, param)
-    function = {
-        "name": tool_map.add(name, None, param, kind),
-        "description": description,
-        "parameters": parameters,
-    }
-    return {"type": "function", "function": function}
-
-
-def _tools(
-    tools: list[dict[str, Any]], tool_map: ToolMap
-) -> tuple[list[dict[str, Any]], list[str]]:
-    out: list[dict[str, Any]] = []
-    dropped: list[str] = []
-    for i, tool in enumerate(tools):
-        kind = tool.get("type")
-        param = f"tools[{i}]"
-        if kind == "function":
-            out.append(_function_tool(tool, None, tool_map, param))
-        elif kind == "namespace":
-            namespace = tool.get("name")
-            inner = tool.get("tools")
-            if not isinstance(namespace, str) or not namespace or len(namespace) > MAX_NAME_CHARS:
-                raise invalid_request(
-                    f"a namespace tool needs a 'name' of 1 to {MAX_NAME_CHARS} characters",
-                    param=f"{param}.name",
-                    code="invalid_value",
-                )
-            if not isinstance(inner, list):
-                raise invalid_request(
-                    "a namespace tool needs a 'tools' list", param=f"{param}.tools"
-                )
-            for j, nested in enumerate(inner):
-                if not isinstance(nested, dict):
-                    raise invalid_request("tools must be objects", param=f"{param}.tools[{j}]")
-                if nested.get("type") == "function":
-                    out.append(_function_tool(nested, namespace, tool_map, f"{param}.tools[{j}]"))
-                else:
-                    dropped.append(f"{namespace}.{nested.get('name') or nested.get('type')}")
-        elif kind in CLIENT_TOOL_TYPES and not (kind == "shell" and not client_tools.is_local_environment(tool)):
-            out.append(_client_tool(tool, kind, tool_map, param))
-        elif isinstance(kind, str) and kind in HOSTED_TOOL_TYPES | CLIENT_TOOL_TYPES:
-            dropped.append(kind)
-        else:
-            raise invalid_request(
-                f"unsupported tool type {kind!r}",
-                param=f"{param}.type",
-                code="unsupported_tool_type",
-            )
-    return out, dropped
-
-
-def _tool_choice(
-    body: _ResponsesBody, tool_map: ToolMap, dropped: list[str]
-) -> tuple[ToolRules, Any]:
-    declared = frozenset(tool_map.client)
-    parallel = body.parallel_tool_calls is not False
-    choice = body.tool_choice
-    if choice is None:
-        return ToolRules(declared=declared, choice="auto", parallel=parallel), None
-    if isinstance(choice, str):
-        if choice not in ("auto", "none", "required"):
-            raise invalid_request(
-                "tool_choice must be 'auto', 'none', 'required' or a function object",
-                param="tool_choice",
-            )
-        if choice == "required" and not declared:
-            raise invalid_request(
-                "tool_choice 'required' needs at least one function tool"
-                " (hosted tools are not available here)",
-                param="tool_choice",
-                code="unsupported_tool_choice",
-            )
-        return ToolRules(declared=declared, choice=choice, parallel=parallel), choice
-    kind = choice.get("type")
-    if kind in ("function", "custom"):
-        name = choice.get("name")
-        namespace = choice.get("namespace")
-        if not isinstance(name, str) or not name:
-            raise invalid_request("tool_choice.name is required", param="tool_choice.name")
-        namespace = namespace if isinstance(namespace, str) else None
-        upstream = tool_map.upstream_name(name, namespace)
-        if upstream not in declared:
-            if (f"{namespace}.{name}" if namespace else name) in dropped:
-                raise _dropped_choice(name)
-            raise invalid_request(
-                f"tool_choice names undeclared tool {name!r}", param="tool_choice.name"
-            )
-        rules = ToolRules(declared=declared, choice=upstream, parallel=parallel)
-        return rules, {"type": "function", "function": {"name": upstream}}
-    if kind in CLIENT_TOOL_TYPES - {"custom"} and kind in declared:
-        rules = ToolRules(declared=declared, choice=kind, parallel=parallel)
-        return rules, {"type": "function", "function": {"name": kind}}
-    if isinstance(kind, str) and (kind in dropped or kind in HOSTED_TOOL_TYPES | CLIENT_TOOL_TYPES):
-        raise _dropped_choice(kind)
-    raise invalid_request(
-        f"tool_choice of type {kind!r} is not supported by this gateway"
-        " (only function tools run upstream)",
-        param="tool_choice",
-        code="unsupported_tool_choice",
-    )
-
-
-def _dropped_choice(name: str) -> GatewayError:
-    return invalid_request(
-        f"tool_choice names {name!r}, a tool this gateway does not offer the model"
-        " (hosted tools run only on OpenAI's servers and are dropped; see docs/protocols/responses.md)",
-        param="tool_choice",
-        code="tool_choice_unavailable",
-    )
 
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
