@@ -8,7 +8,7 @@ requests. Here the upstream writes the summary (the caller's instructions first,
 history, then :data:`SUMMARY_PROMPT`); the item carries it in a signed gateway envelope,
 and a replayed item becomes :func:`summary_message` for the upstream.
 
-Pure: no I/O. The envelope format (protocols/envelope.py) is shared with reasoning items.
+Pure: no I/O (a replayed item this gateway did not seal is a named 400). The envelope format (protocols/envelope.py) is shared with reasoning items.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import secrets
 import time
 from typing import Any
 
+from gateway.errors import invalid_request
 from gateway.protocols.envelope import open_envelope, seal_envelope
 
 #: Item types Codex uses for a compacted history (``compaction_summary`` is its alias).
@@ -52,6 +53,20 @@ def open_summary(value: object) -> str | None:
 def summary_message(summary: str) -> dict[str, Any]:
     """What the upstream reads in place of the compacted history."""
     return {"role": "user", "content": _SUMMARY_INTRO + summary}
+
+
+def replayed_summary(item: dict[str, Any], param: str) -> dict[str, Any]:
+    """A replayed compaction item as the upstream reads it, or a 400 when this gateway did
+    not seal it."""
+    summary = open_summary(item.get("encrypted_content"))
+    if summary is None:
+        raise invalid_request(
+            "this compaction item was not produced by this gateway (its encrypted_content"
+            " is not a gateway envelope); send the conversation items instead",
+            param=f"{param}.encrypted_content",
+            code="invalid_compaction_item",
+        )
+    return summary_message(summary)
 
 
 def compaction_item(summary: str, item_id: str | None = None) -> dict[str, Any]:

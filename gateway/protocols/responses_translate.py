@@ -25,12 +25,7 @@ from gateway.protocols.base import validation_error
 from gateway.protocols.envelope import open_envelope, seal_envelope
 from gateway.protocols import responses_tools as client_tools
 from gateway.protocols.responses_tools import ToolMap, upstream_tool_choice, upstream_tools
-from gateway.protocols.responses_compaction import (
-    COMPACTION_ITEMS,
-    SUMMARY_PROMPT,
-    open_summary,
-    summary_message,
-)
+from gateway.protocols.responses_compaction import COMPACTION_ITEMS, SUMMARY_PROMPT, replayed_summary
 from gateway.protocols.fields import (
     MAX_NAME_CHARS,
     Name,
@@ -404,15 +399,7 @@ class _Builder:
     def compaction(self, item: dict[str, Any], param: str) -> None:
         """A replayed compaction item: the summary it carries, as the upstream reads it."""
         self._flush_images()
-        summary = open_summary(item.get("encrypted_content"))
-        if summary is None:
-            raise invalid_request(
-                "this compaction item was not produced by this gateway (its encrypted_content"
-                " is not a gateway envelope); send the conversation items instead",
-                param=f"{param}.encrypted_content",
-                code="invalid_compaction_item",
-            )
-        self.messages.append(summary_message(summary))
+        self.messages.append(replayed_summary(item, param))
 
     def function_call_output(self, item: dict[str, Any], param: str) -> None:
         call_id, output = item.get("call_id"), item.get("output")
