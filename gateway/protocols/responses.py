@@ -1,19 +1,11 @@
-"""OpenAI Responses: the room (parse, stored-state hooks), the stream encoder, JSON
-answers, errors (the ``GET /v1/responses/{id}`` endpoint is in gateway/routes.py).
-
-Wire contracts (see docs/protocols/responses.md): ``sequence_number`` on every event,
-contiguous from 0 (also on ``error`` and ``response.failed``); ``response.created`` then
-``response.in_progress``; every delta belongs to an item announced by
-``response.output_item.added`` and every added item gets ``response.output_item.done``;
-one response id for the whole stream; the terminal event carries the full output, built
-from exactly what was streamed; no ``[DONE]``. Keepalive is a repeated
-``response.in_progress``. Streamed and JSON answers are built by the same item helpers.
+"""OpenAI Responses: the room (parse, stored-state hooks), JSON answers, errors (the
+``GET /v1/responses/{id}`` endpoint is in gateway/routes.py; the stream encoder and the
+Response object's item helpers, shared with the JSON answer, are in responses_encoder.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -22,136 +14,34 @@ from typing import Any, Protocol
 import structlog
 
 from gateway.errors import GatewayError, invalid_request
-from gateway.protocols.base import ParsedRequest, dumps, load_json_object, sse
+from gateway.protocols.base import ParsedRequest, load_json_object
 from gateway.protocols.openai_shapes import assistant_message, error_json
 from gateway.protocols.responses_compaction import (
     compacted_response,
     compaction_item,
     summary_message,
 )
-from gateway.protocols.responses_tools import CustomInputStream, ToolMap, call_item
-from gateway.protocols.responses_translate import Translation, seal_reasoning, translate
-from gateway.stream.events import (
-    BlockDelta,
-    BlockStart,
-    BlockStop,
-    Completion,
-    Error,
-    Event,
-    Finish,
-    Keepalive,
-    Usage,
+from gateway.protocols.responses_encoder import (
+    ResponsesEncoder,
+    message_item,
+    new_id,
+    reasoning_item,
+    response_object,
+    terminal_status,
+    tool_call_item,
+    usage_object,
 )
+from gateway.protocols.responses_tools import ToolMap
+from gateway.protocols.responses_translate import Translation, translate
+from gateway.stream.events import Completion
 
 log = structlog.get_logger("gateway.responses")
 
 _TRUNCATION = ("auto", "disabled")
 
 
-# -- the Response object and its items (shared by stream and JSON) -----------------------
-
-
-def usage_object(usage: Usage | None) -> dict[str, Any]:
-    u = usage or Usage()
-    return {
-        "input_tokens": u.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
-        "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
-        "total_tokens": u.total_tokens,
-    }
-
-
-def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
-    content = (
-        []
-        if text is None
-        else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-    )
-    return {
-        "id": item_id,
-        "type": "message",
-        "status": status,
-        "role": "assistant",
-        "content": content,
-    }
-
-
-def function_call_item(
-    item_id: str, call_id: str, client_name: tuple[str, str | None], arguments: str, status: str
-) -> dict[str, Any]:
-    name, namespace = client_name
-    item: dict[str, Any] = {
-        "id": item_id,
-        "type": "function_call",
-        "status": status,
-        "call_id": call_id,
-        "name": name,
-        "arguments": arguments,
-    }
-    if namespace is not None:
-        item["namespace"] = namespace
-    return item
-
-
-def reasoning_item(item_id: str, text: str | None, envelope: bool) -> dict[str, Any]:
-    item: dict[str, Any] = {"id": item_id, "type": "reasoning", "summary": []}
-    if text is not None:
-        item["summary"] = [{"type": "summary_text", "text": text}]
-        if envelope:
-            item["encrypted_content"] = seal_reasoning(text)
-    return item
-
-
-def _new_id(prefix: str) -> str:
-    return prefix + secrets.token_hex(16)
-
-
-def _client_name(tool_map: ToolMap, upstream: str | None) -> tuple[str, str | None]:
-    return tool_map.client.get(upstream or "", (upstream or "", None))
-
-
-def tool_call_item(
-    tool_map: ToolMap, item_id: str, call_id: str, upstream: str | None, arguments: str, status: str
-) -> dict[str, Any]:
-    """The output item of one upstream tool call: ``function_call``, or the item of the
-    client-executed tool type it was declared as (``custom_tool_call``, ...)."""
-    name, namespace = _client_name(tool_map, upstream)
-    kind = tool_map.kinds.get(upstream or "")
-    if kind is None:
-        return function_call_item(item_id, call_id, (name, namespace), arguments, status)
-    return call_item(kind, item_id, call_id, name, namespace, arguments, status)
-
-
-def response_object(
-    echo: dict[str, Any],
-    response_id: str,
-    created_at: int,
-    status: str,
-    output: list[dict[str, Any]],
-    usage: dict[str, Any] | None = None,
-    incomplete_reason: str | None = None,
-    error: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The Response object; ``echo`` holds the request fields it repeats."""
-    body: dict[str, Any] = {
-        "id": response_id,
-        "object": "response",
-        "created_at": created_at,
-        "status": status,
-        "background": False,
-        "error": error,
-        "incomplete_details": {"reason": incomplete_reason} if incomplete_reason else None,
-        **echo,
-        "output": output,
-        "usage": usage,
-    }
-    if status in ("completed", "incomplete", "failed"):
-        body["completed_at"] = int(time.time()) if status == "completed" else None
-    return body
-
-
 def _echo(raw: dict[str, Any], body: Any) -> dict[str, Any]:
+    """The request fields every Response object of this request repeats."""
     tools = []
     for tool in body.tools or []:
         if tool.get("type") == "namespace" and not isinstance(tool.get("description"), str):
@@ -182,262 +72,6 @@ def _echo(raw: dict[str, Any], body: Any) -> dict[str, Any]:
         "user": body.user,
     }
 
-
-def _terminal(finish_reason: str) -> tuple[str, str | None]:
-    if finish_reason == "length":
-        return "incomplete", "max_output_tokens"
-    if finish_reason == "content_filter":
-        return "incomplete", "content_filter"
-    return "completed", None
-
-
-def _failed_error(error: GatewayError) -> dict[str, Any]:
-    """``response.error``: its ``code`` must be one of the spec's literals."""
-    code = "rate_limit_exceeded" if error.kind == "rate_limit" else "server_error"
-    return {"code": code, "message": f"{error.message} ({error.code})"}
-
-
-# -- the stream encoder -------------------------------------------------------------------
-
-
-class ResponsesEncoder:
-    """Canonical events -> Responses SSE events; one response id, one sequence counter."""
-
-    def __init__(self, facts: ResponsesFacts, response_id: str) -> None:
-        self.echo: dict[str, Any] = facts.echo
-        self.tool_map: ToolMap = facts.tool_map
-        self.envelope: bool = facts.envelope
-        #: A compaction turn: the answer's text becomes one compaction item, nothing else.
-        self.compaction: bool = facts.compaction
-        self._summary: list[str] = []
-        self.response_id = response_id
-        self.created_at = int(time.time())
-        self._seq = 0
-        self._items: dict[
-            int, dict[str, Any]
-        ] = {}  # output index -> item (in progress, then final)
-        self._parts: dict[int, list[str]] = {}
-        self._done: list[int] = []
-        self._pending: set[int] = set()  # client-executed tool calls not yet announced
-        self._custom: dict[int, CustomInputStream] = {}  # open custom calls' decoded input
-        self._open: int | None = None
-        self.final: dict[str, Any] | None = None
-
-    # -- framing ---------------------------------------------------------------------
-
-    def _event(self, kind: str, payload: dict[str, Any]) -> bytes:
-        data = {"type": kind, **payload, "sequence_number": self._seq}
-        self._seq += 1
-        return sse(dumps(data), event=kind)
-
-    def _snapshot(self, status: str, **kwargs: Any) -> dict[str, Any]:
-        output = [self._items[i] for i in self._done] if status != "in_progress" else []
-        return response_object(
-            self.echo, self.response_id, self.created_at, status, output, **kwargs
-        )
-
-    def start(self) -> bytes:
-        return self._event(
-            "response.created", {"response": self._snapshot("in_progress")}
-        ) + self._event("response.in_progress", {"response": self._snapshot("in_progress")})
-
-    # -- events ----------------------------------------------------------------------
-
-    def encode(self, event: Event) -> bytes:
-        if self.final is not None:
-            return b""
-        if self.compaction and isinstance(event, (BlockStart, BlockDelta, BlockStop, Finish)):
-            return self._compaction(event)
-        if isinstance(event, BlockDelta):
-            return self._delta(event.index, event.text)
-        if isinstance(event, BlockStart):
-            return self._start(event)
-        if isinstance(event, BlockStop):
-            return self._stop(event.index, event.content, "completed")
-        if isinstance(event, Keepalive):
-            return self._event("response.in_progress", {"response": self._snapshot("in_progress")})
-        if isinstance(event, Finish):
-            out = self._close_open("completed")
-            status, reason = _terminal(event.finish_reason)
-            self.final = self._snapshot(
-                status, usage=usage_object(event.usage), incomplete_reason=reason
-            )
-            kind = "response.completed" if status == "completed" else "response.incomplete"
-            return out + self._event(kind, {"response": self.final})
-        if isinstance(event, Error):
-            err = event.error
-            out = self._close_open("incomplete")
-            out += self._event("error", {"code": err.code, "message": err.message, "param": None})
-            self.final = self._snapshot("failed", error=_failed_error(err))
-            return out + self._event("response.failed", {"response": self.final})
-        return b""
-
-    def _compaction(self, event: Event) -> bytes:
-        """Text blocks feed the summary; the finish emits the one compaction item."""
-        if isinstance(event, BlockStop) and event.kind == "text":
-            self._summary.append(event.content)
-        if not isinstance(event, Finish):
-            return b""
-        item = compaction_item("".join(self._summary))
-        self._items[0] = item
-        self._done.append(0)
-        out = self._event("response.output_item.added", {"output_index": 0, "item": item})
-        out += self._event("response.output_item.done", {"output_index": 0, "item": item})
-        self.final = self._snapshot("completed", usage=usage_object(event.usage))
-        return out + self._event("response.completed", {"response": self.final})
-
-    def _start(self, event: BlockStart) -> bytes:
-        out = self._close_open("completed")
-        index = event.index
-        self._open = index
-        self._parts[index] = []
-        where = {"output_index": index}
-        if event.kind == "text":
-            item = message_item(_new_id("msg_"), None, "in_progress")
-            self._items[index] = item
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            return (
-                out
-                + self._event("response.output_item.added", {**where, "item": item})
-                + self._event(
-                    "response.content_part.added",
-                    {"item_id": item["id"], **where, "content_index": 0, "part": part},
-                )
-            )
-        if event.kind == "reasoning":
-            item = reasoning_item(_new_id("rs_"), None, False)
-            self._items[index] = item
-            part = {"type": "summary_text", "text": ""}
-            return (
-                out
-                + self._event("response.output_item.added", {**where, "item": item})
-                + self._event(
-                    "response.reasoning_summary_part.added",
-                    {"item_id": item["id"], **where, "summary_index": 0, "part": part},
-                )
-            )
-        call_id = event.call_id or _new_id("call_")
-        kind = self.tool_map.kinds.get(event.name or "")
-        if kind == "custom":
-            # freeform input streams as it is decoded from the upstream's JSON arguments
-            item = tool_call_item(self.tool_map, _new_id("ctc_"), call_id, event.name, "", "in_progress")
-            item["input"] = ""
-            self._items[index] = item
-            self._custom[index] = CustomInputStream()
-            return out + self._event("response.output_item.added", {**where, "item": item})
-        if kind is not None:
-            # the other client-executed items need their whole action/operation: announced
-            # once the call's arguments are complete, in _stop
-            self._items[index] = {"id": _new_id("ctc_"), "call_id": call_id, "upstream": event.name}
-            self._pending.add(index)
-            return out
-        name = _client_name(self.tool_map, event.name)
-        item = function_call_item(_new_id("fc_"), call_id, name, "", "in_progress")
-        self._items[index] = item
-        return out + self._event("response.output_item.added", {**where, "item": item})
-
-    def _delta(self, index: int, text: str) -> bytes:
-        if not text or index not in self._items:
-            return b""
-        self._parts[index].append(text)
-        if index in self._pending:
-            return b""
-        item = self._items[index]
-        where = {"item_id": item["id"], "output_index": index}
-        if index in self._custom:
-            new = self._custom[index].feed(text)
-            if not new:
-                return b""
-            return self._event("response.custom_tool_call_input.delta", {**where, "delta": new})
-        if item["type"] == "message":
-            return self._event(
-                "response.output_text.delta",
-                {**where, "content_index": 0, "delta": text, "logprobs": []},
-            )
-        if item["type"] == "reasoning":
-            return self._event(
-                "response.reasoning_summary_text.delta",
-                {**where, "summary_index": 0, "delta": text},
-            )
-        return self._event("response.function_call_arguments.delta", {**where, "delta": text})
-
-    def _close_open(self, status: str) -> bytes:
-        if self._open is None:
-            return b""
-        return self._stop(self._open, "".join(self._parts[self._open]), status)
-
-    def _stop(self, index: int, content: str, status: str) -> bytes:
-        if index not in self._items or index in self._done:
-            return b""
-        if index in self._pending:
-            return self._stop_client_call(index, content or "".join(self._parts[index]), status)
-        if index in self._custom:
-            return self._stop_custom_call(index, content or "".join(self._parts[index]), status)
-        out = b""
-        sent = "".join(self._parts[index])
-        if content != sent and content.startswith(sent):
-            out += self._delta(index, content[len(sent) :])  # keep deltas and final in agreement
-        text = "".join(self._parts[index])
-        item = self._items[index]
-        where = {"item_id": item["id"], "output_index": index}
-        if item["type"] == "message":
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            out += self._event(
-                "response.output_text.done",
-                {**where, "content_index": 0, "text": text, "logprobs": []},
-            )
-            out += self._event(
-                "response.content_part.done", {**where, "content_index": 0, "part": part}
-            )
-            final = message_item(item["id"], text, status)
-        elif item["type"] == "reasoning":
-            part = {"type": "summary_text", "text": text}
-            out += self._event(
-                "response.reasoning_summary_text.done", {**where, "summary_index": 0, "text": text}
-            )
-            out += self._event(
-                "response.reasoning_summary_part.done", {**where, "summary_index": 0, "part": part}
-            )
-            final = reasoning_item(item["id"], text, self.envelope)
-        else:
-            out += self._event(
-                "response.function_call_arguments.done", {**where, "arguments": text}
-            )
-            final = {**item, "arguments": text, "status": status}
-        return out + self._finish_item(index, final)
-
-    def _finish_item(self, index: int, final: dict[str, Any]) -> bytes:
-        self._items[index] = final
-        self._done.append(index)
-        if self._open == index:
-            self._open = None
-        return self._event("response.output_item.done", {"output_index": index, "item": final})
-
-    def _stop_client_call(self, index: int, arguments: str, status: str) -> bytes:
-        """added (in progress, with its whole action/operation), then done."""
-        self._pending.discard(index)
-        pending = self._items[index]
-        item_id, call_id, upstream = pending["id"], pending["call_id"], pending["upstream"]
-        added = tool_call_item(self.tool_map, item_id, call_id, upstream, arguments, "in_progress")
-        final = tool_call_item(self.tool_map, item_id, call_id, upstream, arguments, status)
-        out = self._event("response.output_item.added", {"output_index": index, "item": added})
-        return out + self._finish_item(index, final)
-
-    def _stop_custom_call(self, index: int, arguments: str, status: str) -> bytes:
-        """The rest of the input, ``custom_tool_call_input.done``, the item done: the final
-        input is exactly the concatenated deltas."""
-        stream = self._custom.pop(index)
-        item = self._items[index]
-        where = {"item_id": item["id"], "output_index": index}
-        out = b""
-        rest = stream.finish(arguments)
-        if rest:
-            out += self._event("response.custom_tool_call_input.delta", {**where, "delta": rest})
-        out += self._event("response.custom_tool_call_input.done", {**where, "input": stream.sent})
-        return out + self._finish_item(index, {**item, "input": stream.sent, "status": status})
-
-
-# -- the room -----------------------------------------------------------------------------
 
 #: JSON answers built but not yet asked for twice (json_body and completed); a bound, not a cache.
 _BUILT_KEPT = 256
@@ -503,7 +137,7 @@ class ResponsesRoom:
         )
 
     def new_response_id(self) -> str:
-        return _new_id("resp_")
+        return new_id("resp_")
 
     async def resolve(self, request: ParsedRequest[ResponsesFacts]) -> ParsedRequest[ResponsesFacts]:
         """A new request with the stored response's conversation (input, then output)
@@ -565,7 +199,14 @@ class ResponsesRoom:
             log.exception("response_store_failed", response_id=response_id)
 
     def encoder(self, request: ParsedRequest[ResponsesFacts], response_id: str) -> ResponsesEncoder:
-        return ResponsesEncoder(request.facts, response_id)
+        facts = request.facts
+        return ResponsesEncoder(
+            response_id,
+            echo=facts.echo,
+            tool_map=facts.tool_map,
+            envelope=facts.envelope,
+            compaction=facts.compaction,
+        )
 
     def json_body(self, request: ParsedRequest[ResponsesFacts], response_id: str, completion: Completion) -> dict:
         return self._final(request, response_id, completion)
@@ -594,15 +235,15 @@ class ResponsesRoom:
         else:
             for run in completion.runs():  # reasoning and message items in the upstream's order
                 if run.kind == "reasoning":
-                    output.append(reasoning_item(_new_id("rs_"), run.text, facts.envelope))
+                    output.append(reasoning_item(new_id("rs_"), run.text, facts.envelope))
                 else:
-                    output.append(message_item(_new_id("msg_"), run.text, "completed"))
+                    output.append(message_item(new_id("msg_"), run.text, "completed"))
         for call in completion.tool_calls:
-            item_id = _new_id("fc_" if call.name not in facts.tool_map.kinds else "ctc_")
+            item_id = new_id("fc_" if call.name not in facts.tool_map.kinds else "ctc_")
             output.append(
                 tool_call_item(facts.tool_map, item_id, call.id, call.name, call.arguments, "completed")
             )
-        status, reason = _terminal(completion.finish_reason)
+        status, reason = terminal_status(completion.finish_reason)
         return response_object(
             facts.echo,
             response_id,
