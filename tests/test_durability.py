@@ -21,7 +21,7 @@ import openai
 import orjson
 import pytest
 
-from gateway.upstream.sim_scenarios import TEXT
+from gateway.upstream.sim_reply import TEXT
 from tests.conftest import ServerLoop, Simulator, wait_for
 from tests.processes import GatewayProcess, own_simulator
 

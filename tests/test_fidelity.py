@@ -24,7 +24,8 @@ from gateway.stream.signatures import client_call_id, restore_thought_signatures
 from gateway.stream.think_tags import ThinkTagSplitter
 from gateway.upstream.client import _answer_not_streamed, _upstream_message
 from gateway.upstream.model_options import model_reasoning_tags
-from gateway.upstream.sim_scenarios import TEXT, THOUGHT_SIGNATURE
+from gateway.upstream.sim_quirks import THOUGHT_SIGNATURE
+from gateway.upstream.sim_reply import TEXT
 from tests.conftest import Gateway, Simulator
 from tests.drivers import DRIVERS, PROMPT, TOOLS
 

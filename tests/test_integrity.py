@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from gateway.stream.signatures import client_call_id
-from gateway.upstream.sim_scenarios import TEXT, THINK_ANSWER, THINK_REASONING, THOUGHT_SIGNATURE
+from gateway.upstream.sim_quirks import THINK_ANSWER, THINK_REASONING, THOUGHT_SIGNATURE
+from gateway.upstream.sim_reply import TEXT
 from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway, wait_for
 from tests.drivers import DRIVERS, PROMPT
 

@@ -15,7 +15,7 @@ import pytest
 from gateway.app import create_app
 from gateway.settings import Settings
 from gateway.upstream.pool import fingerprint
-from gateway.upstream.sim_scenarios import TEXT
+from gateway.upstream.sim_reply import TEXT
 from gateway.upstream.simulator import create_simulator_app
 from tests.conftest import Gateway, ServerLoop, Simulator, wait_for
 from tests.drivers import DRIVERS

@@ -1,6 +1,10 @@
 """The simulator's scenarios: pure functions from a request to the frames an upstream
 would send, plus the fold of frames into the equivalent non-streaming answer.
 
+Here: the scripted and agent scenarios, the scenario table, errors and 200s that are no
+stream, and the framing every reply gets; the upstream quirks are in ``sim_quirks``, the
+options, request readers and reply builders in ``sim_reply``.
+
 The request's ``model`` string selects a scenario (plus ``;key=value`` options), so every
 quirk seen in vLLM, llama.cpp, DeepSeek and hosted providers can be reproduced
 deterministically, and tests can build the same frames without a server.
@@ -15,103 +19,35 @@ import re
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from itertools import zip_longest
 from typing import Any
 
 from gateway.protocols.responses_compaction import SUMMARY_PROMPT
 from gateway.stream.repair import REPAIR_MARKER
-
-Frame = dict[str, Any]
-Delta = dict[str, Any]
-
-GREETING = "Hello from the codebuddy2api simulator. "
-TEXT = GREETING + "This reply is scripted, deterministic and split into fragments."
-REASONING = "The user wants a short greeting. I will answer politely and briefly."
-DEFAULT_TOOLS = ("get_weather", "get_time")
-TOOL_ARGS: tuple[dict[str, str], ...] = (
-    {"city": "Paris", "unit": "celsius"},
-    {"timezone": "Europe/Paris"},
+from gateway.upstream import sim_quirks as quirks
+from gateway.upstream.sim_reply import (
+    DEFAULT_TOOLS,
+    GREETING,
+    REASONING,
+    TEXT,
+    Ctx,
+    Delta,
+    Frame,
+    Options,
+    Reply,
+    call_deltas,
+    chat_messages,
+    content_deltas,
+    last_user_text,
+    parse_model,
+    text_of,
+    tool_args,
+    tool_delta,
 )
+
 ERROR_FRAME: Frame = {
     "error": {"message": "upstream exploded", "type": "server_error", "code": "internal_error"}
 }
 REQUEST_LOG_SIZE = 500
-
-
-def _flag(raw: str) -> bool:
-    return raw.strip().lower() in {"1", "true", "yes", "on"}
-
-
-_OPTION_TYPES: dict[str, Callable[[str], Any]] = {
-    "chunk": int, "delay": float, "ttfb": float, "first_chunk_delay": float,
-    "usage": str, "done": _flag, "finish_chunk": str, "unstable_id": _flag,
-    "size": int, "status": int, "retry_after": int, "repairable": _flag,
-}
-_SCENARIO_DEFAULTS: dict[str, dict[str, Any]] = {
-    "slow_first_byte": {"ttfb": 2.0}, "slow_headers": {"ttfb": 2.0}, "large": {"chunk": 256},
-}
-_CHOICES = {"usage": {"separate", "last", "none"}, "finish_chunk": {"own", "last"}}
-
-
-@dataclass(frozen=True)
-class Options:
-    """Behaviour knobs parsed from ``<scenario>;key=value;...`` model strings."""
-
-    scenario: str = "echo"
-    chunk: int = 8
-    delay: float = 0.0
-    ttfb: float = 0.0
-    first_chunk_delay: float = 0.0
-    usage: str = "separate"
-    done: bool = True
-    finish_chunk: str = "own"
-    unstable_id: bool = False
-    size: int = 100_000
-    status: int | None = None
-    retry_after: int | None = None
-    repairable: bool = False  # answer like `tool` once the gateway asks for a repair
-
-
-def parse_model(model: str) -> Options:
-    """Split the model string into scenario + options; raise ValueError on bad values.
-
-    Unknown option keys are ignored so newer clients can talk to older simulators.
-    """
-    scenario, *pairs = (part.strip() for part in model.split(";"))
-    values: dict[str, Any] = dict(_SCENARIO_DEFAULTS.get(scenario, {}))
-    for pair in pairs:
-        key, sep, raw = (s.strip() for s in pair.partition("="))
-        convert = _OPTION_TYPES.get(key)
-        if not sep or convert is None:
-            continue
-        try:
-            values[key] = convert(raw)
-        except ValueError as exc:
-            raise ValueError(f"invalid simulator option {pair!r}") from exc
-        if key in _CHOICES and raw not in _CHOICES[key]:
-            raise ValueError(f"invalid simulator option {pair!r}")
-    return Options(scenario=scenario or "echo", **values)
-
-
-def _text_of(content: Any) -> str:
-    """Flatten string or list-of-parts message content to plain text."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(
-            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
-        )
-    return ""
-
-
-def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
-    messages = body.get("messages")
-    return [m for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
-
-
-def _last_user_text(body: Mapping[str, Any]) -> str:
-    users = [m for m in _messages(body) if m.get("role") == "user"]
-    return _text_of(users[-1].get("content")) if users else ""
 
 
 def _tool_names(body: Mapping[str, Any]) -> tuple[str, str]:
@@ -132,219 +68,8 @@ def _wants_usage(body: Mapping[str, Any]) -> bool:
     return isinstance(opts, dict) and opts.get("include_usage") is True
 
 
-@dataclass(frozen=True)
-class Ctx:
-    """Everything a scenario may depend on; scenarios stay pure functions of it."""
-
-    opts: Options
-    body: Mapping[str, Any]
-    tools: tuple[str, str]
-
-    def split(self, text: str) -> list[str]:
-        size = max(1, self.opts.chunk)
-        return [text[i : i + size] for i in range(0, len(text), size)]
-
-    def split_two(self, text: str) -> list[str]:
-        """Split into at least two fragments (for quirks that need a second delta)."""
-        parts = self.split(text)
-        if len(parts) >= 2:
-            return parts
-        half = max(1, len(text) // 2)
-        return [text[:half], text[half:]]
-
-
-@dataclass
-class Reply:
-    """A scenario's output: content deltas plus how the stream should end."""
-
-    deltas: list[Delta]
-    finish: str | None = "stop"
-    terminal: list[Frame] | None = None  # ends the stream abruptly (no finish/usage/done)
-    done: bool = True
-    usage_at: str | None = None  # choice (Moonshot), x_groq (Groq), running (vLLM continuous)
-
-
-def _args(i: int) -> str:
-    return json.dumps(TOOL_ARGS[i % len(TOOL_ARGS)])
-
-
-def _call_id(i: int) -> str:
-    return f"call_sim_{i}"
-
-
-def _tool_delta(
-    *, index: int | None = None, id: str | None = None, name: str | None = None,
-    args: str | None = None, typed: bool = False,
-) -> Delta:
-    """One ``tool_calls`` delta carrying only the fields given (quirks omit some)."""
-    entry: dict[str, Any] = {} if index is None else {"index": index}
-    if id is not None:
-        entry["id"] = id
-    if typed:
-        entry["type"] = "function"
-    fn = {k: v for k, v in (("name", name), ("arguments", args)) if v is not None}
-    if fn:
-        entry["function"] = fn
-    return {"tool_calls": [entry]}
-
-
-def _content(ctx: Ctx, text: str, key: str = "content") -> list[Delta]:
-    return [{key: frag} for frag in ctx.split(text)]
-
-
-def _call(ctx: Ctx, i: int, name: str | None = None, args: str | None = None) -> list[Delta]:
-    """Canonical OpenAI shape: a start delta with id/type/name, then argument fragments."""
-    start = _tool_delta(index=i, id=_call_id(i), name=name or ctx.tools[i], args="", typed=True)
-    frags = ctx.split(_args(i) if args is None else args)
-    return [start, *(_tool_delta(index=i, args=f) for f in frags)]
-
-
-def _interleaved(ctx: Ctx) -> Reply:
-    first, second = _call(ctx, 0), _call(ctx, 1)
-    rest = [d for pair in zip_longest(first[1:], second[1:]) for d in pair if d is not None]
-    return Reply([first[0], second[0], *rest], "tool_calls")
-
-
-def _missing_index(ctx: Ctx) -> Reply:
-    deltas: list[Delta] = []
-    for i in (0, 1):
-        deltas.append(_tool_delta(id=_call_id(i), name=ctx.tools[i], args="", typed=True))
-        deltas += [_tool_delta(args=f) for f in ctx.split(_args(i))]
-    return Reply(deltas, "tool_calls")
-
-
-def _repeated_id(ctx: Ctx) -> Reply:
-    frags = ["", *ctx.split(_args(0))]
-    deltas = [
-        _tool_delta(index=0, id=_call_id(0), name=ctx.tools[0], args=f, typed=True) for f in frags
-    ]
-    return Reply(deltas, "tool_calls")
-
-
-def _late_name(ctx: Ctx) -> Reply:
-    first, second, *rest = ctx.split_two(_args(0))
-    deltas = [
-        _tool_delta(index=0, id=_call_id(0), args=first, typed=True),
-        _tool_delta(index=0, name=ctx.tools[0], args=second),
-        *(_tool_delta(index=0, args=f) for f in rest),
-    ]
-    return Reply(deltas, "tool_calls")
-
-
-def _identity_change(ctx: Ctx) -> Reply:
-    first, second, *rest = ctx.split_two(_args(0))
-    deltas = [
-        _tool_delta(index=0, id=_call_id(0), name=ctx.tools[0], args="", typed=True),
-        _tool_delta(index=0, args=first),
-        _tool_delta(index=0, id="call_sim_changed", args=second),
-        *(_tool_delta(index=0, args=f) for f in rest),
-    ]
-    return Reply(deltas, "tool_calls")
-
-
-def _empty_tool_array(ctx: Ctx) -> Reply:
-    return Reply([{**d, "tool_calls": []} for d in _content(ctx, TEXT)])
-
-
-# -- round 2: what real servers send (see ../shared/PROTOCOLS.md, "Upstream variety") ----
-
-THOUGHT_SIGNATURE = "CiQBVKhc7sim+signature/for==call0"
-THINK_REASONING = "Let me think about Paris."
-THINK_ANSWER = "It is sunny in Paris."
-
-
-def _object_arguments(ctx: Ctx) -> Reply:
-    """llama.cpp: ``arguments`` as a JSON object, the whole call in one delta."""
-    deltas = [
-        {"tool_calls": [{"index": i, "id": _call_id(i), "type": "function",
-                         "function": {"name": ctx.tools[i], "arguments": dict(TOOL_ARGS[i])}}]}
-        for i in (0, 1)
-    ]
-    return Reply(deltas, "tool_calls")
-
-
-def _nulls(delta: Delta) -> Delta:
-    """Every delta field present, absent ones as explicit nulls (llama-cpp-python)."""
-    base: Delta = {"role": None, "content": None, "reasoning_content": None, "function_call": None,
-                   "tool_calls": None, "refusal": None}
-    return {**base, **delta}
-
-
-def _explicit_nulls(ctx: Ctx) -> Reply:
-    text = [_nulls(d) for d in _content(ctx, "Let me check. ")]
-    calls = []
-    for d in _call(ctx, 0):
-        entry = d["tool_calls"][0]
-        fn = entry.setdefault("function", {})
-        fn.setdefault("name", None)
-        entry.setdefault("id", None)
-        entry.setdefault("type", None)
-        calls.append(_nulls(d))
-    return Reply(text + calls, "tool_calls")
-
-
-def _legacy_function_call(ctx: Ctx) -> Reply:
-    """llama-cpp-python's server: every call chunk carries the same content twice, as a
-    legacy ``function_call`` and as ``tool_calls`` (name and id repeated), nulls elsewhere."""
-    deltas: list[Delta] = []
-    for i in (0, 1):
-        for frag in ["", *ctx.split(_args(i))]:
-            fn = {"name": ctx.tools[i], "arguments": frag}
-            deltas.append(_nulls({
-                "function_call": dict(fn),
-                "tool_calls": [{"index": i, "id": _call_id(i), "type": "function", "function": dict(fn)}],
-            }))
-    return Reply(deltas, "tool_calls")
-
-
-def _only_function_call(ctx: Ctx) -> Reply:
-    """The oldest shape: ``function_call`` deltas and no ``tool_calls`` at all."""
-    frags = ctx.split(_args(0))
-    deltas = [{"function_call": {"name": ctx.tools[0], "arguments": ""}}]
-    deltas += [{"function_call": {"arguments": f}} for f in frags]
-    return Reply(deltas, "function_call")
-
-
-def _reasoning_after_text(ctx: Ctx) -> Reply:
-    """DeepSeek V4 on vLLM: reasoning resumes after text."""
-    return Reply(
-        _content(ctx, "First I think.", "reasoning_content") + _content(ctx, "Here is a first part. ")
-        + _content(ctx, "Now I think again.", "reasoning_content") + _content(ctx, "And the rest.")
-    )
-
-
-def _reasoning_with_content(ctx: Ctx) -> Reply:
-    """Reasoning and content in the same delta."""
-    return Reply([{"reasoning_content": "Thinking.", "content": "Answer"},
-                  {"reasoning_content": " More.", "content": " done."}])
-
-
-def _think_tags(ctx: Ctx) -> Reply:
-    """A server without a reasoning parser: ``<think>`` inside content, cut anywhere."""
-    return Reply(_content(ctx, f"<think>{THINK_REASONING}</think>{THINK_ANSWER}"))
-
-
-def _think_close_only(ctx: Ctx) -> Reply:
-    """The chat template opened the tag: only a closing ``</think>`` arrives."""
-    return Reply(_content(ctx, f"{THINK_REASONING}</think>{THINK_ANSWER}"))
-
-
-def _gemini_signature(ctx: Ctx) -> Reply:
-    """Gemini: the first call's thought signature in a delta with nothing else, between its
-    start and its arguments; the second call has none."""
-    first, second = _call(ctx, 0), _call(ctx, 1)
-    signature = {"tool_calls": [{"index": 0, "extra_content": {"google": {"thought_signature": THOUGHT_SIGNATURE}}}]}
-    return Reply([first[0], signature, *first[1:], *second], "tool_calls")
-
-
-def _usage_placed(where: str) -> Callable[[Ctx], Reply]:
-    def scenario(ctx: Ctx) -> Reply:
-        return Reply(_content(ctx, TEXT), usage_at=where)
-    return scenario
-
-
 def _echo(ctx: Ctx) -> Reply:
-    return Reply(_content(ctx, "You said: " + _last_user_text(ctx.body)))
+    return Reply(content_deltas(ctx, "You said: " + last_user_text(ctx.body)))
 
 
 #: ``agent``: a tool the user's text asks for, as ``CALL <tool name> <JSON arguments>``.
@@ -377,7 +102,7 @@ def _agent_progress(messages: list[dict[str, Any]]) -> int:
     tool results since."""
     done = 0
     for message in messages:
-        found = PROGRESS.findall(_text_of(message.get("content")))
+        found = PROGRESS.findall(text_of(message.get("content")))
         if found and message.get("role") != "tool":
             done = int(found[-1])
         elif message.get("role") == "tool":
@@ -391,8 +116,8 @@ def _agent(ctx: Ctx) -> Reply:
     a text answer quoting the last tool result. A summary request (a compaction turn) is
     answered with the progress, so the plan continues after the history is replaced.
     Any other request gets an echo."""
-    messages = _messages(ctx.body)
-    users = [_text_of(m.get("content")) for m in messages if m.get("role") == "user"]
+    messages = chat_messages(ctx.body)
+    users = [text_of(m.get("content")) for m in messages if m.get("role") == "user"]
     plan = next((d for d in map(_directives, users) if d), [])
     declared = {
         t["function"]["name"] for t in ctx.body.get("tools") or []
@@ -401,69 +126,69 @@ def _agent(ctx: Ctx) -> Reply:
     done = _agent_progress(messages)
     # the last turn (Claude Code sends a system item after the user's message)
     last = next((m for m in reversed(messages) if m.get("role") != "system"), {})
-    if last.get("role") == "user" and SUMMARY_PROMPT in _text_of(last.get("content")):
-        return Reply(_content(ctx, f"Progress: {done} tool call(s) completed."))
+    if last.get("role") == "user" and SUMMARY_PROMPT in text_of(last.get("content")):
+        return Reply(content_deltas(ctx, f"Progress: {done} tool call(s) completed."))
     if last.get("role") in ("user", "tool") and declared:
         for i, (name, args) in enumerate(plan[done:]):
             if name in declared:
-                start = _tool_delta(index=0, id=f"call_agent_{done + i}", name=name, args="", typed=True)
-                return Reply([start, *(_tool_delta(index=0, args=f) for f in ctx.split(args))], "tool_calls")
+                start = tool_delta(index=0, id=f"call_agent_{done + i}", name=name, args="", typed=True)
+                return Reply([start, *(tool_delta(index=0, args=f) for f in ctx.split(args))], "tool_calls")
     if last.get("role") == "tool":
-        return Reply(_content(ctx, "Done. The tool said: " + _text_of(last.get("content"))[:300]))
-    return Reply(_content(ctx, "You said: " + (users[-1] if users else "")[-300:]))
+        return Reply(content_deltas(ctx, "Done. The tool said: " + text_of(last.get("content"))[:300]))
+    return Reply(content_deltas(ctx, "You said: " + (users[-1] if users else "")[-300:]))
 
 
 def _large(ctx: Ctx) -> Reply:
     size = max(0, ctx.opts.size)
-    return Reply(_content(ctx, (GREETING * (size // len(GREETING) + 1))[:size]))
+    return Reply(content_deltas(ctx, (GREETING * (size // len(GREETING) + 1))[:size]))
 
 
 SCENARIOS: dict[str, Callable[[Ctx], Reply]] = {
     "echo": _echo,
-    "text": lambda c: Reply(_content(c, TEXT)),
-    "reasoning": lambda c: Reply(_content(c, REASONING, "reasoning_content") + _content(c, TEXT)),
-    "reasoning_field": lambda c: Reply(_content(c, REASONING, "reasoning") + _content(c, TEXT)),
-    "tool": lambda c: Reply(_call(c, 0), "tool_calls"),
-    "text_then_tool": lambda c: Reply(_content(c, "Let me check. ") + _call(c, 0), "tool_calls"),
-    "parallel_tools": lambda c: Reply(_call(c, 0) + _call(c, 1), "tool_calls"),
-    "interleaved_tools": _interleaved,
-    "missing_index": _missing_index,
-    "repeated_id": _repeated_id,
-    "late_name": _late_name,
-    "empty_tool_array": _empty_tool_array,
-    "invalid_json": lambda c: Reply(_call(c, 0, args='{"city": "Par'), "tool_calls"),
-    "fenced_json": lambda c: Reply(_call(c, 0, args=f"```json\n{_args(0)}\n```"), "tool_calls"),
-    "undeclared_tool": lambda c: Reply(_call(c, 0, name="not_a_declared_tool"), "tool_calls"),
-    "identity_change": _identity_change,
+    "text": lambda c: Reply(content_deltas(c, TEXT)),
+    "reasoning": lambda c: Reply(content_deltas(c, REASONING, "reasoning_content") + content_deltas(c, TEXT)),
+    "reasoning_field": lambda c: Reply(content_deltas(c, REASONING, "reasoning") + content_deltas(c, TEXT)),
+    "tool": lambda c: Reply(call_deltas(c, 0), "tool_calls"),
+    "text_then_tool": lambda c: Reply(content_deltas(c, "Let me check. ") + call_deltas(c, 0), "tool_calls"),
+    "parallel_tools": lambda c: Reply(call_deltas(c, 0) + call_deltas(c, 1), "tool_calls"),
+    "interleaved_tools": quirks.interleaved_tools,
+    "missing_index": quirks.missing_index,
+    "repeated_id": quirks.repeated_id,
+    "late_name": quirks.late_name,
+    "empty_tool_array": quirks.empty_tool_array,
+    "invalid_json": lambda c: Reply(call_deltas(c, 0, args='{"city": "Par'), "tool_calls"),
+    "fenced_json": lambda c: Reply(call_deltas(c, 0, args=f"```json\n{tool_args(0)}\n```"), "tool_calls"),
+    "undeclared_tool": lambda c: Reply(call_deltas(c, 0, name="not_a_declared_tool"), "tool_calls"),
+    "identity_change": quirks.identity_change,
     "content_filter": lambda c: Reply([], "content_filter"),
-    "content_filter_partial": lambda c: Reply(_content(c, GREETING), "content_filter"),
-    "length": lambda c: Reply(_content(c, TEXT), "length"),
-    "no_done": lambda c: Reply(_content(c, TEXT), done=False),
-    "no_finish": lambda c: Reply(_content(c, TEXT), finish=None),
-    "error_frame": lambda c: Reply(_content(c, GREETING), None, [copy.deepcopy(ERROR_FRAME)]),
-    "drop": lambda c: Reply(_content(c, TEXT), None, [{"_op": "drop"}]),
-    "slow_first_byte": lambda c: Reply(_content(c, TEXT)),
-    "slow_headers": lambda c: Reply(_content(c, TEXT)),
+    "content_filter_partial": lambda c: Reply(content_deltas(c, GREETING), "content_filter"),
+    "length": lambda c: Reply(content_deltas(c, TEXT), "length"),
+    "no_done": lambda c: Reply(content_deltas(c, TEXT), done=False),
+    "no_finish": lambda c: Reply(content_deltas(c, TEXT), finish=None),
+    "error_frame": lambda c: Reply(content_deltas(c, GREETING), None, [copy.deepcopy(ERROR_FRAME)]),
+    "drop": lambda c: Reply(content_deltas(c, TEXT), None, [{"_op": "drop"}]),
+    "slow_first_byte": lambda c: Reply(content_deltas(c, TEXT)),
+    "slow_headers": lambda c: Reply(content_deltas(c, TEXT)),
     "large": _large,
     "agent": _agent,
-    "object_arguments": _object_arguments,
-    "usage_in_choice": _usage_placed("choice"),
-    "usage_x_groq": _usage_placed("x_groq"),
-    "usage_running": _usage_placed("running"),
-    "finish_eos": lambda c: Reply(_content(c, TEXT), "eos"),
-    "finish_eos_token": lambda c: Reply(_content(c, TEXT), "eos_token"),
-    "finish_empty": lambda c: Reply(_content(c, TEXT), ""),
-    "finish_tool_call": lambda c: Reply(_call(c, 0), "tool_call"),
-    "finish_function_call": lambda c: Reply(_call(c, 0), "function_call"),
-    "finish_error": lambda c: Reply(_content(c, GREETING), "error"),
-    "legacy_function_call": _legacy_function_call,
-    "only_function_call": _only_function_call,
-    "explicit_nulls": _explicit_nulls,
-    "reasoning_after_text": _reasoning_after_text,
-    "reasoning_with_content": _reasoning_with_content,
-    "think_tags": _think_tags,
-    "think_close_only": _think_close_only,
-    "gemini_signature": _gemini_signature,
+    "object_arguments": quirks.object_arguments,
+    "usage_in_choice": quirks.usage_placed("choice"),
+    "usage_x_groq": quirks.usage_placed("x_groq"),
+    "usage_running": quirks.usage_placed("running"),
+    "finish_eos": lambda c: Reply(content_deltas(c, TEXT), "eos"),
+    "finish_eos_token": lambda c: Reply(content_deltas(c, TEXT), "eos_token"),
+    "finish_empty": lambda c: Reply(content_deltas(c, TEXT), ""),
+    "finish_tool_call": lambda c: Reply(call_deltas(c, 0), "tool_call"),
+    "finish_function_call": lambda c: Reply(call_deltas(c, 0), "function_call"),
+    "finish_error": lambda c: Reply(content_deltas(c, GREETING), "error"),
+    "legacy_function_call": quirks.legacy_function_call,
+    "only_function_call": quirks.only_function_call,
+    "explicit_nulls": quirks.explicit_nulls,
+    "reasoning_after_text": quirks.reasoning_after_text,
+    "reasoning_with_content": quirks.reasoning_with_content,
+    "think_tags": quirks.think_tags,
+    "think_close_only": quirks.think_close_only,
+    "gemini_signature": quirks.gemini_signature,
 }
 
 #: 200 answers that are no stream: name -> (content type, body)
@@ -516,7 +241,7 @@ def _chunk(delta: Delta, finish: str | None = None) -> Frame:
 
 def _usage(body: Mapping[str, Any], deltas: list[Delta]) -> dict[str, Any]:
     """Deterministic token counts: characters // 4 + 1."""
-    prompt = sum(len(_text_of(m.get("content"))) for m in _messages(body)) // 4 + 1
+    prompt = sum(len(text_of(m.get("content"))) for m in chat_messages(body)) // 4 + 1
     text = reasoning = 0
     for d in deltas:
         text += len(d.get("content") or "")
@@ -560,7 +285,7 @@ def _add_token_data(chunk: Frame, delta: Delta, body: Mapping[str, Any], n: int)
     if body.get("return_token_ids") is True:
         choice["token_ids"] = [token_id(piece)] if piece else []
         if n == 0:
-            prompt = "".join(_text_of(m.get("content")) for m in _messages(body))
+            prompt = "".join(text_of(m.get("content")) for m in chat_messages(body))
             chunk["prompt_token_ids"] = [token_id(w) for w in prompt.split()]
 
 
@@ -657,8 +382,8 @@ def build_plan(
 
 def _asks_for_repair(body: Mapping[str, Any]) -> bool:
     """A model that listens: the gateway's repair note is the last message."""
-    messages = _messages(body)
-    return bool(messages) and REPAIR_MARKER in _text_of(messages[-1].get("content"))
+    messages = chat_messages(body)
+    return bool(messages) and REPAIR_MARKER in text_of(messages[-1].get("content"))
 
 
 def build_frames(

@@ -26,23 +26,25 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway.upstream.pool import fingerprint
-from gateway.upstream.sim_scenarios import (  # noqa: F401  (re-exported for tests and tools)
+from gateway.upstream.sim_reply import (  # noqa: F401  (re-exported for tests and tools)
     DEFAULT_TOOLS,
-    ERROR_FRAME,
     GREETING,
     REASONING,
-    SCENARIOS,
     TEXT,
     TOOL_ARGS,
     Frame,
     Options,
+    parse_model,
+)
+from gateway.upstream.sim_scenarios import (  # noqa: F401  (re-exported for tests and tools)
+    ERROR_FRAME,
+    SCENARIOS,
     Plan,
     ScriptSpec,
     assemble_completion,
     build_frames,
     build_plan,
     error_body,
-    parse_model,
     scenario_names,
     token_id,
 )
