@@ -30,7 +30,7 @@ from gateway.redact import SECRETS
 import structlog
 
 from gateway.store.db import Store, upsert
-from gateway.store.spill import DurableWriter
+from gateway.store.spill import DurableWriter, no_report
 
 if TYPE_CHECKING:
     from gateway.record import RequestRecord
@@ -124,8 +124,8 @@ class AuditWriter:
         self.max_queue = max_queue
         self.flush_interval = flush_interval
         self.batch_size = batch_size
-        self.on_drop = on_drop
-        self.on_write_error = on_write_error
+        self.on_drop = on_drop or no_report
+        self.on_write_error = on_write_error or no_report
         self.dropped = 0
         self.written = 0  # stored or spilled (replayed later)
         self.write_errors = 0  # lost: neither the store nor the spill journal took them
@@ -319,8 +319,7 @@ class AuditWriter:
     def _count(self, outcome: str, count: int) -> None:
         if outcome == "lost":
             self.write_errors += count
-            if self.on_write_error is not None:
-                self.on_write_error(count)
+            self.on_write_error(count)
         else:
             self.written += count
 

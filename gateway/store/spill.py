@@ -48,6 +48,11 @@ STORE_WRITE_TIMEOUT = 5.0
 _ZEROS = bytes(1 << 20)
 
 
+def no_report(*_: Any) -> None:
+    """The default of a writer's ``on_*`` count callbacks (a metric's ``inc`` when wired):
+    nothing to report to, so every count site can call its callback unconditionally."""
+
+
 class SpillFull(OSError):
     """The journal is at its bound: the row cannot be kept anywhere."""
 
@@ -182,9 +187,9 @@ class DurableWriter:
         self.statements = statements
         self.retry_interval = retry_interval
         self.write_timeout = write_timeout
-        self.on_spilled = on_spilled
-        self.on_lost = on_lost
-        self.on_replayed = on_replayed
+        self.on_spilled = on_spilled or no_report
+        self.on_lost = on_lost or no_report
+        self.on_replayed = on_replayed or no_report
         self.store_writable = True
         self.store_error: str | None = None
         self.failing_since: float | None = None
@@ -256,13 +261,11 @@ class DurableWriter:
             self.journal.append([orjson.dumps({"kind": kind, "row": list(r)}, default=str) for r in rows])
         except OSError as exc:
             self.lost += count
-            if self.on_lost is not None:
-                self.on_lost(kind, count)
+            self.on_lost(kind, count)
             log.error("store_records_lost", kind=kind, rows=count, error=f"{type(exc).__name__}: {exc}")
             return "lost"
         self.spilled += count
-        if self.on_spilled is not None:
-            self.on_spilled(kind, count)
+        self.on_spilled(kind, count)
         log.warning("store_records_spilled", kind=kind, rows=count, spill_entries=self.spill_entries)
         return "spilled"
 
@@ -305,8 +308,7 @@ class DurableWriter:
         self.store_writable, self.store_error, self.failing_since = True, None, None
         for kind, count in replayed.items():
             self.replayed += count
-            if self.on_replayed is not None:
-                self.on_replayed(kind, count)
+            self.on_replayed(kind, count)
         return True
 
     def _replay(self) -> dict[str, int]:
