@@ -250,27 +250,13 @@ class ResponsesEncoder:
         where = {"output_index": index}
         if event.kind == "text":
             item = message_item(new_id("msg_"), None, "in_progress")
-            self._items[index] = item
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            return (
-                out
-                + self._event("response.output_item.added", {**where, "item": item})
-                + self._event(
-                    "response.content_part.added",
-                    {"item_id": item["id"], **where, "content_index": 0, "part": part},
-                )
-            )
+            return out + self._added_with_part(index, item, "response.content_part.added", "content_index", part)
         if event.kind == "reasoning":
             item = reasoning_item(new_id("rs_"), None, False)
-            self._items[index] = item
             part = {"type": "summary_text", "text": ""}
-            return (
-                out
-                + self._event("response.output_item.added", {**where, "item": item})
-                + self._event(
-                    "response.reasoning_summary_part.added",
-                    {"item_id": item["id"], **where, "summary_index": 0, "part": part},
-                )
+            return out + self._added_with_part(
+                index, item, "response.reasoning_summary_part.added", "summary_index", part
             )
         call_id = event.call_id or new_id("call_")
         kind = self.tool_map.kinds.get(event.name or "")
@@ -291,6 +277,15 @@ class ResponsesEncoder:
         item = function_call_item(new_id("fc_"), call_id, name, "", "in_progress")
         self._items[index] = item
         return out + self._event("response.output_item.added", {**where, "item": item})
+
+    def _added_with_part(
+        self, index: int, item: dict[str, Any], part_event: str, part_key: str, part: dict[str, Any]
+    ) -> bytes:
+        """A message or reasoning item announced, then its first (empty) part."""
+        self._items[index] = item
+        where = {"output_index": index}
+        added = self._event("response.output_item.added", {**where, "item": item})
+        return added + self._event(part_event, {"item_id": item["id"], **where, part_key: 0, "part": part})
 
     def _delta(self, index: int, text: str) -> bytes:
         if not text or index not in self._items:

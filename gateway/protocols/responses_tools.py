@@ -203,16 +203,22 @@ def declaration(tool: dict[str, Any], kind: str, param: str) -> tuple[str, str, 
     return kind, _DESCRIPTIONS[kind], parameters
 
 
-def _function_tool(
-    tool: dict[str, Any], namespace: str | None, tool_map: ToolMap, param: str
-) -> dict[str, Any]:
+def _tool_name(tool: dict[str, Any], what: str, param: str) -> str:
+    """A function or namespace tool's ``name`` (1 to MAX_NAME_CHARS characters), else a 400."""
     name = tool.get("name")
     if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
         raise invalid_request(
-            f"a function tool needs a 'name' of 1 to {MAX_NAME_CHARS} characters",
+            f"a {what} tool needs a 'name' of 1 to {MAX_NAME_CHARS} characters",
             param=f"{param}.name",
             code="invalid_value",
         )
+    return name
+
+
+def _function_tool(
+    tool: dict[str, Any], namespace: str | None, tool_map: ToolMap, param: str
+) -> dict[str, Any]:
+    name = _tool_name(tool, "function", param)
     parameters = tool.get("parameters")
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
@@ -250,14 +256,8 @@ def upstream_tools(
         if kind == "function":
             out.append(_function_tool(tool, None, tool_map, param))
         elif kind == "namespace":
-            namespace = tool.get("name")
+            namespace = _tool_name(tool, "namespace", param)
             inner = tool.get("tools")
-            if not isinstance(namespace, str) or not namespace or len(namespace) > MAX_NAME_CHARS:
-                raise invalid_request(
-                    f"a namespace tool needs a 'name' of 1 to {MAX_NAME_CHARS} characters",
-                    param=f"{param}.name",
-                    code="invalid_value",
-                )
             if not isinstance(inner, list):
                 raise invalid_request(
                     "a namespace tool needs a 'tools' list", param=f"{param}.tools"
