@@ -180,8 +180,7 @@ class AuditWriter:
         if not self.dropped:
             log.error("audit_records_dropped", why=why, queued=len(self._pending), overflow=len(self._overflow))
         self.dropped += 1
-        if self.on_drop is not None:
-            self.on_drop(1)
+        self.on_drop(1)
 
     # -- lifecycle ---------------------------------------------------------------------
 

@@ -47,7 +47,6 @@ from gateway.upstream.sim_reply import (
 ERROR_FRAME: Frame = {
     "error": {"message": "upstream exploded", "type": "server_error", "code": "internal_error"}
 }
-REQUEST_LOG_SIZE = 500
 
 
 def _tool_names(body: Mapping[str, Any]) -> tuple[str, str]:
