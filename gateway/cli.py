@@ -273,6 +273,7 @@ def serve(settings: Settings, sources: dict, cli_values: dict[str, Any] | None =
         host=settings.host, port=settings.port, log_level=settings.log_level, log_config=None, access_log=True,
         timeout_graceful_shutdown=settings.shutdown_timeout + SHUTDOWN_GRACE,
     )
+    common.update(websocket_options(settings))
     access = AdminAccess.from_settings(settings.admin_token)  # one token for every worker
     try:
         if settings.workers > 1:
@@ -295,6 +296,17 @@ def serve(settings: Settings, sources: dict, cli_values: dict[str, Any] | None =
 
 #: Seconds past ``--shutdown-timeout`` uvicorn waits for the cut streams to say goodbye.
 SHUTDOWN_GRACE = 5.0
+
+#: Bytes past ``--max-body-bytes`` in which a WebSocket frame still reaches the app, so the
+#: client gets the wrapped 413 (gateway.protocols.responses_ws) rather than a bare close.
+WS_FRAME_SLACK = 1024 * 1024
+
+
+def websocket_options(settings: Settings) -> dict[str, Any]:
+    """uvicorn's WebSocket limit: a frame over ``--max-body-bytes`` + :data:`WS_FRAME_SLACK`
+    is refused by the server (close 1009) from its header, before its payload is buffered
+    (uvicorn's default, 16 MiB, would refuse frames the HTTP route accepts)."""
+    return {"ws_max_size": settings.max_body_bytes + WS_FRAME_SLACK}
 
 
 def admin_login_url(settings: Settings, access: AdminAccess) -> str | None:

@@ -14,7 +14,8 @@ invalid_request    400     invalid_json, invalid_request, invalid_type, invalid_
                            missing_required_parameter, n_not_supported,
                            unsupported_tool_choice, unsupported_tool_type,
                            duplicate_tool_name, previous_response_not_found,
-                           upstream_rejected (the upstream's 400/413/422);
+                           upstream_rejected (the upstream's 400/413/422),
+                           too_many_queued_frames (a WebSocket client past the bound);
                    405     method_not_allowed (a known route, another method)
 authentication     401     invalid_api_key
 not_found          404     upstream_not_found, response_not_found, model_not_found,

@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     connect_timeout: float = Field(10.0, gt=0)
     first_byte_timeout: float = Field(120.0, gt=0)
     idle_timeout: float = Field(120.0, gt=0)
+    ws_idle_timeout: float = Field(
+        300.0, gt=0, description="seconds a Responses WebSocket with nothing in flight may stay silent"
+    )
     data_dir: Path = Path("data")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     audit_retention_days: float = Field(30, ge=0, description="0 = keep audit rows forever")
@@ -234,6 +237,7 @@ CLI_FIELDS: dict[str, str] = {
     "connect_timeout": "seconds to connect to the upstream",
     "first_byte_timeout": "seconds to wait for the upstream's response headers",
     "idle_timeout": "seconds of upstream silence before the stream is abandoned",
+    "ws_idle_timeout": "seconds a Responses WebSocket with nothing in flight may go without a frame before it is closed",
     "data_dir": "directory for the SQLite store and other state",
     "log_level": "debug, info, warning or error",
     "audit_retention_days": "days to keep audit records (0 = forever)",

@@ -18,7 +18,7 @@ from openai.types.responses import ResponseStreamEvent
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
-from gateway.protocols.responses_ws import sse_data
+from gateway.protocols.responses_ws import MAX_QUEUED_FRAMES, Inbox, sse_data
 from tests.conftest import Gateway, Simulator, start_gateway
 from tests.test_audit import audit_rows
 
@@ -226,3 +226,155 @@ def test_previous_response_from_the_store(gateway: Gateway, simulator: Simulator
     assert events[-1]["type"] == "response.completed"
     [sent] = upstream_bodies(simulator)
     assert [m["content"] for m in sent["messages"]] == ["first question", "You said: first question", "second"]
+
+
+# -- bounds: a hostile client cannot grow the gateway's memory --------------------------------
+
+SLOW = {"type": "response.create", "model": "large;first_chunk_delay=5", "input": "hi"}
+QUICK = {"type": "response.create", "model": "text", "input": "hi"}
+
+
+def _refusal(ws: ClientConnection) -> tuple[dict[str, Any], int]:
+    """Read up to the wrapped error (within the first response's few events); the close
+    code that followed it."""
+    for _ in range(50):
+        event = json.loads(ws.recv(timeout=20))
+        if event["type"] == "error" and "status" in event:
+            break
+    else:
+        pytest.fail("no wrapped error: the frames were answered")
+    with pytest.raises(ConnectionClosed) as closed:
+        while True:
+            ws.recv(timeout=20)
+    assert closed.value.rcvd is not None
+    return event, closed.value.rcvd.code
+
+
+def _flood(ws: ClientConnection, frames: list[str]) -> int:
+    """Send frames until the server closes; how many went out."""
+    sent = 0
+    for frame in frames:
+        try:
+            ws.send(frame)
+        except ConnectionClosed:
+            break
+        sent += 1
+    return sent
+
+
+def test_inbox_bounds_frames_and_bytes() -> None:
+    inbox = Inbox(max_frames=2, max_bytes=10)
+    assert inbox.offer({"type": "websocket.receive", "text": "é" * 3}) is None  # 6 bytes of UTF-8
+    assert inbox.bytes == 6
+    over_bytes = inbox.offer({"type": "websocket.receive", "bytes": b"12345"})
+    assert over_bytes is not None and over_bytes.close_code == 1008
+    assert over_bytes.error.code == "too_many_queued_frames" and inbox.bytes == 6
+    assert inbox.offer({"type": "websocket.receive", "text": "abcd"}) is None
+    over_count = inbox.offer({"type": "websocket.receive", "text": ""})
+    assert over_count is not None and over_count.close_code == 1008 and len(inbox.frames) == 2
+    assert inbox.take() == {"type": "websocket.receive", "text": "é" * 3} and inbox.bytes == 4
+    too_big = Inbox(max_frames=2, max_bytes=10).offer({"type": "websocket.receive", "text": "x" * 11})
+    assert too_big is not None and too_big.close_code == 1009 and too_big.error.status == 413
+
+
+def test_a_flood_while_answering_is_refused_and_the_gateway_serves_on(
+    server_loop: Any, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    gw = start_gateway(server_loop, simulator, tmp_path_factory)
+    simulator.clear()
+    with open_ws(gw) as ws:
+        ws.send(json.dumps(SLOW))
+        assert json.loads(ws.recv(timeout=20))["type"] == "response.created"  # in flight: a keepalive
+        flood = [json.dumps({**QUICK, "input": f"flood {i}"}) for i in range(10_000)]
+        sent = _flood(ws, flood)
+        error, code = _refusal(ws)
+    assert MAX_QUEUED_FRAMES < sent < len(flood)  # the server closed mid-flood
+    assert code == 1008
+    assert error["status"] == 400 and error["error"]["code"] == "too_many_queued_frames"
+    # nothing queued was answered: only the first request ever went upstream
+    assert [b["messages"][-1]["content"] for b in upstream_bodies(simulator)] == ["hi"]
+    rows = audit_rows(gw, 1)
+    assert [(r["outcome"], r["model"]) for r in rows] == [("cancelled", "large;first_chunk_delay=5")]
+    # the gateway serves on: a new connection, and plain HTTP
+    with open_ws(gw) as ws:
+        assert exchange(ws, QUICK)[-1]["type"] == "response.completed"
+    import httpx
+
+    assert httpx.post(gw.base_url + "/responses", json={"model": "text", "input": "hi"}).json()["status"] == "completed"
+
+
+def test_pipelined_requests_within_the_bound_are_answered_in_order(gateway: Gateway) -> None:
+    with open_ws(gateway) as ws:
+        for i in range(3):
+            ws.send(json.dumps({**QUICK, "model": "echo", "input": f"question {i}"}))
+        answers = []
+        for _ in range(3):
+            events = []
+            while not events or events[-1]["type"] not in TERMINAL:
+                events.append(json.loads(ws.recv(timeout=20)))
+            answers.append(events[-1]["response"]["output"][0]["content"][0]["text"])
+    assert answers == [f"You said: question {i}" for i in range(3)]
+
+
+def test_queued_bytes_past_max_body_bytes_are_refused(server_loop: Any, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory) -> None:
+    gw = start_gateway(server_loop, simulator, tmp_path_factory, max_body_bytes=4096)
+    with open_ws(gw) as ws:
+        ws.send(json.dumps(SLOW))
+        assert json.loads(ws.recv(timeout=20))["type"] == "response.created"
+        ws.send(json.dumps({**QUICK, "input": "a" * 3000}))  # fits alone
+        ws.send(json.dumps({**QUICK, "input": "b" * 3000}))  # 6000 queued bytes > 4096
+        error, code = _refusal(ws)
+    assert code == 1008 and error["error"]["code"] == "too_many_queued_frames"
+
+
+def test_a_frame_over_max_body_bytes_is_413_then_close_1009(server_loop: Any, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory) -> None:
+    gw = start_gateway(server_loop, simulator, tmp_path_factory, max_body_bytes=4096)
+    with open_ws(gw) as ws:
+        ws.send(json.dumps({**QUICK, "input": "x" * 5000}))
+        error, code = _refusal(ws)
+    assert code == 1009
+    assert error["status"] == 413 and error["error"]["code"] == "request_too_large"
+    with open_ws(gw) as ws:  # a frame within the limit on a new connection is answered
+        assert exchange(ws, {**QUICK, "input": "x" * 3000})[-1]["type"] == "response.completed"
+
+
+def test_uvicorn_refuses_a_frame_past_the_slack_before_buffering_it(tmp_path: Path, simulator: Simulator) -> None:
+    """As ``serve`` runs it (``websocket_options``): within the slack the app answers the
+    wrapped 413; past it uvicorn closes 1009 from the frame header."""
+    from gateway.app import create_app
+    from gateway.cli import WS_FRAME_SLACK, websocket_options
+    from gateway.servers import bind_loopback, start_embedded, stop_embedded
+    from gateway.settings import Settings
+    from tests.conftest import ServerLoop
+
+    settings = Settings(upstream_url=[simulator.url + "/v1"], data_dir=tmp_path, max_body_bytes=4096, spill_max_bytes=1 << 20)
+    app = create_app(settings, {name: "default" for name in Settings.model_fields})  # type: ignore[arg-type]
+    loop = ServerLoop()
+    sock = bind_loopback()
+    server = loop.run(start_embedded(app, sock, **websocket_options(settings)))
+    try:
+        gw = Gateway(f"http://127.0.0.1:{sock.getsockname()[1]}", app)
+        with open_ws(gw) as ws:
+            ws.send(json.dumps({**QUICK, "input": "x" * (4096 + WS_FRAME_SLACK // 2)}))
+            error, code = _refusal(ws)
+        assert code == 1009 and error["error"]["code"] == "request_too_large"
+        with open_ws(gw) as ws:
+            ws.send(json.dumps({**QUICK, "input": "x" * (4096 + WS_FRAME_SLACK)}))
+            with pytest.raises(ConnectionClosed) as closed:
+                ws.recv(timeout=20)  # no error frame: the server refused the frame itself
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
+    finally:
+        loop.run(stop_embedded(*server))
+        loop.close()
+
+
+def test_an_idle_connection_is_closed_but_a_long_answer_is_not_cut(server_loop: Any, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory) -> None:
+    gw = start_gateway(server_loop, simulator, tmp_path_factory, ws_idle_timeout=0.5)
+    with open_ws(gw) as ws:
+        # the answer takes longer than the idle timeout: idle means nothing in flight
+        events = exchange(ws, {**QUICK, "model": "text;first_chunk_delay=1.5"})
+        assert events[-1]["type"] == "response.completed"
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=20)
+    assert closed.value.rcvd is not None
+    assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (1000, "idle timeout")

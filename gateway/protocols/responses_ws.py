@@ -14,13 +14,23 @@ turns the SSE frames it writes into text frames. Keepalives are the encoder's re
 the wrapped error event Codex reads (``{"type": "error", "status", "error"}``), a
 mid-stream failure is the encoder's ``error`` + ``response.failed``; the connection is
 then closed cleanly (1000).
+
+Bounds (a hostile client must not grow memory): a frame over ``--max-body-bytes`` is the
+wrapped 413 ``request_too_large`` and close 1009; while one request is answered at most
+:data:`MAX_QUEUED_FRAMES` frames (and ``--max-body-bytes`` bytes in all) may wait, past
+that the wrapped 400 ``too_many_queued_frames``, the answer in flight is cut, and close
+1008; the socket is not read past either. A connection with nothing in flight and no
+frame for ``--ws-idle-timeout`` seconds is closed (1000). Codex sends one ``response.create``
+and waits for its terminal event (then at most a ``response.processed``), so it never
+comes near the queue bound; it reconnects after any close.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -28,7 +38,7 @@ import structlog
 from starlette.requests import Request
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from gateway.errors import GatewayError, invalid_request
+from gateway.errors import ErrorCode, GatewayError, invalid_request
 from gateway.protocols.base import ParsedRequest, load_json_object
 from gateway.protocols.openai_shapes import error_json
 from gateway.protocols.responses import ResponsesFacts, ResponsesRoom
@@ -43,6 +53,70 @@ CONNECTION_MEMORY = 64
 
 #: Client frames that need no answer.
 _IGNORED_TYPES = frozenset({"response.processed"})
+
+#: Client frames that may wait while one request is answered (Codex: none; a client that
+#: pipelines a few requests fits; a flood does not).
+MAX_QUEUED_FRAMES = 8
+
+#: RFC 6455 close codes used here.
+CLOSE_NORMAL = 1000
+CLOSE_POLICY_VIOLATION = 1008
+CLOSE_TOO_BIG = 1009
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why the connection stops reading: the wrapped error to send and the close code."""
+
+    error: GatewayError
+    close_code: int
+
+
+def frame_size(message: dict[str, Any]) -> int:
+    """A received frame's payload size (text counted as its UTF-8 bytes' upper bound)."""
+    text = message.get("text")
+    if text is not None:
+        return len(text) if text.isascii() else len(text.encode())
+    return len(message.get("bytes") or b"")
+
+
+class Inbox:
+    """The client frames waiting to be answered, bounded in count and in bytes.
+
+    Pure state fed one received frame at a time (:meth:`offer`); the connection's reader
+    stops at the first refusal, so nothing past the bound is ever held.
+    """
+
+    def __init__(self, max_frames: int, max_bytes: int) -> None:
+        self.max_frames = max_frames
+        self.max_bytes = max_bytes
+        self.frames: deque[tuple[dict[str, Any], int]] = deque()
+        self.bytes = 0
+
+    def offer(self, message: dict[str, Any]) -> Refusal | None:
+        """Queue ``message``, or say why it is refused (then it is not queued)."""
+        size = frame_size(message)
+        if size > self.max_bytes:
+            return Refusal(GatewayError(
+                "too_large", ErrorCode.REQUEST_TOO_LARGE,
+                f"the frame is over the limit of {self.max_bytes} bytes",
+            ), CLOSE_TOO_BIG)
+        if len(self.frames) >= self.max_frames or self.bytes + size > self.max_bytes:
+            return Refusal(invalid_request(
+                f"more than {self.max_frames} frames (or {self.max_bytes} bytes) sent while a response"
+                " was being answered: send one response.create and wait for its terminal event",
+                code="too_many_queued_frames",
+            ), CLOSE_POLICY_VIOLATION)
+        self.frames.append((message, size))
+        self.bytes += size
+        return None
+
+    def take(self) -> dict[str, Any] | None:
+        if not self.frames:
+            return None
+        message, size = self.frames.popleft()
+        self.bytes -= size
+        return message
 
 
 class ConnectionRoom(ResponsesRoom):
@@ -88,50 +162,94 @@ class ResponsesConnection:
     """One WebSocket connection: reads frames, answers each ``response.create`` in turn."""
 
     def __init__(self, relay: GenerationService, room: ResponsesRoom, websocket: WebSocket) -> None:
+        settings = relay.live.current
         self.relay = relay
         self.room = ConnectionRoom(room)
         self.websocket = websocket
-        self.inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self.disconnected = asyncio.Event()
+        self.inbox = Inbox(MAX_QUEUED_FRAMES, settings.max_body_bytes)
+        self.idle_timeout = settings.ws_idle_timeout
+        self.arrived = asyncio.Event()  # set when the reader queued a frame or stopped
+        self.disconnected = asyncio.Event()  # the client is gone
+        self.refused: Refusal | None = None  # set once by the reader; it then stops reading
+
+    @property
+    def stopped(self) -> bool:
+        """No answer is to go out any more: the client left or broke the bounds."""
+        return self.disconnected.is_set() or self.refused is not None
 
     async def run(self) -> None:
         await self.websocket.accept()
         reader = asyncio.create_task(self._read())
         try:
             while True:
-                message = await self.inbox.get()
-                if message["type"] == "websocket.disconnect":
+                message = await self._next()
+                if message is None:
+                    break
+                keep_open = await self._handle(message)
+                if self.stopped:
+                    break
+                if not keep_open:
+                    await self._close(CLOSE_NORMAL)
                     return
-                if not await self._handle(message):
-                    await self._close()
-                    return
+            if self.refused is not None:
+                await self._send_error(self.refused.error)
+                await self._close(self.refused.close_code)
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
 
-    async def _read(self) -> None:
-        """The only reader of the socket: frames queue up while a response streams."""
+    async def _next(self) -> dict[str, Any] | None:
+        """The next queued frame; None once the connection is to end (client gone, a bound
+        broken, or ``--ws-idle-timeout`` with nothing asked: closed here)."""
         while True:
-            message = await self.websocket.receive()
-            if message["type"] == "websocket.disconnect":
-                self.disconnected.set()
-                await self.inbox.put(message)
-                return
-            await self.inbox.put(message)
+            if self.stopped:
+                return None
+            message = self.inbox.take()
+            if message is not None:
+                return message
+            self.arrived.clear()
+            try:
+                await asyncio.wait_for(self.arrived.wait(), self.idle_timeout)
+            except TimeoutError:
+                log.info("responses_ws_idle_closed", idle_timeout=self.idle_timeout)
+                await self._close(CLOSE_NORMAL, "idle timeout")
+                return None
 
-    async def _close(self) -> None:
+    async def _read(self) -> None:
+        """The only reader of the socket: frames queue up (bounded) while a response streams."""
+        try:
+            while True:
+                message = await self.websocket.receive()
+                if message["type"] == "websocket.disconnect":
+                    self.disconnected.set()
+                    return
+                if message["type"] != "websocket.receive":
+                    continue
+                refusal = self.inbox.offer(message)
+                if refusal is not None:
+                    log.warning("responses_ws_refused", code=refusal.error.code, close_code=refusal.close_code)
+                    self.refused = refusal
+                    return
+                self.arrived.set()
+        finally:
+            self.arrived.set()
+
+    async def _close(self, code: int, reason: str = "") -> None:
         with contextlib.suppress(Exception):
-            await self.websocket.close(code=1000)
+            await self.websocket.close(code=code, reason=reason or None)
 
     async def _send(self, data: bytes | str) -> None:
         text = data.decode() if isinstance(data, bytes) else data
-        if not self.disconnected.is_set():
+        if not self.stopped:
             await self.websocket.send_text(text)
 
     async def _send_error(self, err: GatewayError) -> None:
+        """The wrapped error event (also after a refusal: the last frame before the close)."""
+        if self.disconnected.is_set():
+            return
         with contextlib.suppress(Exception):
-            await self._send(orjson.dumps(wrapped_error(err)))
+            await self.websocket.send_text(orjson.dumps(wrapped_error(err)).decode())
 
     # -- one client frame --------------------------------------------------------------
 
@@ -204,7 +322,9 @@ class ResponsesConnection:
         sink = _EventSink(self)
 
         async def receive_disconnect() -> dict[str, Any]:
-            await self.disconnected.wait()
+            while not self.stopped:  # a refusal cuts the answer in flight as a disconnect does
+                self.arrived.clear()
+                await self.arrived.wait()
             return {"type": "http.disconnect"}
 
         try:
