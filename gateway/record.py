@@ -19,6 +19,7 @@ class RequestRecord:
     request_id: str
     protocol: str
     started_at: float
+    transport: str = "http"  # http | websocket (Responses over GET /v1/responses upgraded)
     mode: str = ""
     streamed: bool = False
     model: str = ""  # as the client asked

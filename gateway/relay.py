@@ -70,9 +70,13 @@ class GenerationService:
             counts[key] = counts.get(key, 0) + 1
         return counts
 
-    async def handle(self, room: ProtocolRoom, request: Request) -> Response | GenerationResponse:
+    async def handle(
+        self, room: ProtocolRoom, request: Request, transport: str = "http"
+    ) -> Response | GenerationResponse:
+        """``transport``: how the request came (``websocket``: a Responses WebSocket frame)."""
         record = RequestRecord(
-            request_id="req_" + secrets.token_hex(12), protocol=room.name, started_at=time.time()
+            request_id="req_" + secrets.token_hex(12), protocol=room.name, started_at=time.time(),
+            transport=transport,
         )
         settings = self.live.current
         policy = StreamPolicy.snapshot(settings)

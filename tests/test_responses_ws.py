@@ -378,3 +378,20 @@ def test_an_idle_connection_is_closed_but_a_long_answer_is_not_cut(server_loop: 
             ws.recv(timeout=20)
     assert closed.value.rcvd is not None
     assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (1000, "idle timeout")
+
+
+def test_the_audit_record_names_the_transport(server_loop: Any, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory) -> None:
+    import httpx
+
+    gw = start_gateway(server_loop, simulator, tmp_path_factory)
+    with open_ws(gw) as ws:
+        over_ws = exchange(ws, QUICK)[-1]["response"]["id"]
+    over_http = httpx.post(gw.base_url + "/responses", json={"model": "text", "input": "hi"})
+    rows = audit_rows(gw, 2)
+    assert sorted((r["protocol"], r["transport"], r["outcome"]) for r in rows) == [
+        ("responses", "http", "success"), ("responses", "websocket", "success"),
+    ]
+    by_transport = {r["transport"]: r["request_id"] for r in rows}
+    assert by_transport["http"] == over_http.headers["x-request-id"]
+    detail = httpx.get(f"{gw.url}/admin/api/audit/{by_transport['websocket']}", headers=gw.admin).json()
+    assert detail["transport"] == "websocket" and detail["protocol"] == "responses" and over_ws.startswith("resp_")

@@ -396,11 +396,33 @@ def test_audit_detail_renders_model_output_as_text(page: Any, ui: Gateway, shots
     assert page.locator("#audit-bodies img").count() == 0
     assert page.evaluate("typeof window.__xss") == "undefined"
     assert page.text_content("#detail-mode") == record["mode"]
+    assert page.text_content("#detail-transport") == record["transport"] == "http"
     assert page.text_content("#detail-trace") == record["trace_context"].split("-")[1]
     page.wait_for_timeout(200)  # an injected onerror handler would have fired by now
     assert page.evaluate("typeof window.__xss") == "undefined"
     page.evaluate("window.scrollTo(0, document.querySelector('#audit-bodies').offsetTop - 300)")
     shot(page, shots, "audit-detail")
+
+
+def test_audit_detail_names_a_websocket_request(page: Any, ui: Gateway) -> None:
+    from websockets.sync.client import connect
+
+    with connect(ui.url.replace("http://", "ws://") + "/v1/responses") as ws:
+        ws.send(json.dumps({"type": "response.create", "model": "text", "input": "over the socket"}))
+        while json.loads(ws.recv(timeout=20))["type"] != "response.completed":
+            pass
+    deadline = time.monotonic() + 5
+    while True:  # the audit row is written off the hot path
+        rows = httpx.get(ui.url + "/admin/api/audit?protocol=responses&limit=50", headers=AUTH).json()["data"]
+        found = [r["request_id"] for r in rows if r["transport"] == "websocket"]
+        if found or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert len(found) == 1
+    login(page, ui, f"#/audit/{found[0]}")
+    page.wait_for_selector("#detail-transport")
+    assert page.text_content("#detail-transport") == "websocket"
+    assert page.text_content("#detail-id") == found[0]
 
 
 def test_credentials_add_disable_enable_reset(page: Any, ui: Gateway, shots: Path) -> None:

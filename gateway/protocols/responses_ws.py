@@ -318,7 +318,7 @@ class ResponsesConnection:
         async def receive_body() -> dict[str, Any]:
             return {"type": "http.request", "body": body, "more_body": False}
 
-        response = await self.relay.handle(self.room, Request(scope, receive_body))
+        response = await self.relay.handle(self.room, Request(scope, receive_body), transport="websocket")
         sink = _EventSink(self)
 
         async def receive_disconnect() -> dict[str, Any]:

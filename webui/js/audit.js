@@ -233,6 +233,7 @@ export function mountDetail(main, requestId) {
           ["HTTP status", String(r.http_status)],
           ["Error code", r.error_code || "–"],
           ["Protocol", r.protocol],
+          ["Transport", h("span#detail-transport", null, r.transport || "–")],
           ["Mode", h("span#detail-mode", null, r.mode)],
           ["Streamed", r.streamed ? "yes" : "no"],
           ["Model", h("span.mono", null, r.model)],
