@@ -81,26 +81,33 @@ def redact_log_event(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> M
 
 
 class RedactingSend:
-    """Pure ASGI middleware: every response body passes :data:`SECRETS` on its way out.
+    """Pure ASGI middleware: every response header value and body, and every WebSocket
+    frame, passes :data:`SECRETS` on its way out.
 
-    Only ``/v1/`` and ``/admin`` responses (the static WebUI files hold no secret). A
-    one-piece body (every JSON answer) is masked whole and its ``content-length``
-    corrected; a streamed body is masked piece by piece (each SSE write is whole frames).
+    Only ``/v1/`` and ``/admin`` (the static WebUI files hold no secret). A one-piece body
+    (every JSON answer) is masked whole and its ``content-length`` corrected; a streamed
+    body is masked piece by piece (each SSE write is whole frames), a WebSocket frame whole
+    (each is one event). Header values are masked too: none carries upstream text today
+    (``retry-after`` is re-rendered from a number), but a header set from upstream or config
+    data later must not be the one way out.
     """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope.get("path", "").startswith(("/v1/", "/admin")):
+        if scope["type"] not in ("http", "websocket") or not scope.get("path", "").startswith(("/v1/", "/admin")):
             await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await self.app(scope, receive, _masking_websocket_send(send))
             return
         held: Message | None = None
 
         async def masking_send(message: Message) -> None:
             nonlocal held
             if message["type"] == "http.response.start":
-                held = message
+                held = _masked_headers(message)
                 return
             if message["type"] == "http.response.body":
                 body = SECRETS.mask_bytes(message.get("body", b""))
@@ -118,6 +125,32 @@ class RedactingSend:
         await self.app(scope, receive, masking_send)
         if held is not None:
             await send(held)
+
+
+def _masking_websocket_send(send: Send) -> Send:
+    async def masking_send(message: Message) -> None:
+        if message["type"] == "websocket.send":
+            if message.get("text") is not None:
+                message = {**message, "text": SECRETS.mask(message["text"])}
+            elif message.get("bytes") is not None:
+                message = {**message, "bytes": SECRETS.mask_bytes(message["bytes"])}
+        elif message["type"] == "websocket.close" and message.get("reason"):
+            message = {**message, "reason": SECRETS.mask(message["reason"])}
+        elif message["type"] == "websocket.http.response.body":
+            message = {**message, "body": SECRETS.mask_bytes(message.get("body", b""))}
+        if "headers" in message:  # websocket.accept, websocket.http.response.start
+            message = _masked_headers(message)
+        await send(message)
+
+    return masking_send
+
+
+def _masked_headers(message: Message) -> Message:
+    """``message`` with every header value masked."""
+    headers = message.get("headers")
+    if not headers:
+        return message
+    return {**message, "headers": [(name, SECRETS.mask_bytes(value)) for name, value in headers]}
 
 
 def _with_length(start: Message, length: int) -> Message:

@@ -430,6 +430,88 @@ def test_responses_are_masked_on_the_way_out_with_a_correct_length() -> None:
         SECRETS.drop("test-redacting-send")
 
 
+@pytest.mark.parametrize("path", list(BODIES))
+def test_an_upstreams_headers_and_error_quoting_the_key_never_reach_the_client(
+    secretive: Gateway, simulator: Simulator, path: str
+) -> None:
+    """An upstream 429 whose headers and message quote the configured upstream key: the
+    client gets the error (Retry-After re-rendered from its number), never the key."""
+    model = simulator.script(
+        [{"error": {"message": f"slow down, {UPSTREAM_KEY}", "type": "rate_limit_error", "code": None}}],
+        status=429, headers={"Retry-After": "3", "x-upstream-debug": f"key={UPSTREAM_KEY}", "x-ratelimit-key": UPSTREAM_KEY},
+    )
+    body = json.loads(json.dumps(BODIES[path])) | {"model": model}
+    response = httpx.post(secretive.base_url + path.removeprefix("/v1"), json=body,
+                          headers={"authorization": f"Bearer {KEY}"}, timeout=30)
+    head = "\n".join(f"{k}: {v}" for k, v in response.headers.multi_items())
+    assert response.status_code == 429 and response.headers["retry-after"] == "3"
+    assert UPSTREAM_KEY not in head and UPSTREAM_KEY not in response.text
+    error = response.json()["error"]
+    assert (error["type"] if path == "/v1/messages" else error["code"]) in ("rate_limit_error", "upstream_rate_limited")
+
+
+def test_response_header_values_are_masked_on_the_way_out() -> None:
+    """RedactingSend on its own: a header value carrying a configured secret (as a header
+    set from upstream or config data would) is masked, on JSON and streamed answers alike;
+    the static WebUI paths pass untouched."""
+    import asyncio
+
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    from gateway.redact import SECRETS, RedactingSend
+
+    secret = "sk-leaky-header-8086"
+
+    async def leaky_json(request: Any) -> Any:
+        return JSONResponse({"ok": True}, headers={"x-upstream-note": f"used {secret}", "retry-after": "2"})
+
+    async def leaky_stream(request: Any) -> Any:
+        async def frames() -> Any:
+            yield b"data: {}\n\n"
+
+        return StreamingResponse(frames(), media_type="text/event-stream", headers={"x-upstream-note": secret})
+
+    app = RedactingSend(Starlette(routes=[Route("/v1/json", leaky_json), Route("/admin/api/x", leaky_json),
+                                          Route("/v1/stream", leaky_stream), Route("/ui/x", leaky_json)]))
+
+    async def fetch(path: str) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http:
+            return await http.get(path)
+
+    SECRETS.set("test-redacting-headers", [secret])
+    try:
+        for path in ("/v1/json", "/admin/api/x"):
+            response = asyncio.run(fetch(path))
+            assert response.headers["x-upstream-note"] == f"used {MASK}" and response.headers["retry-after"] == "2"
+            assert response.json() == {"ok": True} and int(response.headers["content-length"]) == len(response.content)
+        streamed = asyncio.run(fetch("/v1/stream"))
+        assert streamed.headers["x-upstream-note"] == MASK and streamed.text == "data: {}\n\n"
+        assert asyncio.run(fetch("/ui/x")).headers["x-upstream-note"] == f"used {secret}"
+    finally:
+        SECRETS.drop("test-redacting-headers")
+
+
+def test_websocket_frames_never_carry_a_secret(secretive: Gateway, simulator: Simulator) -> None:
+    """Responses over a WebSocket pass the same redaction point: a model answer quoting
+    the upstream key (the echo model repeats the prompt) and an upstream error quoting it."""
+    from websockets.sync.client import connect
+
+    url = secretive.url.replace("http://", "ws://") + "/v1/responses"
+    with connect(url, additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+        ws.send(json.dumps({"type": "response.create", "model": "echo", "input": f"is {UPSTREAM_KEY} mine?"}))
+        frames = []
+        while not frames or json.loads(frames[-1])["type"] != "response.completed":
+            frames.append(ws.recv(timeout=20))
+        ws.send(json.dumps({"type": "response.create", "model": "echo_auth", "input": "hi"}))
+        error = ws.recv(timeout=20)
+    assert all(UPSTREAM_KEY not in f for f in frames) and UPSTREAM_KEY not in error
+    answer = json.loads(frames[-1])["response"]["output"][0]["content"][0]["text"]
+    assert answer == f"You said: is {MASK} mine?"
+    assert json.loads(error)["type"] == "error" and f"Bearer {MASK}" in json.loads(error)["error"]["message"]
+
+
 def test_a_traceback_quoting_a_secret_is_masked_in_the_log(secretive: Gateway, log_output: io.StringIO) -> None:
     try:
         raise RuntimeError(f"connect failed with key {UPSTREAM_KEY}")
