@@ -395,3 +395,40 @@ def test_the_audit_record_names_the_transport(server_loop: Any, simulator: Simul
     assert by_transport["http"] == over_http.headers["x-request-id"]
     detail = httpx.get(f"{gw.url}/admin/api/audit/{by_transport['websocket']}", headers=gw.admin).json()
     assert detail["transport"] == "websocket" and detail["protocol"] == "responses" and over_ws.startswith("resp_")
+
+
+def test_connection_memory_is_bounded_in_bytes_and_keeps_the_newest() -> None:
+    import asyncio
+
+    from gateway.protocols.responses import ResponsesRoom
+    from gateway.protocols.responses_ws import ConnectionRoom
+
+    room = ConnectionRoom(ResponsesRoom(None), max_bytes=1000)  # type: ignore[arg-type]
+
+    def record(previous: str | None, history: list[Any]) -> dict[str, Any]:
+        return {"response": {"previous_response_id": previous}, "history": history, "output": []}
+
+    async def keep(response_id: str, frame_bytes: int, rec: dict[str, Any]) -> None:
+        room.frame_bytes = frame_bytes
+        await room.keep(response_id, rec, store=False)
+
+    asyncio.run(keep("a", 400, record(None, [{"x": 1}])))
+    asyncio.run(keep("b", 100, record("a", [{"x": 1}, {"y": 2}])))  # carries a's 400
+    assert room.costs == {"a": 402, "b": 504} and room.bytes == 906  # "[]" output: 2 bytes
+    asyncio.run(keep("c", 300, record(None, [{"z": 3}])))  # 1208 > 1000: the oldest goes
+    assert list(room.conversations) == ["b", "c"] and room.bytes == 806
+    asyncio.run(keep("d", 5000, record(None, [{"big": 1}])))  # alone over the budget: kept
+    assert list(room.conversations) == ["d"] and room.bytes == 5002
+
+
+def test_a_connection_forgets_its_oldest_conversations_past_the_byte_budget(
+    server_loop: Any, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """--max-body-bytes 4096: a connection keeps about 8 KiB of conversations; the newest
+    continues, the oldest is gone (previous_response_not_found)."""
+    gw = start_gateway(server_loop, simulator, tmp_path_factory, max_body_bytes=4096)
+    with open_ws(gw) as ws:
+        ids = [exchange(ws, {**QUICK, "generate": False, "input": c * 3000})[0]["response"]["id"] for c in "abc"]
+        assert exchange(ws, {**QUICK, "model": "echo", "input": "next", "previous_response_id": ids[-1]})[-1]["type"] == "response.completed"
+        error = _closing_error(ws, {**QUICK, "previous_response_id": ids[0]})
+    assert error["status"] == 400 and error["error"]["code"] == "previous_response_not_found"

@@ -48,8 +48,11 @@ from gateway.relay import GenerationService, check_client_key
 
 log = structlog.get_logger("gateway.responses_ws")
 
-#: Conversations one connection remembers (oldest dropped first).
+#: Conversations one connection remembers (oldest dropped first) ...
 CONNECTION_MEMORY = 64
+#: ... and their estimated bytes, in multiples of ``--max-body-bytes`` (the newest is kept
+#: whatever its size: it is the one a client continues from).
+CONNECTION_MEMORY_BODIES = 2
 
 #: Client frames that need no answer.
 _IGNORED_TYPES = frozenset({"response.processed"})
@@ -73,7 +76,7 @@ class Refusal:
 
 
 def frame_size(message: dict[str, Any]) -> int:
-    """A received frame's payload size (text counted as its UTF-8 bytes' upper bound)."""
+    """A received frame's payload size in bytes (text as its UTF-8 encoding)."""
     text = message.get("text")
     if text is not None:
         return len(text) if text.isascii() else len(text.encode())
@@ -124,9 +127,13 @@ class ConnectionRoom(ResponsesRoom):
     store, plus the connection's own conversations for ``previous_response_id``
     (Codex sends ``store: false`` and continues from the previous response anyway)."""
 
-    def __init__(self, base: ResponsesRoom) -> None:
+    def __init__(self, base: ResponsesRoom, max_bytes: int) -> None:
         super().__init__(base.store)
         self.conversations: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.costs: dict[str, int] = {}  # response id -> its estimated bytes
+        self.bytes = 0
+        self.max_bytes = max_bytes
+        self.frame_bytes = 0  # the frame being answered (set by the connection)
 
     async def load_conversation(self, response_id: str) -> dict[str, Any] | None:
         record = self.conversations.get(response_id)
@@ -134,9 +141,30 @@ class ConnectionRoom(ResponsesRoom):
 
     async def keep(self, response_id: str, record: dict[str, Any], store: bool | None) -> None:
         self.conversations[response_id] = record
-        while len(self.conversations) > CONNECTION_MEMORY:
-            self.conversations.popitem(last=False)
+        cost = self._cost(record)
+        self.costs[response_id] = cost
+        self.bytes += cost
+        while len(self.conversations) > 1 and (
+            len(self.conversations) > CONNECTION_MEMORY or self.bytes > self.max_bytes
+        ):
+            dropped, _ = self.conversations.popitem(last=False)
+            self.bytes -= self.costs.pop(dropped)
         await super().keep(response_id, record, store)
+
+    def _cost(self, record: dict[str, Any]) -> int:
+        """A record's bytes, estimated without serializing its history again: the frame
+        that asked for it, the conversation it continued (its history holds that one's
+        items), and its output. Shared items are counted once per record holding them,
+        so the sum only ever overestimates."""
+        history = record.get("history") or []
+        previous = (record.get("response") or {}).get("previous_response_id")
+        if not history or previous is None:  # nothing continued: its input is the frame's
+            carried = 0
+        elif previous in self.costs:
+            carried = self.costs[previous]
+        else:  # continued from the response store: a copy of its own
+            carried = len(orjson.dumps(history))
+        return self.frame_bytes + carried + len(orjson.dumps(record.get("output") or []))
 
 
 def wrapped_error(err: GatewayError) -> dict[str, Any]:
@@ -164,7 +192,7 @@ class ResponsesConnection:
     def __init__(self, relay: GenerationService, room: ResponsesRoom, websocket: WebSocket) -> None:
         settings = relay.live.current
         self.relay = relay
-        self.room = ConnectionRoom(room)
+        self.room = ConnectionRoom(room, CONNECTION_MEMORY_BODIES * settings.max_body_bytes)
         self.websocket = websocket
         self.inbox = Inbox(MAX_QUEUED_FRAMES, settings.max_body_bytes)
         self.idle_timeout = settings.ws_idle_timeout
@@ -255,6 +283,7 @@ class ResponsesConnection:
 
     async def _handle(self, message: dict[str, Any]) -> bool:
         """Answer one frame; False: the connection is to be closed."""
+        self.room.frame_bytes = frame_size(message)
         try:
             request = self._request(message)
         except GatewayError as err:
