@@ -74,13 +74,9 @@ class GenerationService:
         self, room: ProtocolRoom, request: Request, transport: str = "http"
     ) -> Response | GenerationResponse:
         """``transport``: how the request came (``websocket``: a Responses WebSocket frame)."""
-        record = RequestRecord(
-            request_id="req_" + secrets.token_hex(12), protocol=room.name, started_at=time.time(),
-            transport=transport,
-        )
         settings = self.live.current
         policy = StreamPolicy.snapshot(settings)
-        record.mode = policy.mode.value
+        record = self._open_record(room, transport, policy)
         record.traceparent = (request.headers.get("traceparent") or "")[:128] or None
         self.observer.on_start(record)
         headers = {"x-request-id": record.request_id, "x-codebuddy2api-stream-mode": policy.mode.value}
@@ -134,6 +130,22 @@ class GenerationService:
         if parsed.stream:
             return GenerationResponse(run, headers, lambda complete: _stream_outcome(outcome, run, complete))
         return await self._answer_json(room, run, outcome, headers)
+
+    def refuse_unread(self, room: ProtocolRoom, error: GatewayError, transport: str) -> str:
+        """A request refused before it could be read as one (a WebSocket frame that is not
+        JSON, too large, or past the queue bound): still its one audit record, as the same
+        body over HTTP has. Returns the request id."""
+        record = self._open_record(room, transport, StreamPolicy.snapshot(self.live.current))
+        self.observer.on_start(record)
+        RequestOutcome(record, lambda: self._report(record, None)).invalid(error)
+        return record.request_id
+
+    @staticmethod
+    def _open_record(room: ProtocolRoom, transport: str, policy: StreamPolicy) -> RequestRecord:
+        return RequestRecord(
+            request_id="req_" + secrets.token_hex(12), protocol=room.name, started_at=time.time(),
+            transport=transport, mode=policy.mode.value,
+        )
 
     async def _answer_json(
         self, room: ProtocolRoom, run: GenerationRun, outcome: RequestOutcome, headers: dict[str, str]

@@ -171,6 +171,21 @@ def test_errors_are_wrapped_events_then_a_clean_close(
     assert error["error"]["code"] == code and isinstance(error["error"]["message"], str)
 
 
+def test_a_frame_refused_before_it_is_read_as_a_request_leaves_one_record(
+    server_loop: Any, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    gw = start_gateway(server_loop, simulator, tmp_path_factory)
+    with open_ws(gw) as ws:
+        assert _closing_error(ws, "{not json")["error"]["code"] == "invalid_json"
+    with open_ws(gw) as ws:
+        assert _closing_error(ws, {"type": "session.update"})["error"]["code"] == "unsupported_event_type"
+    rows = audit_rows(gw, 2)
+    assert sorted((r["protocol"], r["outcome"], r["error_code"], r["http_status"], r["transport"]) for r in rows) == [
+        ("responses", "invalid", "invalid_json", 400, "websocket"),
+        ("responses", "invalid", "unsupported_event_type", 400, "websocket"),
+    ]
+
+
 def test_mid_stream_failure_is_failed_then_a_clean_close(gateway: Gateway) -> None:
     with open_ws(gateway) as ws:
         events = exchange(ws, {"type": "response.create", "model": "error_frame", "input": "hi"})
@@ -293,8 +308,11 @@ def test_a_flood_while_answering_is_refused_and_the_gateway_serves_on(
     assert error["status"] == 400 and error["error"]["code"] == "too_many_queued_frames"
     # nothing queued was answered: only the first request ever went upstream
     assert [b["messages"][-1]["content"] for b in upstream_bodies(simulator)] == ["hi"]
-    rows = audit_rows(gw, 1)
-    assert [(r["outcome"], r["model"]) for r in rows] == [("cancelled", "large;first_chunk_delay=5")]
+    rows = audit_rows(gw, 2)  # the answer cut, and the refusal itself (one record, not one per frame)
+    assert sorted((r["outcome"], r["error_code"], r["model"] or "", r["transport"]) for r in rows) == [
+        ("cancelled", "client_disconnected", "large;first_chunk_delay=5", "websocket"),
+        ("invalid", "too_many_queued_frames", "", "websocket"),
+    ]
     # the gateway serves on: a new connection, and plain HTTP
     with open_ws(gw) as ws:
         assert exchange(ws, QUICK)[-1]["type"] == "response.completed"
@@ -334,6 +352,10 @@ def test_a_frame_over_max_body_bytes_is_413_then_close_1009(server_loop: Any, si
         error, code = _refusal(ws)
     assert code == 1009
     assert error["status"] == 413 and error["error"]["code"] == "request_too_large"
+    rows = audit_rows(gw, 1)  # audited like a body over the limit on HTTP
+    assert [(r["outcome"], r["error_code"], r["http_status"], r["transport"]) for r in rows] == [
+        ("invalid", "request_too_large", 413, "websocket"),
+    ]
     with open_ws(gw) as ws:  # a frame within the limit on a new connection is answered
         assert exchange(ws, {**QUICK, "input": "x" * 3000})[-1]["type"] == "response.completed"
 

@@ -220,6 +220,7 @@ class ResponsesConnection:
                     await self._close(CLOSE_NORMAL)
                     return
             if self.refused is not None:
+                self.relay.refuse_unread(self.room, self.refused.error, "websocket")
                 await self._send_error(self.refused.error)
                 await self._close(self.refused.close_code)
         finally:
@@ -286,7 +287,8 @@ class ResponsesConnection:
         self.room.frame_bytes = frame_size(message)
         try:
             request = self._request(message)
-        except GatewayError as err:
+        except GatewayError as err:  # audited like the same body over HTTP
+            self.relay.refuse_unread(self.room, err, "websocket")
             await self._send_error(err)
             return False
         if request is None:
