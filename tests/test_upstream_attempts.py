@@ -1,8 +1,9 @@
 """UpstreamClient on httpx.MockTransport, and UpstreamAttempts' failover and attempt log
-(a real pool with a fake clock); no server."""
+(a real pool with a fake clock); one loopback server for connection reuse."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -141,3 +142,56 @@ async def test_no_failover_once_the_upstream_answered() -> None:
     attempts = UpstreamAttempts(pool, client, policy())
     items = await collect(attempts)  # a stream without [DONE] is not an error here (the accumulator judges it)
     assert items == [ANSWERED, CHUNK] and len(handler.seen) == 1 and len(attempts.log) == 1
+
+
+class ClosesIdleAtNextRequest:
+    """A loopback HTTP/1.1 server that answers the first request on a connection with
+    keep-alive, then closes that connection when the next request on it arrives, unread
+    and unanswered: what a server whose keep-alive timeout fires just as the client reuses
+    the connection does (uvicorn, cpp-httplib: 5 s)."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.answered = 0
+        self.closed_unanswered = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        served = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if served:  # the keep-alive timeout fired: close without answering
+                    self.closed_unanswered += 1
+                    break
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:"))
+                await reader.readexactly(length)
+                body = sse_body(CHUNK)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"content-length: %d\r\n\r\n" % len(body) + body)
+                await writer.drain()
+                served += 1
+                self.answered += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+async def test_a_pooled_connection_the_upstream_closes_is_not_a_failed_attempt() -> None:
+    server = ClosesIdleAtNextRequest()
+    listener = await asyncio.start_server(server.handle, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    client = UpstreamClient()
+    credential = Credential(Upstream("u", f"http://127.0.0.1:{port}/v1"), None)
+    try:
+        for _ in range(3):
+            items = [item async for item in client.stream_chat(credential, BODY, policy())]
+            assert items == [ANSWERED, CHUNK, DONE]
+    finally:
+        await client.aclose()
+        listener.close()
+    # requests 2 and 3 went out on the kept connection, were closed unanswered, and were sent
+    # again on a new one (before: GatewayError upstream_unreachable, a 502 with one credential)
+    assert (server.answered, server.closed_unanswered, server.connections) == (3, 2, 3)

@@ -107,6 +107,15 @@ def _status_error(status: int, detail: str, retry_after: int | None) -> GatewayE
     return GatewayError("upstream", "upstream_error", f"the upstream failed with HTTP {status}: {detail}")
 
 
+#: How long an idle upstream connection is kept for reuse (seconds): below the 5 s keep-alive
+#: timeout of uvicorn (vLLM, SGLang, the simulator) and cpp-httplib (llama.cpp's server). At
+#: httpx's default of 5 s the gateway reused connections the upstream was closing that moment.
+KEEPALIVE_EXPIRY = 4.0
+
+#: How a request on a pooled connection the upstream closed fails, before any answer byte.
+_CLOSED_UNANSWERED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
 class UpstreamClient:
     """Sends chat requests upstream and yields their parsed SSE chunks."""
 
@@ -118,7 +127,10 @@ class UpstreamClient:
         # a modest idle pool: httpcore scans every idle connection on each request, so a
         # large one costs more than the handshakes it saves (docs/performance.md)
         self._http = http or httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_keepalive),
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_keepalive,
+                keepalive_expiry=KEEPALIVE_EXPIRY,
+            ),
             timeout=httpx.Timeout(120.0),
         )
 
@@ -161,6 +173,16 @@ class UpstreamClient:
             async for item in self._request(credential, body, policy, True, extra_headers):
                 yield item
 
+    async def _send(self, request: httpx.Request) -> httpx.Response:
+        """Send, and once more when the connection closed before any byte of an answer: a
+        pooled keep-alive connection whose server timed it out just as the request went
+        out (the server closes it unread, so nothing was generated). The dead connection
+        has left the pool, so the second try opens or picks another; it fails as usual."""
+        try:
+            return await self._http.send(request, stream=True)
+        except _CLOSED_UNANSWERED:
+            return await self._http.send(request, stream=True)
+
     async def _request(
         self, credential: Credential, body: dict[str, Any], policy: StreamPolicy, buffered: bool,
         extra_headers: dict[str, str] | None = None,
@@ -181,7 +203,7 @@ class UpstreamClient:
         )
         try:
             async with asyncio.timeout(policy.first_byte_timeout):
-                response = await self._http.send(request, stream=True)
+                response = await self._send(request)
         except (TimeoutError, httpx.TimeoutException):
             raise GatewayError("timeout", "upstream_timeout", "the upstream did not answer in time") from None
         except httpx.HTTPError as exc:
