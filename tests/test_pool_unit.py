@@ -60,6 +60,20 @@ def test_429_without_retry_after_uses_the_default_and_all_cooling_says_when() ->
     assert pick(p) == "a"
 
 
+def test_retry_after_is_the_cooldown_left_rounded_up() -> None:
+    p, now = pool("a")
+    p.report_failure(p.credentials[0], "m", upstream_error(429, retry_after=11))
+    told = []
+    for elapsed in (0.0, 0.3, 0.9996, 1.0, 1.2, 10.0, 10.9999):
+        now[0] = 1000.0 + elapsed
+        with pytest.raises(GatewayError) as caught:
+            p.acquire("m")
+        told.append(caught.value.retry_after)
+    assert told == [11, 11, 11, 10, 10, 1, 1]
+    now[0] = 1011.0
+    assert pick(p) == "a"
+
+
 def test_a_5xx_is_a_penalty_not_a_refusal() -> None:
     p, now = pool("a", "b")
     p.report_failure(p.credentials[0], "m", upstream_error(500))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -331,7 +332,9 @@ class UpstreamPool:
             return GatewayError("overloaded", "no_upstream_available", "every upstream credential is disabled")
         cooling = [c.cooling_until(model, now) for c in enabled]
         if all(cooling):
-            wait = max(1, int(min(cooling) - now + 0.999))
+            # the whole seconds left, rounded up: a client told to come back then finds the
+            # cooldown over (a later request is told less: the clock moved, the end did not)
+            wait = max(1, math.ceil(min(cooling) - now))
             return GatewayError(
                 "rate_limit", "upstream_rate_limited",
                 f"every upstream credential is cooling down; retry in {wait} s", retry_after=wait,
