@@ -80,6 +80,14 @@ class Gateway:
         or generated at start-up: loopback alone is no credential)."""
         return {"authorization": f"Bearer {self.app.state.admin_access.token}"}
 
+    def reset_cooldowns(self) -> None:
+        """Forget what earlier tests' 429s taught this (session) gateway's pool: a credential
+        still cooling down answers the time left, rounded up, without asking the upstream."""
+        listed = httpx.get(self.url + "/admin/api/credentials", headers=self.admin).json()["credentials"]
+        for credential in listed:
+            reset = httpx.post(f"{self.url}/admin/api/credentials/{credential['id']}/reset", json={}, headers=self.admin)
+            assert reset.status_code == 200 and reset.json()["cooldowns"] == {}
+
 
 @dataclass
 class Simulator:

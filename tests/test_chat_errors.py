@@ -62,18 +62,9 @@ def test_model_passes_through_unchanged_and_stream_is_forced(gateway: Gateway, s
     assert "n" not in sent
 
 
-def reset_cooldowns(gateway: Gateway) -> None:
-    """Forget what earlier tests' 429s taught this (session) gateway's pool: a credential
-    still cooling down answers the time left, rounded up, without asking the upstream."""
-    listed = httpx.get(gateway.url + "/admin/api/credentials", headers=gateway.admin).json()["credentials"]
-    for credential in listed:
-        reset = httpx.post(gateway.url + f"/admin/api/credentials/{credential['id']}/reset", json={}, headers=gateway.admin)
-        assert reset.status_code == 200 and reset.json()["cooldowns"] == {}
-
-
 @pytest.mark.parametrize("stream", [True, False])
 def test_upstream_429_keeps_retry_after(gateway: Gateway, simulator: Simulator, stream: bool) -> None:
-    reset_cooldowns(gateway)  # the other stream value's case left this model cooling down
+    gateway.reset_cooldowns()  # the other stream value's case left this model cooling down
     simulator.clear()
     response = post(gateway, {"model": "rate_limited;retry_after=11", "messages": MESSAGES, "stream": stream})
     assert [r["body"]["model"] for r in simulator.requests() if r["path"].endswith("/chat/completions")] == [

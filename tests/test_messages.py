@@ -490,6 +490,7 @@ def test_malformed_json_is_a_400(gateway: Gateway, simulator: Simulator) -> None
 
 
 def test_upstream_rate_limit_is_a_429(gateway: Gateway) -> None:
+    gateway.reset_cooldowns()  # another module's "rate_limited" may still cool down: Retry-After < 7
     response = httpx.post(
         gateway.url + "/v1/messages",
         json={"model": "rate_limited", "max_tokens": 10, "messages": MESSAGES, "stream": True},
