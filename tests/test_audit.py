@@ -127,6 +127,13 @@ def route_exists(gw: Gateway, path: str) -> bool:
     return httpx.get(gw.url + path).status_code == 405  # a GET probe leaves no audit row
 
 
+#: The burst gateway's keepalive interval: far longer than an upstream error status takes
+#: even on a loaded machine, so the 429s and 502s the burst asks for are HTTP statuses. At
+#: the session's 0.5 s a keepalive could come first and (rightly) commit a 200 stream, the
+#: error then going in-stream; only the ``ttfb`` job waits past it, to count a keepalive.
+BURST_KEEPALIVE = 3.0
+
+
 def burst(gw: Gateway) -> list[Callable[[], Sent]]:
     c = "/v1/chat/completions"
     jobs: list[Callable[[], Sent]] = [
@@ -144,7 +151,7 @@ def burst(gw: Gateway) -> list[Callable[[], Sent]]:
         lambda: post(gw, c, chat(gw, "error_frame", stream=False), outcome="error", error_code="upstream_error"),
         lambda: post(gw, c, chat(gw, "no_finish"), outcome="error", error_code="upstream_incomplete"),
         lambda: post(gw, c, chat(gw, "invalid_json", tools=TOOLS), outcome="error", error_code="tool_call_invalid"),
-        lambda: post(gw, c, chat(gw, "echo;ttfb=0.7"), outcome="success", error_code=None,
+        lambda: post(gw, c, chat(gw, f"echo;ttfb={BURST_KEEPALIVE + 0.5}"), outcome="success", error_code=None,
                      check=lambda r: r["keepalives"] >= 1 or _fail(r)),
         lambda: disconnect(gw),
         lambda: disconnect(gw),
@@ -217,7 +224,8 @@ def burst_result(
     request: pytest.FixtureRequest, server_loop: ServerLoop, simulator: Simulator,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> BurstResult:
-    gw = start_gateway(server_loop, simulator, tmp_path_factory, stream_mode=request.param)
+    gw = start_gateway(server_loop, simulator, tmp_path_factory, stream_mode=request.param,
+                       keepalive_interval=BURST_KEEPALIVE)
     jobs = burst(gw)
     with ThreadPoolExecutor(8) as pool:
         sent = list(pool.map(lambda job: job(), jobs))
