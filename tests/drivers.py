@@ -21,6 +21,13 @@ PROMPT = "What is the weather in Paris?"
 
 
 @dataclass(frozen=True)
+class Named:
+    """A ``tool_choice`` naming one tool, spelled per protocol by each driver."""
+
+    name: str
+
+
+@dataclass(frozen=True)
 class Ask:
     """What to ask (defaults: the weather prompt, the two tools, a generous max_tokens)."""
 
@@ -68,17 +75,27 @@ def _error_text(exc: Exception) -> str:
     return f"{exc} {json.dumps(body) if body is not None else ''}"
 
 
-def drive_chat(base_url: str, model: str, tool_choice: Any = None, ask: Ask = DEFAULT_ASK) -> Outcome:
-    client = openai.OpenAI(base_url=base_url + "/v1", api_key="k", _strict_response_validation=True, max_retries=0)
-    # strict tools: the SDK then parses a call's arguments when the next call begins
-    tools = [{"type": "function", "function": {"name": t["name"], "description": t["description"], "parameters": t["schema"],
-                                               "strict": True}}
-             for t in TOOLS]
+def _openai(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="k", _strict_response_validation=True, max_retries=0)
+
+
+def _chat_options(tool_choice: Any, ask: Ask) -> dict[str, Any]:
     extra: dict[str, Any] = ask.options("max_tokens")
     if tool_choice in ("none", "required"):
         extra["tool_choice"] = tool_choice
+    elif isinstance(tool_choice, Named):
+        extra["tool_choice"] = {"type": "function", "function": {"name": tool_choice.name}}
     if ask.tools:
-        extra["tools"] = tools
+        # strict tools: the SDK then parses a call's arguments when the next call begins
+        extra["tools"] = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                                            "parameters": t["schema"], "strict": True}}
+                          for t in TOOLS]
+    return extra
+
+
+def drive_chat(base_url: str, model: str, tool_choice: Any = None, ask: Ask = DEFAULT_ASK) -> Outcome:
+    client = _openai(base_url)
+    extra = _chat_options(tool_choice, ask)
     try:
         with client.chat.completions.stream(model=model, messages=ask.chat_messages(),  # type: ignore[arg-type]
                                             stream_options={"include_usage": True}, timeout=ask.timeout, **extra) as stream:
@@ -92,10 +109,14 @@ def drive_chat(base_url: str, model: str, tool_choice: Any = None, ask: Ask = DE
                        reasoning=_chat_reasoning(choice.message), usage=_chat_usage(snapshot))
     except openai.APIError as exc:
         return Outcome(False, error=_error_text(exc))
-    choice = final.choices[0]
+    return _chat_outcome(final)
+
+
+def _chat_outcome(completion: Any) -> Outcome:
+    choice = completion.choices[0]
     calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or ()]
     return Outcome(True, choice.message.content or "", calls, choice.finish_reason,
-                   reasoning=_chat_reasoning(choice.message), usage=_chat_usage(final),
+                   reasoning=_chat_reasoning(choice.message), usage=_chat_usage(completion),
                    tool_ids=[c.id for c in choice.message.tool_calls or ()])
 
 
@@ -109,17 +130,27 @@ def _chat_usage(completion: Any) -> tuple[int, int] | None:
     return (u.prompt_tokens, u.completion_tokens) if u is not None else None
 
 
-def drive_messages(base_url: str, model: str, tool_choice: Any = None, ask: Ask = DEFAULT_ASK) -> Outcome:
-    client = anthropic.Anthropic(base_url=base_url, api_key="k", _strict_response_validation=True, max_retries=0)
-    tools = [{"name": t["name"], "description": t["description"], "input_schema": t["schema"]} for t in TOOLS]
+def _anthropic(base_url: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=base_url, api_key="k", _strict_response_validation=True, max_retries=0)
+
+
+def _messages_options(tool_choice: Any, ask: Ask) -> dict[str, Any]:
     extra: dict[str, Any] = ask.options("max_tokens")
     extra.setdefault("max_tokens", 1024)
     if "temperature" in extra:  # not a parameter of this SDK's messages.stream()
         extra["extra_body"] = {"temperature": extra.pop("temperature")}
     if tool_choice in ("none", "required"):
         extra["tool_choice"] = {"type": "none" if tool_choice == "none" else "any"}
+    elif isinstance(tool_choice, Named):
+        extra["tool_choice"] = {"type": "tool", "name": tool_choice.name}
     if ask.tools:
-        extra["tools"] = tools
+        extra["tools"] = [{"name": t["name"], "description": t["description"], "input_schema": t["schema"]} for t in TOOLS]
+    return extra
+
+
+def drive_messages(base_url: str, model: str, tool_choice: Any = None, ask: Ask = DEFAULT_ASK) -> Outcome:
+    client = _anthropic(base_url)
+    extra = _messages_options(tool_choice, ask)
     violations: list[str] = []
     try:
         with client.messages.stream(model=model, messages=ask.chat_messages(),  # type: ignore[arg-type]
@@ -130,6 +161,10 @@ def drive_messages(base_url: str, model: str, tool_choice: Any = None, ask: Ask 
             final = stream.get_final_message()
     except anthropic.APIError as exc:
         return Outcome(False, error=_error_text(exc), violations=violations)
+    return _messages_outcome(final, violations)
+
+
+def _messages_outcome(final: Any, violations: list[str]) -> Outcome:
     text = "".join(b.text for b in final.content if b.type == "text")
     calls = [(b.name, dict(b.input)) for b in final.content if b.type == "tool_use"]
     finish = {"end_turn": "stop", "tool_use": "tool_calls", "max_tokens": "length", "refusal": "content_filter"}
@@ -142,19 +177,30 @@ def drive_messages(base_url: str, model: str, tool_choice: Any = None, ask: Ask 
                    tool_ids=[b.id for b in final.content if b.type == "tool_use"], violations=violations)
 
 
-def drive_responses(base_url: str, model: str, tool_choice: Any = None, ask: Ask = DEFAULT_ASK) -> Outcome:
-    client = openai.OpenAI(base_url=base_url + "/v1", api_key="k", _strict_response_validation=True, max_retries=0)
-    tools = [{"type": "function", "name": t["name"], "description": t["description"], "parameters": t["schema"], "strict": False}
-             for t in TOOLS]
+def _responses_options(tool_choice: Any, ask: Ask) -> dict[str, Any]:
     extra: dict[str, Any] = ask.options("max_output_tokens")
     if tool_choice in ("none", "required"):
         extra["tool_choice"] = tool_choice
+    elif isinstance(tool_choice, Named):
+        extra["tool_choice"] = {"type": "function", "name": tool_choice.name}
     if ask.tools:
-        extra["tools"] = tools
-    items: Any = ask.prompt
-    if ask.prefill is not None:
-        items = [{"type": "message", "role": "user", "content": ask.prompt},
-                 {"type": "message", "role": "assistant", "content": ask.prefill}]
+        extra["tools"] = [{"type": "function", "name": t["name"], "description": t["description"],
+                           "parameters": t["schema"], "strict": False}
+                          for t in TOOLS]
+    return extra
+
+
+def _responses_input(ask: Ask) -> Any:
+    if ask.prefill is None:
+        return ask.prompt
+    return [{"type": "message", "role": "user", "content": ask.prompt},
+            {"type": "message", "role": "assistant", "content": ask.prefill}]
+
+
+def drive_responses(base_url: str, model: str, tool_choice: Any = None, ask: Ask = DEFAULT_ASK) -> Outcome:
+    client = _openai(base_url)
+    extra = _responses_options(tool_choice, ask)
+    items = _responses_input(ask)
     failed: list[str] = []
     incomplete = None
     violations: list[str] = []
@@ -176,6 +222,10 @@ def drive_responses(base_url: str, model: str, tool_choice: Any = None, ask: Ask
         return Outcome(False, error=f"{exc} {' '.join(failed)}", violations=violations)
     if failed:
         return Outcome(False, error=" ".join(failed), violations=violations)
+    return _responses_outcome(final, violations)
+
+
+def _responses_outcome(final: Any, violations: list[str]) -> Outcome:
     calls = [(item.name, json.loads(item.arguments)) for item in final.output if item.type == "function_call"]
     if final.status == "incomplete":
         reason = final.incomplete_details.reason if final.incomplete_details else None
@@ -196,4 +246,44 @@ DRIVERS: dict[str, Callable[..., Outcome]] = {
     "chat": drive_chat,
     "messages": drive_messages,
     "responses": drive_responses,
+}
+
+
+# -- the same requests, not streamed (the SDKs' create(), strict validation of the JSON) ----
+
+
+def create_chat(base_url: str, model: str, tool_choice: Any = None, ask: Ask = DEFAULT_ASK) -> Outcome:
+    try:
+        completion = _openai(base_url).chat.completions.create(
+            model=model, messages=ask.chat_messages(), timeout=ask.timeout,  # type: ignore[arg-type]
+            **_chat_options(tool_choice, ask))
+    except openai.APIError as exc:
+        return Outcome(False, error=_error_text(exc))
+    return _chat_outcome(completion)
+
+
+def create_messages(base_url: str, model: str, tool_choice: Any = None, ask: Ask = DEFAULT_ASK) -> Outcome:
+    try:
+        message = _anthropic(base_url).messages.create(
+            model=model, messages=ask.chat_messages(), timeout=ask.timeout,  # type: ignore[arg-type]
+            **_messages_options(tool_choice, ask))
+    except anthropic.APIError as exc:
+        return Outcome(False, error=_error_text(exc))
+    return _messages_outcome(message, [])
+
+
+def create_responses(base_url: str, model: str, tool_choice: Any = None, ask: Ask = DEFAULT_ASK) -> Outcome:
+    try:
+        response = _openai(base_url).responses.create(
+            model=model, input=_responses_input(ask), timeout=ask.timeout, **_responses_options(tool_choice, ask))
+    except openai.APIError as exc:
+        return Outcome(False, error=_error_text(exc))
+    return _responses_outcome(response, [])
+
+
+#: protocol -> the non-streaming driver (same Outcome as its DRIVERS entry)
+UNARY_DRIVERS: dict[str, Callable[..., Outcome]] = {
+    "chat": create_chat,
+    "messages": create_messages,
+    "responses": create_responses,
 }
