@@ -72,3 +72,13 @@ llama-server:
 ## Integration tests against the real llama-server (3 protocols x 2 modes); they skip without the build
 test-real: $(STAMP)
 	$(BIN)/python -m pytest -q -m real tests/test_real_llama.py
+
+.PHONY: llama-cpp-python test-real-lcp
+
+## Install llama-cpp-python's server (PyPI sdist, compiled) into ~/.cache/codebuddy2api/llama-cpp-python/venv (once; ~7+ min)
+llama-cpp-python:
+	PYTHON=$(PYTHON) bash scripts/build-llama-cpp-python.sh
+
+## Integration tests against the real llama-cpp-python server (3 protocols x 2 modes, streamed and not); skip without the build
+test-real-lcp: $(STAMP)
+	$(BIN)/python -m pytest -q -m real tests/test_real_llama_cpp_python.py

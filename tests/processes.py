@@ -90,3 +90,43 @@ def own_simulator(server_loop: Any) -> Iterator[Any]:
             await task
 
         server_loop.run(stopped())
+
+
+def require_build(missing: list[Path], hint: str) -> None:
+    """Skip a real-upstream suite whose build is absent; fail instead when
+    ``CODEBUDDY2API_REQUIRE_LLAMA`` is set (CI, where a skip would hide a broken build)."""
+    if not missing:
+        return
+    import pytest
+
+    message = f"no build ({', '.join(map(str, missing))}): run {hint}"
+    if os.environ.get("CODEBUDDY2API_REQUIRE_LLAMA"):
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
+
+
+@contextlib.contextmanager
+def upstream_process(argv: list[str], health_url: str, log_path: Path, timeout: float = 120.0) -> Iterator[subprocess.Popen]:
+    """A real upstream server (llama-server, llama-cpp-python) as a subprocess, yielded once
+    ``health_url`` answers 200; its output goes to ``log_path``; terminated on exit."""
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                assert process.poll() is None, f"{argv[0]} exited ({process.returncode}); see {log_path}"
+                try:
+                    if httpx.get(health_url, timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, f"{argv[0]} did not become healthy in {timeout:.0f} s; see {log_path}"
+                time.sleep(0.5)
+            yield process
+        finally:
+            process.terminate()
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)

@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from gateway.servers import bind_loopback
 from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway
 from tests.drivers import DRIVERS, Ask, Outcome
+from tests.processes import free_port, require_build, upstream_process
 
 pytestmark = pytest.mark.real
 
@@ -44,56 +43,34 @@ HELLO = Ask(prompt="Say hello in one short sentence.", max_tokens=24, tools=Fals
 @pytest.fixture(scope="module")
 def llama_url() -> Iterator[str]:
     """A llama-server on a free loopback port for this module."""
-    missing = [p for p in (BINARY, MODEL, TEMPLATE) if not p.exists()]
-    if missing:
-        message = f"no llama-server build ({', '.join(map(str, missing))}): run scripts/build-llama-server.sh"
-        if os.environ.get("CODEBUDDY2API_REQUIRE_LLAMA"):
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
-    sock = bind_loopback()
-    port = sock.getsockname()[1]
-    sock.close()
-    log = open(LLAMA_DIR / "llama-server-test.log", "wb")  # noqa: SIM115 - closed below
-    process = subprocess.Popen(
-        [str(BINARY), "-m", str(MODEL), "--host", "127.0.0.1", "--port", str(port),
-         "--no-repack", "--jinja", "--chat-template-file", str(TEMPLATE),
-         "-c", str(CONTEXT), "-np", "2", "-t", "2", "--seed", "1"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
+    require_build([p for p in (BINARY, MODEL, TEMPLATE) if not p.exists()], "scripts/build-llama-server.sh")
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, f"llama-server exited ({process.returncode}); see {log.name}"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "llama-server did not become healthy in 120 s"
-            time.sleep(0.5)
+    argv = [str(BINARY), "-m", str(MODEL), "--host", "127.0.0.1", "--port", str(port),
+            "--no-repack", "--jinja", "--chat-template-file", str(TEMPLATE),
+            "-c", str(CONTEXT), "-np", "2", "-t", "2", "--seed", "1"]
+    with upstream_process(argv, url + "/health", LLAMA_DIR / "llama-server-test.log"):
         yield url + "/v1"
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
 
 
-@pytest.fixture(scope="module")
-def real_gateways(
-    llama_url: str, server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Gateway]:
+def gateways_in_front(url: str, server_loop: ServerLoop, simulator: Simulator,
+                      tmp_path_factory: pytest.TempPathFactory) -> dict[str, Gateway]:
+    """One gateway per stream mode in front of the real upstream at ``url``."""
     return {
-        mode: start_gateway(server_loop, simulator, tmp_path_factory, stream_mode=mode, upstream_url=[llama_url],
+        mode: start_gateway(server_loop, simulator, tmp_path_factory, stream_mode=mode, upstream_url=[url],
                             keepalive_interval=1.0, tool_repair_attempts=0,
                             # on a busy 2-core machine this model can drop to ~1 token/s, and
                             # llama-server says nothing while it parses a tool call
                             idle_timeout=600, first_byte_timeout=600)
         for mode in MODES
     }
+
+
+@pytest.fixture(scope="module")
+def real_gateways(
+    llama_url: str, server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Gateway]:
+    return gateways_in_front(llama_url, server_loop, simulator, tmp_path_factory)
 
 
 def direct(llama_url: str, **body: object) -> dict:
