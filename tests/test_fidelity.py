@@ -22,7 +22,7 @@ from gateway.settings import Settings, SettingsError
 from gateway.stream.accumulator import ChatSSEAccumulator
 from gateway.stream.signatures import client_call_id, restore_thought_signatures, split_call_id
 from gateway.stream.think_tags import ThinkTagSplitter
-from gateway.upstream.client import _answer_not_streamed, _upstream_message
+from gateway.upstream.client import _answer_not_streamed, _upstream_message, completion_as_chunks
 from gateway.upstream.model_options import model_reasoning_tags
 from gateway.upstream.sim_quirks import THOUGHT_SIGNATURE
 from gateway.upstream.sim_reply import TEXT
@@ -236,6 +236,43 @@ def test_gemini_signature_goes_back_with_its_call(gateway: Gateway, simulator: S
     assert calls[0]["extra_content"] == {"google": {"thought_signature": THOUGHT_SIGNATURE}}
     assert "extra_content" not in calls[1]
     assert [m["tool_call_id"] for m in sent if m["role"] == "tool"] == ["call_sim_0", "call_sim_1"]
+
+
+# -- what the gateway sends upstream, and JSON answers in the legacy shape ---------------------
+
+
+@pytest.mark.parametrize("protocol", list(DRIVERS))
+def test_the_upstream_request_is_declared_json(gateway: Gateway, simulator: Simulator, protocol: str) -> None:
+    """FastAPI servers (llama-cpp-python) parse a body only when it says it is JSON."""
+    simulator.clear()
+    assert DRIVERS[protocol](gateway.url, "text").ok
+    assert simulator.requests()[-1]["headers"]["content-type"] == "application/json"
+
+
+def _buffered_calls(message: dict[str, Any]) -> list[tuple[str, str]]:
+    answer = {"choices": [{"index": 0, "message": {"role": "assistant", "content": None, **message},
+                           "finish_reason": "tool_calls"}]}
+    acc = ChatSSEAccumulator()
+    for chunk in completion_as_chunks(answer):
+        acc.feed(chunk)
+    acc.feed_done()
+    return [(c.name, c.arguments) for c in acc.seal().tool_calls]
+
+
+def test_a_json_answer_with_only_function_call_is_one_call() -> None:
+    assert _buffered_calls({"function_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}) == [
+        ("get_weather", '{"city": "Paris"}')]
+
+
+def test_a_json_answer_with_function_call_beside_tool_calls_is_the_tool_call() -> None:
+    """llama-cpp-python (chatml-function-calling, tool_choice auto, not streamed) names the
+    legacy copy ``get_weather:``: the tool_calls entry is the call, once."""
+    calls = _buffered_calls({
+        "tool_calls": [{"id": "call__0_get_weather_cmpl-1", "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{ "city": "Paris" }'}}],
+        "function_call": {"name": "get_weather:", "arguments": '{ "city": "Paris" }'},
+    })
+    assert calls == [("get_weather", '{ "city": "Paris" }')]
 
 
 # -- one usage rule when the upstream reports none -------------------------------------------

@@ -169,18 +169,20 @@ def test_raw_stream_quirks(lcp_url: str) -> None:
 
 def test_raw_stream_cut_by_a_second_request(lcp_url: str) -> None:
     """A request waiting for the model (even ``GET /v1/models``) makes the server end the
-    running stream at once: ``data: [DONE]`` with no finish_reason ever sent."""
+    running stream at once: ``data: [DONE]`` with no finish_reason ever sent, then the
+    connection drops without the chunked body's end."""
     interrupt = threading.Thread(target=lambda: httpx.get(lcp_url + "/models", timeout=600))
     chunks: list[Any] = []
-    with httpx.stream("POST", lcp_url + "/chat/completions", timeout=600,
-                      json={"model": "smollm2", "stream": True, "messages": STORY, "max_tokens": 400,
-                            "temperature": 0}) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                data = line[len("data: "):]
-                chunks.append(data if data == "[DONE]" else json.loads(data))
-                if len(chunks) == 3:
-                    interrupt.start()
+    with pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"):
+        with httpx.stream("POST", lcp_url + "/chat/completions", timeout=600,
+                          json={"model": "smollm2", "stream": True, "messages": STORY, "max_tokens": 400,
+                                "temperature": 0}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    data = line[len("data: "):]
+                    chunks.append(data if data == "[DONE]" else json.loads(data))
+                    if len(chunks) == 3:
+                        interrupt.start()
     interrupt.join(600)
     assert chunks[-1] == "[DONE]"
     assert 3 <= len(chunks) < 400

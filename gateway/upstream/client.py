@@ -192,7 +192,9 @@ class UpstreamClient:
         else:
             payload = dict(body, stream=True, stream_options={"include_usage": True})
         upstream = credential.upstream
-        headers = {**upstream.headers, **(extra_headers or {}),
+        # content-type: servers that parse by it (FastAPI: llama-cpp-python) refuse a body
+        # without it as "not a valid dictionary"
+        headers = {**upstream.headers, **(extra_headers or {}), "content-type": "application/json",
                    "accept": "application/json" if buffered else "text/event-stream"}
         if credential.api_key:
             headers["authorization"] = f"Bearer {credential.api_key}"
@@ -345,6 +347,10 @@ def completion_as_chunks(answer: dict[str, Any]) -> list[dict[str, Any]]:
                               "arguments": (c.get("function") or {}).get("arguments") or ""}}
                 for i, c in enumerate(calls)
             ]
+        elif isinstance(message.get("function_call"), dict):
+            # the legacy shape alone (beside tool_calls it is the same call again, and
+            # llama-cpp-python may even misspell its name there): the accumulator's rule
+            delta["function_call"] = message["function_call"]
         out: dict[str, Any] = {"index": choice.get("index", 0), "delta": delta,
                                "finish_reason": choice.get("finish_reason")}
         for key in ("logprobs", "token_ids"):

@@ -181,7 +181,8 @@ def _log_request(request: Request, body: Any) -> None:
     _sim(request).requests.append({
         "body": body, "has_authorization": bool(auth),
         "key_fingerprint": fingerprint(auth[7:]) if auth.lower().startswith("bearer ") else None,
-        "headers": {k: v for k, v in request.headers.items() if k.startswith("x-") or k == "traceparent"},
+        "headers": {k: v for k, v in request.headers.items()
+                    if k.startswith("x-") or k in ("traceparent", "content-type")},
         "path": request.url.path, "at": time.monotonic(),
     })
 
