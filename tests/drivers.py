@@ -81,7 +81,7 @@ def _openai(base_url: str) -> openai.OpenAI:
 
 def _chat_options(tool_choice: Any, ask: Ask) -> dict[str, Any]:
     extra: dict[str, Any] = ask.options("max_tokens")
-    if tool_choice in ("none", "required"):
+    if tool_choice in ("none", "required", "auto"):
         extra["tool_choice"] = tool_choice
     elif isinstance(tool_choice, Named):
         extra["tool_choice"] = {"type": "function", "function": {"name": tool_choice.name}}
@@ -139,8 +139,8 @@ def _messages_options(tool_choice: Any, ask: Ask) -> dict[str, Any]:
     extra.setdefault("max_tokens", 1024)
     if "temperature" in extra:  # not a parameter of this SDK's messages.stream()
         extra["extra_body"] = {"temperature": extra.pop("temperature")}
-    if tool_choice in ("none", "required"):
-        extra["tool_choice"] = {"type": "none" if tool_choice == "none" else "any"}
+    if tool_choice in ("none", "required", "auto"):
+        extra["tool_choice"] = {"type": {"required": "any"}.get(tool_choice, tool_choice)}
     elif isinstance(tool_choice, Named):
         extra["tool_choice"] = {"type": "tool", "name": tool_choice.name}
     if ask.tools:
@@ -179,7 +179,7 @@ def _messages_outcome(final: Any, violations: list[str]) -> Outcome:
 
 def _responses_options(tool_choice: Any, ask: Ask) -> dict[str, Any]:
     extra: dict[str, Any] = ask.options("max_output_tokens")
-    if tool_choice in ("none", "required"):
+    if tool_choice in ("none", "required", "auto"):
         extra["tool_choice"] = tool_choice
     elif isinstance(tool_choice, Named):
         extra["tool_choice"] = {"type": "function", "name": tool_choice.name}

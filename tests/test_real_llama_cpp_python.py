@@ -38,7 +38,7 @@ import openai
 import pytest
 
 from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway
-from tests.drivers import DRIVERS, UNARY_DRIVERS, Ask, Named, Outcome
+from tests.drivers import DRIVERS, TOOLS, UNARY_DRIVERS, Ask, Named, Outcome
 from tests.processes import free_port, require_build, upstream_process
 from tests.test_real_llama import MODEL, MODES, gateways_in_front
 
@@ -51,9 +51,9 @@ STAMP = LCP_DIR / f"venv/.built-llama-cpp-python-{LCP_VERSION}"
 CONTEXT = 4096
 HELLO = Ask(prompt="Say hello in one short sentence.", max_tokens=24, tools=False, temperature=0, timeout=600)
 WEATHER = Ask(prompt="What is the weather in Paris?", max_tokens=64, temperature=0, timeout=600)
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+#: the drivers' tools as the server's own Chat request declares them
+CHAT_TOOLS = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                                "parameters": t["schema"]}} for t in TOOLS]
 STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
 STREAMED = {"streamed": DRIVERS, "unary": UNARY_DRIVERS}
 
@@ -66,7 +66,9 @@ def lcp_url() -> Iterator[str]:
     url = f"http://127.0.0.1:{port}/v1"
     argv = [str(PYTHON), "-m", "llama_cpp.server", "--model", str(MODEL), "--model_alias", "smollm2",
             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(CONTEXT),
-            "--chat_format", "chatml-function-calling", "--seed", "1", "--n_threads", "2", "--verbose", "False"]
+            "--chat_format", "chatml-function-calling", "--seed", "1", "--verbose", "False",
+            # one thread: two spin-waiting threads on a shared 2-core machine stall for seconds
+            "--n_threads", "1", "--n_threads_batch", "1"]
     with upstream_process(argv, url + "/models", LCP_DIR / "server-test.log"):
         yield url
 
@@ -143,7 +145,7 @@ def test_raw_stream_quirks(lcp_url: str) -> None:
     # a named tool: every chunk carries the legacy function_call beside tool_calls, both
     # repeating the name (and the call its id), with explicit nulls for the rest
     status, sse = raw_stream(lcp_url, messages=WEATHER.chat_messages(), max_tokens=64, temperature=0,
-                             tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+                             tools=CHAT_TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert status == 200
     calls = frames(sse)[:-1]
     assert calls[0]["choices"][0]["delta"] == {"role": "assistant", "content": None, "function_call": None,
@@ -163,7 +165,7 @@ def test_raw_stream_quirks(lcp_url: str) -> None:
 
     # tool_choice "required" is not supported: 200, then nothing
     status, sse = raw_stream(lcp_url, messages=WEATHER.chat_messages(), max_tokens=16,
-                             tools=[WEATHER_TOOL], tool_choice="required")
+                             tools=CHAT_TOOLS, tool_choice="required")
     assert (status, sse) == (200, "")
 
 
@@ -202,7 +204,7 @@ def hello_truth(lcp_url: str) -> dict:
 def weather_truth(lcp_url: str) -> dict:
     """The server's own call of get_weather for WEATHER (no gateway, not streamed)."""
     return direct(lcp_url, messages=WEATHER.chat_messages(), max_tokens=WEATHER.max_tokens, temperature=0,
-                  tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+                  tools=CHAT_TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
 
 
 def both(gateways: dict[str, Gateway], protocol: str, mode: str, tool_choice: Any, ask: Ask) -> dict[str, Outcome]:
@@ -275,6 +277,25 @@ def test_unsupported_tool_choice_is_an_upstream_error(lcp_gateways: dict[str, Ga
     for streamed, outcome in both(lcp_gateways, protocol, mode, "required", WEATHER).items():
         assert not outcome.ok, (streamed, outcome)
         assert "upstream" in outcome.error, (streamed, outcome.error)
+
+
+@pytest.mark.parametrize("protocol", list(DRIVERS))
+def test_auto_tool_choice_needs_a_buffered_upstream(
+    lcp_gateways: dict[str, Gateway], buffered_gateway: Gateway, protocol: str
+) -> None:
+    """``tool_choice: auto`` when the model picks a tool: the server cannot stream that
+    (HTTP 200, empty body: "Automatic streaming tool choice is not supported"), so a
+    streaming upstream request fails as ``upstream_empty_response``; with
+    ``--upstream-stream never`` the same question is one call of the tool, streamed to the
+    client or not (and the legacy ``function_call`` copy, named ``get_weather:`` there, is
+    not a second call)."""
+    failed = run(lcp_gateways, protocol, "realtime", "streamed", "auto", WEATHER)
+    assert not failed.ok and "upstream_empty_response" in failed.error, failed
+    for streamed, outcome in both({"realtime": buffered_gateway}, protocol, "realtime", "auto", WEATHER).items():
+        assert outcome.ok, (streamed, outcome.error)
+        assert outcome.finish == "tool_calls", streamed
+        assert [name for name, _ in outcome.tools] == ["get_weather"], streamed
+        assert isinstance(outcome.tools[0][1].get("city"), str), streamed
 
 
 def _stream_story(protocol: str, base_url: str, on_text: Any) -> str:
