@@ -10,7 +10,7 @@ uses. Without them these tests skip, unless ``CODEBUDDY2API_REQUIRE_LLAMA`` is s
 The server runs with ``--chat_format chatml-function-calling``, its own tool-calling format:
 a ``tool_choice`` naming a function constrains the answer to that function's JSON schema (a
 grammar), so even a 135M model calls the tool every time. What it sends that other servers
-do not (``test_raw_stream_quirks`` records each from the wire; docs/upstreams.md):
+do not (``test_raw_quirks`` records each from the wire; docs/upstreams.md):
 
 - a tool call as a legacy ``function_call`` delta *and* a ``tool_calls`` delta on every
   chunk, each repeating the id and the name, beside explicit ``"role": null,
@@ -19,8 +19,11 @@ do not (``test_raw_stream_quirks`` records each from the wire; docs/upstreams.md
   estimates it; ``--upstream-stream never`` gets the server's own counts);
 - ``tool_choice: "required"`` (what Messages' ``any`` becomes) is unsupported: a stream is
   HTTP 200 whose body ends before the first byte;
+- ``tool_choice: "auto"`` when the model picks a tool cannot be streamed either (the same
+  empty 200); tools without any ``tool_choice`` are ignored;
 - any other request for the model (even ``GET /v1/models``) cuts a running stream short:
-  ``data: [DONE]`` with no ``finish_reason`` before it.
+  ``data: [DONE]`` with no ``finish_reason`` before it, then the connection drops;
+- a body without ``Content-Type: application/json`` is refused (HTTP 500).
 """
 
 from __future__ import annotations
@@ -127,7 +130,7 @@ def run(gateways: dict[str, Gateway], protocol: str, mode: str, streamed: str, t
 # -- what the server itself sends (no gateway) ---------------------------------------------
 
 
-def test_raw_stream_quirks(lcp_url: str) -> None:
+def test_raw_quirks(lcp_url: str) -> None:
     """Each quirk the gateway normalises, seen on the wire from this server."""
     # plain text: a role-only first delta, a finish chunk with an empty delta, and no usage
     # anywhere although include_usage was asked for
@@ -163,10 +166,19 @@ def test_raw_stream_quirks(lcp_url: str) -> None:
                                        "delta": {"role": None, "content": None, "function_call": None, "tool_calls": None}}
     assert not any("usage" in c for c in calls)
 
-    # tool_choice "required" is not supported: 200, then nothing
+    # tool_choice "required" is not supported: 200, then nothing (not streamed: a 500)
     status, sse = raw_stream(lcp_url, messages=WEATHER.chat_messages(), max_tokens=16,
                              tools=CHAT_TOOLS, tool_choice="required")
     assert (status, sse) == (200, "")
+
+    # tools without a tool_choice are not even shown to the model: plain text
+    plain = direct(lcp_url, messages=WEATHER.chat_messages(), max_tokens=16, temperature=0, tools=CHAT_TOOLS)
+    assert plain["choices"][0]["message"]["content"] and not plain["choices"][0]["message"].get("tool_calls")
+
+    # a body that does not say it is JSON is no body to FastAPI (the gateway says so since)
+    body = json.dumps({"model": "smollm2", "messages": HELLO.chat_messages(), "max_tokens": 4}).encode()
+    refused = httpx.post(lcp_url + "/chat/completions", content=body, timeout=600)
+    assert refused.status_code == 500 and "valid dictionary" in refused.text
 
 
 def test_raw_stream_cut_by_a_second_request(lcp_url: str) -> None:
