@@ -93,6 +93,17 @@ def buffered_gateway(
                          idle_timeout=600, first_byte_timeout=600)
 
 
+@pytest.fixture(scope="module")
+def fallback_gateway(
+    lcp_url: str, server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory
+) -> Gateway:
+    """A gateway that streams from the upstream and asks for JSON when that fails
+    (``--upstream-stream auto``)."""
+    return start_gateway(server_loop, simulator, tmp_path_factory, stream_mode="realtime", upstream_url=[lcp_url],
+                         upstream_stream="auto", keepalive_interval=1.0, tool_repair_attempts=0,
+                         idle_timeout=600, first_byte_timeout=600)
+
+
 def direct(lcp_url: str, **body: object) -> dict:
     """The same question asked of the server itself (no gateway), non-streaming."""
     response = httpx.post(lcp_url + "/chat/completions", json={"model": "smollm2", **body}, timeout=600)
@@ -292,22 +303,23 @@ def test_unsupported_tool_choice_is_an_upstream_error(lcp_gateways: dict[str, Ga
 
 
 @pytest.mark.parametrize("protocol", list(DRIVERS))
-def test_auto_tool_choice_needs_a_buffered_upstream(
-    lcp_gateways: dict[str, Gateway], buffered_gateway: Gateway, protocol: str
+def test_auto_tool_choice_needs_a_json_upstream_answer(
+    lcp_gateways: dict[str, Gateway], buffered_gateway: Gateway, fallback_gateway: Gateway, protocol: str
 ) -> None:
     """``tool_choice: auto`` when the model picks a tool: the server cannot stream that
-    (HTTP 200, empty body: "Automatic streaming tool choice is not supported"), so a
-    streaming upstream request fails as ``upstream_empty_response``; with
-    ``--upstream-stream never`` the same question is one call of the tool, streamed to the
-    client or not (and the legacy ``function_call`` copy, named ``get_weather:`` there, is
-    not a second call)."""
+    (HTTP 200, empty body: "Automatic streaming tool choice is not supported"), so with
+    ``--upstream-stream always`` it fails as ``upstream_empty_response``; with ``never``,
+    and with ``auto`` (which then asks again for JSON), the same question is one call of
+    the tool, streamed to the client or not (the legacy ``function_call`` copy, named
+    ``get_weather:`` there, is not a second call)."""
     failed = run(lcp_gateways, protocol, "realtime", "streamed", "auto", WEATHER)
     assert not failed.ok and "upstream_empty_response" in failed.error, failed
-    for streamed, outcome in both({"realtime": buffered_gateway}, protocol, "realtime", "auto", WEATHER).items():
-        assert outcome.ok, (streamed, outcome.error)
-        assert outcome.finish == "tool_calls", streamed
-        assert [name for name, _ in outcome.tools] == ["get_weather"], streamed
-        assert isinstance(outcome.tools[0][1].get("city"), str), streamed
+    for gateway in (buffered_gateway, fallback_gateway):
+        for streamed, outcome in both({"realtime": gateway}, protocol, "realtime", "auto", WEATHER).items():
+            assert outcome.ok, (streamed, outcome.error)
+            assert outcome.finish == "tool_calls", streamed
+            assert [name for name, _ in outcome.tools] == ["get_weather"], streamed
+            assert isinstance(outcome.tools[0][1].get("city"), str), streamed
 
 
 def _stream_story(protocol: str, base_url: str, on_text: Any) -> str:

@@ -195,3 +195,54 @@ async def test_a_pooled_connection_the_upstream_closes_is_not_a_failed_attempt()
     # requests 2 and 3 went out on the kept connection, were closed unanswered, and were sent
     # again on a new one (before: GatewayError upstream_unreachable, a 502 with one credential)
     assert (server.answered, server.closed_unanswered, server.connections) == (3, 2, 3)
+
+
+@pytest.mark.parametrize(("upstream_stream", "falls_back"), [("auto", True), ("always", False)])
+async def test_auto_asks_for_json_after_an_empty_event_stream(upstream_stream: str, falls_back: bool) -> None:
+    """llama-cpp-python answers a stream it cannot produce (tool_choice auto picking a tool)
+    with 200, text/event-stream and no byte: ``auto`` asks again without streaming."""
+    answer = {"choices": [{"index": 0, "message": {"content": "whole"}, "finish_reason": "stop"}]}
+    seen: list[bool] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        streamed = orjson.loads(request.content)["stream"]
+        seen.append(streamed)
+        if streamed:
+            return httpx.Response(200, content=b"", headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, json=answer)
+
+    client = UpstreamClient(http=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    credential = Credential(Upstream("u", "http://upstream.test/v1"), "k1")
+    stream = client.stream_chat(credential, BODY, policy(failover_max=0, upstream_stream=upstream_stream))
+    if not falls_back:
+        with pytest.raises(GatewayError, match="empty body"):
+            [item async for item in stream]
+        assert seen == [True]
+        return
+    items = [item async for item in stream]
+    assert seen == [True, False]
+    assert items[0] is ANSWERED and items.count(ANSWERED) == 1 and items[-1] is DONE
+    assert items[1]["choices"][0]["delta"] == {"role": "assistant", "content": "whole"}
+
+
+
+async def test_auto_fallback_tries_a_fresh_connection_once() -> None:
+    """The server that failed inside its stream closes that connection; the JSON request
+    sent over it at once breaks unanswered: one more try (``_send``), then the answer."""
+    answer = {"choices": [{"index": 0, "message": {"content": "whole"}, "finish_reason": "stop"}]}
+    seen: list[bool] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        streamed = orjson.loads(request.content)["stream"]
+        seen.append(streamed)
+        if streamed:
+            return httpx.Response(200, content=b"", headers={"content-type": "text/event-stream"})
+        if seen.count(False) == 1:
+            raise httpx.ReadError("connection closed by the peer")
+        return httpx.Response(200, json=answer)
+
+    client = UpstreamClient(http=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    credential = Credential(Upstream("u", "http://upstream.test/v1"), "k1")
+    items = [item async for item in client.stream_chat(credential, BODY, policy(failover_max=0, upstream_stream="auto"))]
+    assert seen == [True, False, False]
+    assert items.count(ANSWERED) == 1 and items[1]["choices"][0]["delta"]["content"] == "whole"

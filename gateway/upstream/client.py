@@ -159,19 +159,28 @@ class UpstreamClient:
 
         ``policy.upstream_stream``: ``always`` streams; ``never`` asks for one JSON answer
         and yields it as chunks (the rest of the gateway cannot tell); ``auto`` streams and
-        falls back to a JSON answer when the upstream refuses ``stream: true``.
+        falls back to a JSON answer when the upstream refuses ``stream: true``, or answers
+        it with a 200 and nothing in it (llama-cpp-python on a tool choice it cannot
+        stream): nothing has reached the client then, so asking again is safe.
         ``extra_headers``: per-attempt headers (the W3C ``traceparent`` with tracing on).
         Raises GatewayError for every failure; the caller closes the generator to cancel.
         """
         buffered = policy.upstream_stream == "never"
+        answered = relayed = False
         try:
             async for item in self._request(credential, body, policy, buffered, extra_headers):
+                answered = answered or item is ANSWERED
+                relayed = relayed or item is not ANSWERED
                 yield item
         except GatewayError as err:
-            if not (policy.upstream_stream == "auto" and refuses_streaming(err)):
+            empty = err.code == "upstream_empty_response" and not relayed and not buffered
+            if not (policy.upstream_stream == "auto" and (refuses_streaming(err) or empty)):
                 raise
+            # (a server that failed inside its stream closes that connection: if the pool
+            # hands it out again at once, _send tries once more on another)
             async for item in self._request(credential, body, policy, True, extra_headers):
-                yield item
+                if not (item is ANSWERED and answered):  # said once per attempt
+                    yield item
 
     async def _send(self, request: httpx.Request) -> httpx.Response:
         """Send, and once more when the connection closed before any byte of an answer: a
