@@ -380,3 +380,30 @@ def test_a_second_request_cuts_the_stream_and_the_client_is_told(
     interrupt.join(600)
     assert texts and interrupt.ident is not None
     assert "upstream_incomplete" in error, error
+
+
+def test_doctor_recommends_auto_for_this_server(lcp_url: str) -> None:
+    """``codebuddy2api doctor`` against this server: every probe answered (each on its own
+    connection: the one its failed tool stream used is closed by the server), no usage
+    and the empty tool stream named as quirks, and ``--upstream-stream auto`` recommended,
+    which makes that tool question work (test_auto_tool_choice_needs_a_json_upstream_answer)."""
+    import subprocess
+    import sys
+
+    import jsonschema
+
+    from tests.test_doctor import JSON_SCHEMA
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CODEBUDDY2API_")}
+    run = subprocess.run([sys.executable, "-m", "gateway", "doctor", lcp_url, "--json"],
+                         capture_output=True, text=True, timeout=900, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    document = json.loads(run.stdout)
+    jsonschema.validate(document, JSON_SCHEMA)
+    assert document["ok"] is True
+    checks = {f["check"]: (f["status"], f["quirk"]) for f in document["findings"]}
+    for check in ("models list", "streamed text", "[DONE]", "finish_reason", "non-streamed answer", "error shape"):
+        assert checks[check][0] == "ok", (check, checks)
+    assert checks["include_usage"] == ("quirk", "no_usage")
+    assert checks["streamed tool call"] == ("quirk", "empty_stream")
+    assert document["recommended"]["upstream_stream"] == "auto"

@@ -227,7 +227,7 @@ def _stream_basics(name: str, c: StreamCapture) -> list[Finding]:
     if c.unparsed:
         found.append(Finding(name, "problem", f"{len(c.unparsed)} data line(s) are not JSON objects: {c.unparsed[0][:80]!r}"))
     if not c.chunks:
-        found.append(Finding(name, "problem", "the stream carried no chunk"))
+        found.append(Finding(name, "problem", "the stream carried no chunk", "empty_stream"))
     errors = [chunk["error"] for chunk in c.chunks if chunk.get("error")]
     if errors:
         message = errors[0].get("message") if isinstance(errors[0], dict) else errors[0]
@@ -292,7 +292,7 @@ def _terminal(c: StreamCapture) -> list[Finding]:
 def _usage(c: StreamCapture) -> list[Finding]:
     with_usage = [chunk for chunk in c.chunks if isinstance(chunk.get("usage"), dict) and chunk["usage"]]
     if not with_usage:
-        return [Finding("include_usage", "quirk", "stream_options.include_usage sent, no usage came: token counts are estimated (o200k) for Anthropic clients, absent for OpenAI ones", "no_usage")]
+        return [Finding("include_usage", "quirk", "stream_options.include_usage sent, no usage came: token counts are estimated (o200k) in every room", "no_usage")]
     last = with_usage[-1]
     if _choices(last):
         return [Finding("include_usage", "quirk", "usage rides on a chunk with choices, not a separate final chunk (read anyway)", "usage_on_last_chunk")]
@@ -440,6 +440,14 @@ def analyse(p: Probes) -> Report:
     streaming = p.text.status == 200 and bool(p.text.chunks) and not p.text.transport_error
     plain_ok = any(f.check == "non-streamed answer" and f.status == "ok" for f in findings)
     upstream_stream = "always" if streaming or not plain_ok else "never"
+    # text streams but the tool question got an empty 200 (llama-cpp-python cannot stream
+    # the tool choice): auto asks again for JSON exactly then
+    tool_stream_empty = p.tool.status == 200 and not p.tool.chunks and not p.tool.transport_error
+    if streaming and plain_ok and tool_stream_empty:
+        upstream_stream = "auto"
+        findings = [Finding(f.check, "quirk", f.detail + " (a 200 and nothing in it): --upstream-stream auto asks again for JSON", f.quirk)
+                    if f.quirk == "empty_stream" else f for f in findings]
+        quirks = {f.quirk for f in findings if f.quirk}
     risky = {"missing_tool_index", "late_tool_name", "tool_identity_change", "tool_arguments_repaired",
              "tool_arguments_invalid", "tool_arguments_objects", "no_finish_reason", "missing_tool_id"}
     tool_seen = bool(_tool_deltas(p.tool))
@@ -452,6 +460,8 @@ def analyse(p: Probes) -> Report:
         notes.append("realtime: tool calls arrive well-formed, so relaying as they come is safe")
     if upstream_stream == "never":
         notes.append("streaming failed but stream: false works: the gateway asks for JSON and streams it itself")
+    if upstream_stream == "auto":
+        notes.append("the tool question's stream was an empty 200 but stream: false works: auto asks again for JSON then")
     if "no_usage" in quirks:
         notes.append("no usage from the upstream: billing/metrics token counts are estimates")
     return Report(p.url, p.model, findings, stream_mode, upstream_stream, notes)

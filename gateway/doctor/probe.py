@@ -39,7 +39,10 @@ def run_probes(
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     root = base_url.rstrip("/")
     probes = Probes(url=base_url, model=model or "")
-    with httpx.Client(headers=headers, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0))) as client:
+    # a connection per probe: a server that failed inside a stream (llama-cpp-python) closes
+    # that connection, and the next probe sent over it would fail for that alone
+    with httpx.Client(headers=headers, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+                      limits=httpx.Limits(max_keepalive_connections=0)) as client:
         try:
             response = client.get(root + "/models")
             probes.models_status = response.status_code
