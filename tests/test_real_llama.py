@@ -53,17 +53,20 @@ def llama_url() -> Iterator[str]:
         yield url + "/v1"
 
 
+def gateway_in_front(url: str, server_loop: ServerLoop, simulator: Simulator,
+                     tmp_path_factory: pytest.TempPathFactory, **overrides: object) -> Gateway:
+    """A gateway in front of the real upstream at ``url`` (``overrides``: more settings)."""
+    return start_gateway(server_loop, simulator, tmp_path_factory, upstream_url=[url],
+                         keepalive_interval=1.0, tool_repair_attempts=0,
+                         # on a busy 2-core machine this model can drop to ~1 token/s, and
+                         # llama-server says nothing while it parses a tool call
+                         idle_timeout=600, first_byte_timeout=600, **overrides)
+
+
 def gateways_in_front(url: str, server_loop: ServerLoop, simulator: Simulator,
                       tmp_path_factory: pytest.TempPathFactory) -> dict[str, Gateway]:
     """One gateway per stream mode in front of the real upstream at ``url``."""
-    return {
-        mode: start_gateway(server_loop, simulator, tmp_path_factory, stream_mode=mode, upstream_url=[url],
-                            keepalive_interval=1.0, tool_repair_attempts=0,
-                            # on a busy 2-core machine this model can drop to ~1 token/s, and
-                            # llama-server says nothing while it parses a tool call
-                            idle_timeout=600, first_byte_timeout=600)
-        for mode in MODES
-    }
+    return {mode: gateway_in_front(url, server_loop, simulator, tmp_path_factory, stream_mode=mode) for mode in MODES}
 
 
 @pytest.fixture(scope="module")

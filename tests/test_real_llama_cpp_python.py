@@ -40,10 +40,10 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway
+from tests.conftest import Gateway, ServerLoop, Simulator
 from tests.drivers import DRIVERS, TOOLS, UNARY_DRIVERS, Ask, Named, Outcome
 from tests.processes import free_port, require_build, upstream_process
-from tests.test_real_llama import MODEL, MODES, gateways_in_front
+from tests.test_real_llama import MODEL, MODES, gateway_in_front, gateways_in_front
 
 pytestmark = pytest.mark.real
 
@@ -88,9 +88,8 @@ def buffered_gateway(
     lcp_url: str, server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory
 ) -> Gateway:
     """A gateway that asks the upstream for JSON answers (``--upstream-stream never``)."""
-    return start_gateway(server_loop, simulator, tmp_path_factory, stream_mode="realtime", upstream_url=[lcp_url],
-                         upstream_stream="never", keepalive_interval=1.0, tool_repair_attempts=0,
-                         idle_timeout=600, first_byte_timeout=600)
+    return gateway_in_front(lcp_url, server_loop, simulator, tmp_path_factory, stream_mode="realtime",
+                            upstream_stream="never")
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +98,8 @@ def fallback_gateway(
 ) -> Gateway:
     """A gateway that streams from the upstream and asks for JSON when that fails
     (``--upstream-stream auto``)."""
-    return start_gateway(server_loop, simulator, tmp_path_factory, stream_mode="realtime", upstream_url=[lcp_url],
-                         upstream_stream="auto", keepalive_interval=1.0, tool_repair_attempts=0,
-                         idle_timeout=600, first_byte_timeout=600)
+    return gateway_in_front(lcp_url, server_loop, simulator, tmp_path_factory, stream_mode="realtime",
+                            upstream_stream="auto")
 
 
 def direct(lcp_url: str, **body: object) -> dict:
@@ -115,11 +113,7 @@ def raw_stream(lcp_url: str, **body: object) -> tuple[int, str]:
     """The server's own SSE bytes for one streamed request (status, body text)."""
     with httpx.stream("POST", lcp_url + "/chat/completions", timeout=600,
                       json={"model": "smollm2", "stream": True, **body}) as response:
-        try:
-            text = b"".join(response.iter_raw()).decode()
-        except httpx.RemoteProtocolError:  # the body was cut (chunked encoding never ended)
-            text = ""
-        return response.status_code, text
+        return response.status_code, b"".join(response.iter_raw()).decode()
 
 
 def frames(sse: str) -> list[Any]:
