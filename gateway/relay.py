@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import ClientDisconnect, HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
@@ -131,14 +131,24 @@ class GenerationService:
             return GenerationResponse(run, headers, lambda complete: _stream_outcome(outcome, run, complete))
         return await self._answer_json(room, run, outcome, headers)
 
-    def refuse_unread(self, room: ProtocolRoom, error: GatewayError, transport: str) -> str:
+    def refuse_unread(
+        self, room: ProtocolRoom, error: GatewayError, transport: str, client: HTTPConnection
+    ) -> GatewayError:
         """A request refused before it could be read as one (a WebSocket frame that is not
         JSON, too large, or past the queue bound): still its one audit record, as the same
-        body over HTTP has. Returns the request id."""
-        record = self._open_record(room, transport, StreamPolicy.snapshot(self.live.current))
+        body over HTTP has, and the client key checked first as there (without one the
+        answer is the 401, not what was wrong with the frame). Returns the error to send."""
+        settings = self.live.current
+        record = self._open_record(room, transport, StreamPolicy.snapshot(settings))
         self.observer.on_start(record)
-        RequestOutcome(record, lambda: self._report(record, None)).invalid(error)
-        return record.request_id
+        outcome = RequestOutcome(record, lambda: self._report(record, None))
+        try:
+            record.client_key_fingerprint = check_client_key(client, settings.api_key)
+        except GatewayError as refused:
+            outcome.refused(refused)
+            return refused
+        outcome.invalid(error)
+        return error
 
     @staticmethod
     def _open_record(room: ProtocolRoom, transport: str, policy: StreamPolicy) -> RequestRecord:
@@ -194,7 +204,7 @@ def _stream_outcome(outcome: RequestOutcome, run: GenerationRun, complete: bool)
         outcome.succeeded()
 
 
-def check_client_key(request: Request, keys: list[Any]) -> str | None:
+def check_client_key(request: HTTPConnection, keys: list[Any]) -> str | None:
     """With client keys configured, the request must present one (``Authorization:
     Bearer`` or ``x-api-key``), compared in constant time. Returns its fingerprint."""
     if not keys:

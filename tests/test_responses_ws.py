@@ -202,6 +202,16 @@ def test_client_key_comes_from_the_upgrade_request(server_loop: Any, simulator: 
         with open_ws(gw) as ws:
             error = _closing_error(ws, frame)
         assert error["status"] == 401 and error["error"]["code"] == "invalid_api_key"
+    with open_ws(gw) as ws:  # a frame that is not even JSON: the key is checked first, as over HTTP
+        error = _closing_error(ws, "{not json")
+    assert error["status"] == 401 and error["error"]["code"] == "invalid_api_key"
+    with open_ws(gw, Authorization="Bearer sk-ws-client") as ws:  # with the key: what was wrong with the frame
+        assert _closing_error(ws, "{not json")["error"]["code"] == "invalid_json"
+    rows = audit_rows(gw, 3)  # the generating request and the two unread frames (the prewarm leaves none)
+    assert sorted((r["outcome"], r["error_code"], r["transport"]) for r in rows) == [
+        ("invalid", "invalid_json", "websocket"),
+        ("refused", "invalid_api_key", "websocket"), ("refused", "invalid_api_key", "websocket"),
+    ]
     with open_ws(gw, Authorization="Bearer sk-ws-client") as ws:
         events = exchange(ws, request)
         assert events[-1]["type"] == "response.completed"

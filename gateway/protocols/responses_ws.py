@@ -220,8 +220,7 @@ class ResponsesConnection:
                     await self._close(CLOSE_NORMAL)
                     return
             if self.refused is not None:
-                self.relay.refuse_unread(self.room, self.refused.error, "websocket")
-                await self._send_error(self.refused.error)
+                await self._send_error(self.relay.refuse_unread(self.room, self.refused.error, "websocket", self.websocket))
                 await self._close(self.refused.close_code)
         finally:
             reader.cancel()
@@ -287,9 +286,8 @@ class ResponsesConnection:
         self.room.frame_bytes = frame_size(message)
         try:
             request = self._request(message)
-        except GatewayError as err:  # audited like the same body over HTTP
-            self.relay.refuse_unread(self.room, err, "websocket")
-            await self._send_error(err)
+        except GatewayError as err:  # audited (and the key checked first) like the same body over HTTP
+            await self._send_error(self.relay.refuse_unread(self.room, err, "websocket", self.websocket))
             return False
         if request is None:
             return True
@@ -324,7 +322,7 @@ class ResponsesConnection:
         """``generate: false``: validate, remember the input, answer created + completed
         with no output; nothing goes upstream and no audit record is written."""
         try:
-            check_client_key(self.websocket, self.relay.live.current.api_key)  # type: ignore[arg-type]
+            check_client_key(self.websocket, self.relay.live.current.api_key)
             parsed = await self.room.resolve(self.room.parse(self._body(request), {}))
         except GatewayError as err:
             await self._send_error(err)
