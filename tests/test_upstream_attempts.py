@@ -197,10 +197,11 @@ async def test_a_pooled_connection_the_upstream_closes_is_not_a_failed_attempt()
     assert (server.answered, server.closed_unanswered, server.connections) == (3, 2, 3)
 
 
-@pytest.mark.parametrize(("upstream_stream", "falls_back"), [("auto", True), ("always", False)])
-async def test_auto_asks_for_json_after_an_empty_event_stream(upstream_stream: str, falls_back: bool) -> None:
-    """llama-cpp-python answers a stream it cannot produce (tool_choice auto picking a tool)
-    with 200, text/event-stream and no byte: ``auto`` asks again without streaming."""
+def empty_stream_upstream(breaks_first_json: bool = False) -> tuple[UpstreamClient, list[bool]]:
+    """llama-cpp-python on a stream it cannot produce (tool_choice auto picking a tool): 200,
+    text/event-stream and no byte; a JSON request gets the whole answer. ``breaks_first_json``:
+    the first JSON request breaks unanswered (the connection the failed stream closed).
+    Returns the client and, per request, whether it asked to stream."""
     answer = {"choices": [{"index": 0, "message": {"content": "whole"}, "finish_reason": "stop"}]}
     seen: list[bool] = []
 
@@ -209,9 +210,17 @@ async def test_auto_asks_for_json_after_an_empty_event_stream(upstream_stream: s
         seen.append(streamed)
         if streamed:
             return httpx.Response(200, content=b"", headers={"content-type": "text/event-stream"})
+        if breaks_first_json and seen.count(False) == 1:
+            raise httpx.ReadError("connection closed by the peer")
         return httpx.Response(200, json=answer)
 
-    client = UpstreamClient(http=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    return UpstreamClient(http=httpx.AsyncClient(transport=httpx.MockTransport(handler))), seen
+
+
+@pytest.mark.parametrize(("upstream_stream", "falls_back"), [("auto", True), ("always", False)])
+async def test_auto_asks_for_json_after_an_empty_event_stream(upstream_stream: str, falls_back: bool) -> None:
+    """``auto`` asks again without streaming when a stream was an empty 200; ``always`` does not."""
+    client, seen = empty_stream_upstream()
     credential = Credential(Upstream("u", "http://upstream.test/v1"), "k1")
     stream = client.stream_chat(credential, BODY, policy(failover_max=0, upstream_stream=upstream_stream))
     if not falls_back:
@@ -225,23 +234,10 @@ async def test_auto_asks_for_json_after_an_empty_event_stream(upstream_stream: s
     assert items[1]["choices"][0]["delta"] == {"role": "assistant", "content": "whole"}
 
 
-
 async def test_auto_fallback_tries_a_fresh_connection_once() -> None:
     """The server that failed inside its stream closes that connection; the JSON request
     sent over it at once breaks unanswered: one more try (``_send``), then the answer."""
-    answer = {"choices": [{"index": 0, "message": {"content": "whole"}, "finish_reason": "stop"}]}
-    seen: list[bool] = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        streamed = orjson.loads(request.content)["stream"]
-        seen.append(streamed)
-        if streamed:
-            return httpx.Response(200, content=b"", headers={"content-type": "text/event-stream"})
-        if seen.count(False) == 1:
-            raise httpx.ReadError("connection closed by the peer")
-        return httpx.Response(200, json=answer)
-
-    client = UpstreamClient(http=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    client, seen = empty_stream_upstream(breaks_first_json=True)
     credential = Credential(Upstream("u", "http://upstream.test/v1"), "k1")
     items = [item async for item in client.stream_chat(credential, BODY, policy(failover_max=0, upstream_stream="auto"))]
     assert seen == [True, False, False]
