@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def wait_healthy(
+    proc: subprocess.Popen[Any], url: str, timeout: float = 30.0, log: Callable[[], str] = lambda: ""
+) -> None:
+    """Poll ``url``'s ``/healthz`` until it answers 200; fail at once if ``proc`` exits
+    (``log``: what to show with the failure)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, f"gateway exited with {proc.returncode}:\n{log()}"
+        assert time.monotonic() < deadline, f"gateway not healthy in {timeout} s:\n{log()}"
+        time.sleep(0.05)
 
 
 class GatewayProcess:
@@ -45,16 +62,7 @@ class GatewayProcess:
         return self.log_path.read_text(errors="replace")
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            assert self.proc.poll() is None, f"gateway exited with {self.proc.returncode}:\n{self.log()}"
-            assert time.monotonic() < deadline, f"gateway not healthy in {timeout} s:\n{self.log()}"
-            time.sleep(0.05)
+        wait_healthy(self.proc, self.url, timeout, self.log)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

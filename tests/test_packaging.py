@@ -20,8 +20,8 @@ import yaml
 from gateway.app import create_app
 from gateway.cli import build_parser
 from gateway.settings import ENV_PREFIX, Settings
-from tests.conftest import wait_for
-from tests.test_startup import clean_env, free_port
+from tests.processes import free_port, wait_healthy
+from tests.test_startup import clean_env
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
@@ -69,14 +69,7 @@ def test_wheel_installed_in_a_fresh_venv_serves_the_webui(wheel: Path, tmp_path:
         cwd=work, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     try:
-        def up() -> bool:
-            assert proc.poll() is None, "the installed gateway exited"
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(up, timeout=60)
+        wait_healthy(proc, f"http://127.0.0.1:{port}", timeout=60)
         page = httpx.get(f"http://127.0.0.1:{port}/ui/")
         assert page.status_code == 200 and page.text == (REPO / "webui" / "index.html").read_text()
         script = next((REPO / "webui" / "js").glob("*.js"))

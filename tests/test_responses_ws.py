@@ -297,7 +297,7 @@ def test_inbox_bounds_frames_and_bytes() -> None:
     assert inbox.offer({"type": "websocket.receive", "text": "abcd"}) is None
     over_count = inbox.offer({"type": "websocket.receive", "text": ""})
     assert over_count is not None and over_count.close_code == 1008 and len(inbox.frames) == 2
-    assert inbox.take() == {"type": "websocket.receive", "text": "é" * 3} and inbox.bytes == 4
+    assert inbox.take() == ({"type": "websocket.receive", "text": "é" * 3}, 6) and inbox.bytes == 4
     too_big = Inbox(max_frames=2, max_bytes=10).offer({"type": "websocket.receive", "text": "x" * 11})
     assert too_big is not None and too_big.close_code == 1009 and too_big.error.status == 413
 

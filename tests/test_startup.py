@@ -26,7 +26,8 @@ from gateway.banner import print_banner, render_text, startup_facts
 from gateway.settings import Settings, SettingsError, base_url_hint
 from gateway.upstream.config import ConfigFile, UpstreamEntry, load_config_file
 from gateway.upstream.pool import Upstream
-from tests.conftest import Gateway, ServerLoop, wait_for
+from tests.conftest import Gateway, ServerLoop
+from tests.processes import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE_CONFIG = REPO / "examples" / "config.toml"
@@ -42,12 +43,6 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
         [sys.executable, "-m", "gateway", *args], capture_output=True, text=True, timeout=30,
         env=env or clean_env(), cwd=cwd,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_line_refusal(result: subprocess.CompletedProcess[str]) -> str:
@@ -112,17 +107,6 @@ def test_base_url_hint_only_without_v1() -> None:
     assert "does not end in /v1" in (base_url_hint("http://h:8000/api") or "")
 
 
-def _wait_healthy(proc: subprocess.Popen[str], port: int) -> None:
-    def healthy() -> bool:
-        assert proc.poll() is None, "the gateway exited"
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_for(healthy, timeout=30)
-
-
 def test_serve_prints_the_banner_at_warning_level_and_marks_simulator_answers(tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(
@@ -130,7 +114,7 @@ def test_serve_prints_the_banner_at_warning_level_and_marks_simulator_answers(tm
         env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        _wait_healthy(proc, port)
+        wait_healthy(proc, f"http://127.0.0.1:{port}")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", _strict_response_validation=True)
         raw = client.chat.completions.with_raw_response.create(model="text", messages=[{"role": "user", "content": "hi"}])
         assert raw.headers[UPSTREAM_HEADER] == "simulator"
@@ -160,7 +144,7 @@ def test_simulator_uvicorn_lines_are_labelled(tmp_path: Path) -> None:
         env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        _wait_healthy(proc, port)
+        wait_healthy(proc, f"http://127.0.0.1:{port}")
         httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={"model": "text", "messages": [{"role": "user", "content": "x"}]})
     finally:
         proc.terminate()
@@ -380,7 +364,7 @@ def test_banner_shows_the_saved_stream_mode(tmp_path: Path) -> None:
         env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     try:
-        _wait_healthy(proc, port)
+        wait_healthy(proc, f"http://127.0.0.1:{port}")
     finally:
         proc.terminate()
         _, stderr = proc.communicate(timeout=15)
@@ -407,7 +391,7 @@ def test_credentials_added_in_the_webui_count_as_an_upstream(tmp_path: Path) -> 
         env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     try:
-        _wait_healthy(proc, port)
+        wait_healthy(proc, f"http://127.0.0.1:{port}")
         health = httpx.get(f"http://127.0.0.1:{port}/healthz")
         assert UPSTREAM_HEADER not in health.headers
     finally:

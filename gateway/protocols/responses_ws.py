@@ -114,12 +114,13 @@ class Inbox:
         self.bytes += size
         return None
 
-    def take(self) -> dict[str, Any] | None:
+    def take(self) -> tuple[dict[str, Any], int] | None:
+        """The oldest waiting frame and its size (measured once, in :meth:`offer`)."""
         if not self.frames:
             return None
         message, size = self.frames.popleft()
         self.bytes -= size
-        return message
+        return message, size
 
 
 class ConnectionRoom(ResponsesRoom):
@@ -210,10 +211,10 @@ class ResponsesConnection:
         reader = asyncio.create_task(self._read())
         try:
             while True:
-                message = await self._next()
-                if message is None:
+                frame = await self._next()
+                if frame is None:
                     break
-                keep_open = await self._handle(message)
+                keep_open = await self._handle(*frame)
                 if self.stopped:
                     break
                 if not keep_open:
@@ -227,15 +228,15 @@ class ResponsesConnection:
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
 
-    async def _next(self) -> dict[str, Any] | None:
-        """The next queued frame; None once the connection is to end (client gone, a bound
+    async def _next(self) -> tuple[dict[str, Any], int] | None:
+        """The next queued frame and its size; None once the connection is to end (client gone, a bound
         broken, or ``--ws-idle-timeout`` with nothing asked: closed here)."""
         while True:
             if self.stopped:
                 return None
-            message = self.inbox.take()
-            if message is not None:
-                return message
+            frame = self.inbox.take()
+            if frame is not None:
+                return frame
             self.arrived.clear()
             try:
                 await asyncio.wait_for(self.arrived.wait(), self.idle_timeout)
@@ -281,9 +282,9 @@ class ResponsesConnection:
 
     # -- one client frame --------------------------------------------------------------
 
-    async def _handle(self, message: dict[str, Any]) -> bool:
+    async def _handle(self, message: dict[str, Any], size: int) -> bool:
         """Answer one frame; False: the connection is to be closed."""
-        self.room.frame_bytes = frame_size(message)
+        self.room.frame_bytes = size
         try:
             request = self._request(message)
         except GatewayError as err:  # audited (and the key checked first) like the same body over HTTP
