@@ -177,3 +177,28 @@ async def test_a_store_write_that_does_not_answer_in_time_is_spilled(tmp_path: P
     assert await durable.recover() is True
     await asyncio.sleep(0.05)
     assert audit_ids(store.inner) == ["r1"] and durable.spill_entries == 0
+
+
+async def test_a_healthy_sqlite_store_takes_concurrent_writes_without_spilling(tmp_path: Path) -> None:
+    """Writes from many worker threads at once (the audit writer and every Responses
+    ``store: true`` share one connection): none may fail. A cursor handed out of the lock
+    and dropped by another thread resets its statement while a worker runs the same one
+    (SQLite: "bad parameter or other API misuse"), which spilled most writes under load."""
+    db = Database(tmp_path / "db.sqlite3")
+    durable = DurableWriter(db, SpillJournal(tmp_path / "spill", 1 << 22), {"audit": AUDIT_UPSERT})
+    outcomes = await asyncio.gather(*(durable.write("audit", [row(f"r{i:05d}")]) for i in range(3000)))
+    assert outcomes.count("stored") == 3000, f"{durable.store_error}: {outcomes.count('spilled')} spilled"
+    assert durable.spilled == 0 and durable.store_writable
+    assert len(audit_ids(db)) == 3000
+
+
+def test_the_sqlite_store_never_hands_an_open_cursor_out_of_its_lock(tmp_path: Path) -> None:
+    """Whatever ``fn`` returns leaves the lock: a cursor among it is closed first."""
+    db = Database(tmp_path / "db.sqlite3")
+    cursor = db.run_tx(lambda conn: conn.executemany(AUDIT_UPSERT, [row("r1")]))
+    with pytest.raises(sqlite3.ProgrammingError, match="closed cursor"):
+        cursor.fetchall()
+    cursor = db.run(lambda conn: conn.execute("SELECT request_id FROM audit"))
+    with pytest.raises(sqlite3.ProgrammingError, match="closed cursor"):
+        cursor.fetchall()
+    assert audit_ids(db) == ["r1"]

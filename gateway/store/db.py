@@ -212,6 +212,16 @@ class Store(Protocol):
     def close(self) -> None: ...
 
 
+def _closed_if_cursor(result: T) -> T:
+    """A cursor must not leave the lock open: whichever thread drops it last resets its
+    statement on the shared connection, and the statement cache hands that same statement
+    to the worker running the next write (SQLite: "bad parameter or other API misuse" --
+    under load, most audit and response writes failed over to the spill journal)."""
+    if isinstance(result, sqlite3.Cursor):
+        result.close()
+    return result
+
+
 class Database:
     """SQLite: one connection used from a single worker thread at a time."""
 
@@ -273,7 +283,7 @@ class Database:
     def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``fn(connection)`` under the lock (blocking; call from a worker thread)."""
         with self._lock:
-            return fn(self._conn)
+            return _closed_if_cursor(fn(self._conn))
 
     def run_tx(self, fn: Callable[[sqlite3.Connection], T], write: bool = True) -> T:
         """``fn(connection)`` in one transaction (IMMEDIATE for writes: writers queue up
@@ -286,7 +296,7 @@ class Database:
                 self._conn.execute("ROLLBACK")
                 raise
             self._conn.execute("COMMIT")
-            return result
+            return _closed_if_cursor(result)
 
     async def arun(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         return await asyncio.to_thread(self.run, fn)

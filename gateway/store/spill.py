@@ -225,7 +225,11 @@ class DurableWriter:
             return "stored"
         if (self.store_writable or self.journal is None) and not self.spill_entries:
             sql = self.statements[kind]
-            write = asyncio.ensure_future(asyncio.to_thread(self.db.run_tx, lambda conn: conn.executemany(sql, rows)))
+
+            def insert(conn: Any) -> None:  # returns nothing: no cursor outlives the store's lock
+                conn.executemany(sql, rows)
+
+            write = asyncio.ensure_future(asyncio.to_thread(self.db.run_tx, insert))
             try:
                 # shielded: a cancelled caller (shutdown) must not lose a batch half-way to disk
                 await asyncio.wait_for(asyncio.shield(write), self.write_timeout)
