@@ -106,6 +106,18 @@ async def test_client_rejects_a_frame_that_is_not_json() -> None:
     assert caught.value.code == "upstream_bad_frame"
 
 
+async def test_client_reads_crlf_frames_comments_and_bytes_that_are_not_utf8() -> None:
+    """The stream as some servers send it: CRLF line ends, keepalive comments, a token
+    that cuts a character (an invalid UTF-8 byte becomes U+FFFD, the answer goes on)."""
+    body = (b": ping\r\n\r\ndata: " + orjson.dumps(CHUNK) + b"\r\n\r\n"
+            + b'data: {"choices":[{"index":0,"delta":{"content":"caf\xc3"}}]}\r\n\r\ndata: [DONE]\r\n\r\n')
+    answer = httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+    client, pool, _, _ = make({"k1": answer}, ["k1"])
+    items = await collect(UpstreamAttempts(pool, client, policy()))
+    assert items[:2] == [ANSWERED, CHUNK] and items[-1] is DONE
+    assert items[2]["choices"][0]["delta"]["content"] == "caf\ufffd"
+
+
 async def test_failover_after_a_5xx_logs_both_attempts_and_penalises_the_first() -> None:
     ok = httpx.Response(200, content=sse_body(CHUNK), headers={"content-type": "text/event-stream"})
     client, pool, handler, now = make({"k1": httpx.Response(500, text="boom"), "k2": ok}, ["k1", "k2"])

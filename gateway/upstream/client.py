@@ -1,4 +1,4 @@
-"""The upstream leg: one pooled httpx client, SSE parsed with httpx-sse.
+"""The upstream leg: one pooled httpx client, SSE read on bytes (:mod:`gateway.upstream.sse`).
 
 The upstream is always asked for ``stream: true`` with ``include_usage``. Its failures
 are translated here, at the boundary, into :class:`~gateway.errors.GatewayError` with the
@@ -17,12 +17,12 @@ from typing import Any
 
 import httpx
 import orjson
-from httpx_sse import EventSource
 
 from gateway.errors import GatewayError
 from gateway.policy import StreamPolicy
 from gateway.redact import SECRETS
 from gateway.stream.answer import DONE, Done
+from gateway.upstream.sse import SSEDataParser
 from gateway.upstream.pool import Credential
 
 __all__ = ["ANSWERED", "DONE", "Answered", "Done", "UpstreamClient", "UpstreamItem"]
@@ -240,23 +240,21 @@ class UpstreamClient:
                     yield chunk
                 yield DONE
                 return
-            events = EventSource(response).aiter_sse()
+            reads = response.aiter_bytes()
+            parser = SSEDataParser()
             got_data = False
-            async for event in events:
-                data = event.data
-                if not data:
-                    continue
-                got_data = True
-                if data == "[DONE]":
-                    yield DONE
-                    await _drain(events)
-                    return
-                try:
-                    chunk = orjson.loads(data)
-                except orjson.JSONDecodeError:
-                    raise GatewayError("upstream", "upstream_bad_frame", "the upstream sent a frame that is not JSON") from None
-                if isinstance(chunk, dict):
-                    yield SECRETS.mask_value(chunk) if chunk.get("error") else chunk
+            async for read in reads:
+                for data in parser.feed(read):
+                    if not data:
+                        continue
+                    got_data = True
+                    if data == b"[DONE]":
+                        yield DONE
+                        await _drain(reads)
+                        return
+                    chunk = _frame(data)
+                    if isinstance(chunk, dict):
+                        yield SECRETS.mask_value(chunk) if chunk.get("error") else chunk
             if not got_data:
                 raise empty_answer()
         except httpx.TimeoutException:
@@ -265,6 +263,19 @@ class UpstreamClient:
             raise GatewayError("upstream", "upstream_disconnected", f"the upstream connection broke: {type(exc).__name__}") from None
         finally:
             await response.aclose()
+
+
+def _frame(data: bytes) -> Any:
+    """One event's JSON. Bytes that are not UTF-8 (a server cutting a character between
+    tokens) become U+FFFD, as a text decoder would, instead of failing the answer."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return orjson.loads(data.decode("utf-8", "replace"))
+    except orjson.JSONDecodeError:
+        raise GatewayError("upstream", "upstream_bad_frame", "the upstream sent a frame that is not JSON") from None
 
 
 #: After ``[DONE]``, how long to wait for the body's end so the connection can be reused.
