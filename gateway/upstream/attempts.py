@@ -9,6 +9,8 @@ not touched here — the generation copies the log when it reports the request.
 
 from __future__ import annotations
 
+import contextlib
+
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -68,11 +70,13 @@ class UpstreamAttempts:
             started = time.monotonic()
             answered = False
             try:
-                async for item in self.client.stream_chat(credential, upstream_body, self.policy, headers):
-                    if item is ANSWERED:
-                        answered = True
-                        attempt["status"] = 200
-                    yield item
+                # closed here, at once, when this generator is (not whenever it is collected)
+                async with contextlib.aclosing(self.client.stream_chat(credential, upstream_body, self.policy, headers)) as items:  # type: ignore[type-var]
+                    async for item in items:
+                        if item is ANSWERED:
+                            answered = True
+                            attempt["status"] = 200
+                        yield item
                 return
             except GatewayError as err:
                 attempt["status"] = err.upstream_status

@@ -151,7 +151,7 @@ class UpstreamClient:
             return False, type(exc).__name__
         return 200 <= response.status_code < 300, f"HTTP {response.status_code}"
 
-    async def stream_chat(
+    def stream_chat(
         self, credential: Credential, body: dict[str, Any], policy: StreamPolicy,
         extra_headers: dict[str, str] | None = None,
     ) -> AsyncIterator[UpstreamItem]:
@@ -165,16 +165,24 @@ class UpstreamClient:
         ``extra_headers``: per-attempt headers (the W3C ``traceparent`` with tracing on).
         Raises GatewayError for every failure; the caller closes the generator to cancel.
         """
-        buffered = policy.upstream_stream == "never"
+        if policy.upstream_stream != "auto":  # no fallback to wrap it in: one generator less per chunk
+            return self._request(credential, body, policy, policy.upstream_stream == "never", extra_headers)
+        return self._stream_or_json(credential, body, policy, extra_headers)
+
+    async def _stream_or_json(
+        self, credential: Credential, body: dict[str, Any], policy: StreamPolicy,
+        extra_headers: dict[str, str] | None,
+    ) -> AsyncIterator[UpstreamItem]:
+        """``auto``: the stream, or the JSON answer when the stream is refused or empty."""
         answered = relayed = False
         try:
-            async for item in self._request(credential, body, policy, buffered, extra_headers):
+            async for item in self._request(credential, body, policy, False, extra_headers):
                 answered = answered or item is ANSWERED
                 relayed = relayed or item is not ANSWERED
                 yield item
         except GatewayError as err:
-            empty = err.code == "upstream_empty_response" and not relayed and not buffered
-            if not (policy.upstream_stream == "auto" and (refuses_streaming(err) or empty)):
+            empty = err.code == "upstream_empty_response" and not relayed
+            if not (refuses_streaming(err) or empty):
                 raise
             # (a server that failed inside its stream closes that connection: if the pool
             # hands it out again at once, _send tries once more on another)
