@@ -21,7 +21,7 @@ import structlog
 
 from gateway.app import create_app
 from gateway.observability.logging import configure_logging
-from gateway.redact import MASK, SecretSet
+from gateway.redact import FEW_SECRETS, MASK, SecretSet
 from gateway.settings import Settings
 from gateway.store.db import SQLITE_FILENAME
 from gateway.upstream.pool import fingerprint
@@ -385,6 +385,21 @@ def test_the_secret_set_masks_every_owner_and_forgets_a_dropped_one() -> None:
     assert secrets.mask(text) == f"x {MASK}-longer y {MASK} z short"
     secrets.drop("a")
     assert secrets.mask(text) == text
+
+
+def test_the_secret_set_masks_the_same_with_few_secrets_or_many() -> None:
+    """Few secrets are looked for one by one before the pattern runs; many (a pool of
+    client keys) by the pattern alone: either way every one is masked, and text holding
+    none comes back as the very same object."""
+    for count in (1, FEW_SECRETS, FEW_SECRETS + 1, 40):
+        secrets = SecretSet()
+        keys = [f"sk-client-key-{i:03d}" for i in range(count)]
+        secrets.set("keys", keys)
+        text = f"first {keys[0]} last {keys[-1]} and {keys[-1]}x"
+        assert secrets.mask(text) == f"first {MASK} last {MASK} and {MASK}x", count
+        assert secrets.mask_bytes(text.encode()) == f"first {MASK} last {MASK} and {MASK}x".encode()
+        clean = "data: {\"delta\": \"sk-client-key\"}\n\n"  # a prefix of a key is not the key
+        assert secrets.mask(clean) is clean and secrets.mask_bytes(clean.encode()) == clean.encode()
 
 
 def test_responses_are_masked_on_the_way_out_with_a_correct_length() -> None:
