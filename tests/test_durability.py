@@ -3,7 +3,8 @@ dir on a small tmpfs that fills up, the simulator as the upstream.
 
 - disk full: every audit row and stored response of the requests served meanwhile is in
   the store after space comes back (spilled, then replayed), ``/readyz`` 503 meanwhile;
-- a read-only data dir at start-up: one line on stderr, exit code 2.
+- a read-only data dir at start-up: one line on stderr, exit code 2;
+- a healthy store under concurrent load (in-process gateway): every row written directly, none spilled.
 """
 
 from __future__ import annotations
@@ -317,3 +318,35 @@ def test_sigterm_with_streams_on_a_stalled_upstream_ends_each_with_an_error_even
     assert {(r[1], r[2]) for r in rows} == {("error", "server_shutting_down")}
     assert sorted((r[3], r[4]) for r in rows) == sorted([(protocols[i % 3], 1) for i in range(10)] + [("chat", 0)] * 2)
     assert "Traceback" not in gateway.log()
+
+
+def test_a_healthy_store_under_concurrent_load_takes_every_row_itself(
+    server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """400 stored Responses, 32 at a time: response saves and audit batches run in worker
+    threads together on one SQLite connection. Every row lands in the store directly, none
+    by way of the spill journal (a cursor leaving the connection's lock once made most of
+    them fail over to it under load), and every response is there to continue from."""
+    import asyncio
+
+    from tests.conftest import start_gateway
+
+    gw = start_gateway(server_loop, simulator, tmp_path_factory)
+
+    async def fire() -> list[httpx.Response]:
+        gate = asyncio.Semaphore(32)
+        async with httpx.AsyncClient(base_url=gw.base_url, timeout=60) as client:
+            async def one(i: int) -> httpx.Response:
+                async with gate:
+                    return await client.post("/responses", json={"model": "text", "input": f"turn {i}", "store": True})
+            return await asyncio.gather(*(one(i) for i in range(400)))
+
+    answers = asyncio.run(fire())
+    assert [a.status_code for a in answers] == [200] * 400
+    assert all(a.json()["output"][0]["content"][0]["text"] == TEXT for a in answers)
+    durable = gw.app.state.observability.durable
+    db = gw.app.state.db
+    wait_for(lambda: db.execute("SELECT count(*) FROM audit")[0][0] == 400, timeout=20)
+    assert (durable.spilled, durable.lost, durable.store_writable) == (0, 0, True), durable.status()
+    stored = {row[0] for row in db.execute("SELECT id FROM responses")}
+    assert stored == {a.json()["id"] for a in answers}
