@@ -16,7 +16,7 @@ import pytest
 from gateway.store.audit import AUDIT_UPSERT
 from gateway.store.credentials import CredentialState, CredentialStateWriter
 from gateway.store.db import Database
-from gateway.store.spill import DurableWriter, SpillFull, SpillJournal
+from gateway.store.spill import SPILL_LOG_INTERVAL, DurableWriter, SpillFull, SpillJournal
 from gateway.upstream.prober import backoff
 
 
@@ -202,3 +202,24 @@ def test_the_sqlite_store_never_hands_an_open_cursor_out_of_its_lock(tmp_path: P
     with pytest.raises(sqlite3.ProgrammingError, match="closed cursor"):
         cursor.fetchall()
     assert audit_ids(db) == ["r1"]
+
+
+async def test_an_outage_logs_its_spills_once_per_interval_not_once_per_write(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At a few hundred requests a second every write spills: one WARNING line per interval,
+    with the rows spilled since the last one, so the log does not flood a filling disk."""
+    store = FlakyStore(tmp_path / "db.sqlite3")
+    store.failing = True
+    now = [100.0]
+    durable = DurableWriter(store, SpillJournal(tmp_path / "spill", 1 << 20),  # type: ignore[arg-type]
+                            {"audit": AUDIT_UPSERT}, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="gateway.spill"):
+        for i in range(30):
+            assert await durable.write("audit", [row(f"r{i:02d}")]) == "spilled"
+        now[0] += SPILL_LOG_INTERVAL
+        assert await durable.write("audit", [row("r30"), row("r31")]) == "spilled"
+    lines = [r.getMessage() for r in caplog.records if "store_records_spilled" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "'rows': 1," in lines[0] and "'rows': 31," in lines[1]  # the first at once, then 29 + 2
+    assert durable.spilled == 32 and durable.spill_entries == 32

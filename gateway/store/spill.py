@@ -45,6 +45,10 @@ REPLAY_BATCH = 500
 #: Seconds a store write may take before its rows are spilled instead (a stalled
 #: PostgreSQL). The write may still land later: the replay's upsert makes that harmless.
 STORE_WRITE_TIMEOUT = 5.0
+#: During an outage every write spills: one WARNING line per this many seconds (with what
+#: was spilled since the last one), not one per write -- at a few hundred requests a second
+#: the log would otherwise flood the very disk that may be the one filling up.
+SPILL_LOG_INTERVAL = 10.0
 _ZEROS = bytes(1 << 20)
 
 
@@ -162,6 +166,28 @@ class SpillJournal:
                 self.lock.release()
 
 
+class SpillTally:
+    """Rows spilled per kind since the last log line; says when the next line is due.
+    Thread-safe: spills run in worker threads."""
+
+    def __init__(self, interval: float, clock: Callable[[], float]) -> None:
+        self.interval = interval
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._since: dict[str, int] = {}
+        self._last: float | None = None
+
+    def add(self, kind: str, count: int) -> dict[str, int] | None:
+        """Count ``count`` rows; the counts to log now (and reset), or None (not yet due)."""
+        with self._lock:
+            self._since[kind] = self._since.get(kind, 0) + count
+            now = self.clock()
+            if self._last is not None and now - self._last < self.interval:
+                return None
+            self._last, due, self._since = now, self._since, {}
+            return due
+
+
 class DurableWriter:
     """Store first, spill journal second, lost last (see the module docstring).
 
@@ -181,8 +207,10 @@ class DurableWriter:
         on_spilled: Callable[[str, int], None] | None = None,
         on_lost: Callable[[str, int], None] | None = None,
         on_replayed: Callable[[str, int], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.db = db
+        self._spill_tally = SpillTally(SPILL_LOG_INTERVAL, clock)
         self.journal = journal
         self.statements = statements
         self.retry_interval = retry_interval
@@ -270,7 +298,10 @@ class DurableWriter:
             return "lost"
         self.spilled += count
         self.on_spilled(kind, count)
-        log.warning("store_records_spilled", kind=kind, rows=count, spill_entries=self.spill_entries)
+        due = self._spill_tally.add(kind, count)
+        if due is not None:
+            log.warning("store_records_spilled", rows=sum(due.values()), by_kind=due,
+                        spill_entries=self.spill_entries, next_line_in_s=SPILL_LOG_INTERVAL)
         return "spilled"
 
     # -- replaying -------------------------------------------------------------------------
