@@ -47,15 +47,14 @@ def sse_httpx_sse(n: int) -> None:
                 _ = event.data
 
 
-def sse_bytes_split(n: int) -> None:
-    """The alternative: split the raw bytes on blank lines, take ``data:`` payloads as bytes."""
-    buf = b""
+def sse_gateway_parser(n: int) -> None:
+    """What the gateway does per network read now: ``SSEDataParser.feed`` on the raw bytes."""
+    from gateway.upstream.sse import SSEDataParser
+
+    parser = SSEDataParser()
     for _ in range(n):
-        buf += RAW
-        *frames, buf = buf.split(b"\n\n")
-        for frame in frames:
-            if frame.startswith(b"data:"):
-                _ = frame[5:].lstrip()
+        for data in parser.feed(RAW):
+            _ = data
 
 
 def json_loads(n: int) -> None:
@@ -195,8 +194,8 @@ def run_all() -> dict[str, Any]:
     text_2k = ("Hello from the codebuddy2api simulator. " * 60)[:2048]
     out: dict[str, Any] = {
         "per_chunk_us": {
-            "httpx-sse decode (str + lines + event)": per_call_us(sse_httpx_sse),
-            "bytes split on blank line (alternative)": per_call_us(sse_bytes_split),
+            "httpx-sse decode (str + lines + event; used before 12-01)": per_call_us(sse_httpx_sse),
+            "gateway/upstream/sse.py SSEDataParser.feed (bytes, what the gateway uses)": per_call_us(sse_gateway_parser),
             "orjson.loads of one frame": per_call_us(json_loads),
             **{f"accumulator + scheduler + {p} encoder (incl. loads)": per_call_us(pipeline(p), 5000)
                for p in ("chat", "messages", "responses")},
