@@ -163,14 +163,16 @@ class GenerationRun:
         answer = self.answer
         body = answer.begin()
         events: list[Event] = []
+        repair = answer.repair
         while body is not None:
-            began, logged = time.time(), self._repairs_logged()
+            began, logged = time.time(), len(repair.log) if repair is not None else 0
             try:
                 async for out in self._read(body, keepalives=streaming):
                     yield out
                 events = answer.finish()
             finally:
-                self._time_repairs(logged, began)
+                if repair is not None:
+                    repair.time_since(logged, began, time.time())
             body = answer.begin()
         self.completion = answer.completion
         if streaming:
@@ -228,22 +230,6 @@ class GenerationRun:
             self.record.output_bytes = self.answer.retained_bytes
             await self._stop_reading()
 
-    def _repairs_logged(self) -> int:
-        repair = getattr(self.answer, "repair", None)
-        return len(repair.log) if repair is not None else 0
-
-    def _time_repairs(self, since: int, began: float) -> None:
-        """When the repair steps logged since ``since`` ran (the trace's repair spans): an
-        answer's read for ``original``/``regenerate``, an instant at its end for ``local``."""
-        repair = getattr(self.answer, "repair", None)
-        if repair is None:
-            return
-        ended = time.time()
-        for entry in repair.log[since:]:
-            local = entry.get("kind") == "local"
-            entry.setdefault("started_at", ended if local else began)
-            entry.setdefault("duration_ms", 0.0 if local else round((ended - began) * 1000, 1))
-
     async def _stop_reading(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
@@ -299,7 +285,7 @@ def note_run(record: RequestRecord, run: GenerationRun) -> None:
     record.upstream_attempts = run.attempts.log
     if run.attempts.upstream_model is not None:
         record.upstream_model = run.attempts.upstream_model
-    if isinstance(run.answer, CompatibleAnswer):
+    if run.answer.repair is not None:
         record.repairs = run.answer.repair.log
     completion = run.completion
     if completion is None or run.error is not None:

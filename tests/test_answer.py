@@ -115,6 +115,22 @@ def test_local_repair_is_taken_when_it_invents_nothing() -> None:
     assert [(r["kind"], r["outcome"]) for r in policy.log] == [("local", "repaired")]
 
 
+def test_repair_steps_are_timed_once_each_a_read_as_a_span_a_local_repair_as_an_instant() -> None:
+    policy = RepairPolicy(BODY, 1)
+    acc = ChatSSEAccumulator(0, RULES)
+    acc.feed(tool('{"city": "Par'))
+    assert not isinstance(policy.decide(acc, 0), Completion)  # original: invalid
+    policy.time_since(0, 100.0, 100.5)
+    acc = ChatSSEAccumulator(0, RULES)
+    acc.feed(tool('```json\n{"city": "Paris",}\n```'))
+    assert isinstance(policy.decide(acc, 1), Completion)  # repaired locally
+    policy.time_since(1, 101.0, 101.25)
+    policy.time_since(0, 900.0, 901.0)  # already timed: kept as it was
+    assert [(e["kind"], e["started_at"], e["duration_ms"]) for e in policy.log] == [
+        ("original", 100.0, 500.0), ("local", 101.25, 0.0)]
+    assert compatible().repair is not None and RealtimeAnswer(0, RULES, BODY, sequential=True).repair is None
+
+
 def test_non_repairable_errors_are_final_at_once() -> None:
     acc = ChatSSEAccumulator(0, RULES)
     acc.feed(text("no finish"))

@@ -56,6 +56,7 @@ class _Answer:
         # set by the generation from its policy (see ChatSSEAccumulator):
         self.reasoning_tags: Start | None = None  # <think> splitting for this model
         self.estimate_usage: Callable[[dict[str, Any]], UsageEstimator] | None = None  # body -> estimator
+        self.repair: RepairPolicy | None = None  # compatible mode's; realtime never repairs
 
     @property
     def retained_bytes(self) -> int:
@@ -102,7 +103,7 @@ class CompatibleAnswer(_Answer):
 
     def __init__(self, max_collect_bytes: int, rules: ToolRules, upstream_body: dict[str, Any], repair: RepairPolicy) -> None:
         super().__init__(max_collect_bytes, rules, upstream_body)
-        self.repair = repair
+        self.repair: RepairPolicy = repair
 
     def handle(self, item: AnswerItem) -> list[Event]:
         self._feed(item)

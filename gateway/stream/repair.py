@@ -138,6 +138,15 @@ class RepairPolicy:
         self.schemas = tool_schemas(upstream_body)
         self.log: list[dict[str, Any]] = []
 
+    def time_since(self, logged: int, began: float, ended: float) -> None:
+        """When the steps logged after the first ``logged`` ran (the trace's repair spans,
+        wall clock): an answer's read (``began`` .. ``ended``) for ``original`` and
+        ``regenerate``, an instant at its end for ``local``."""
+        for entry in self.log[logged:]:
+            local = entry.get("kind") == "local"
+            entry.setdefault("started_at", ended if local else began)
+            entry.setdefault("duration_ms", 0.0 if local else round((ended - began) * 1000, 1))
+
     def decide(self, acc: ChatSSEAccumulator, attempt: int) -> Completion | dict[str, Any]:
         """The validated answer of ``attempt`` (0 = original), or the body of the next
         regeneration; raises the final GatewayError when neither is possible."""
