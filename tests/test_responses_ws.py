@@ -429,6 +429,37 @@ def test_the_audit_record_names_the_transport(server_loop: Any, simulator: Simul
     assert detail["transport"] == "websocket" and detail["protocol"] == "responses" and over_ws.startswith("resp_")
 
 
+@pytest.mark.parametrize("store", ["sqlite", "postgres"])
+def test_the_admin_audit_api_filters_by_transport(
+    request: pytest.FixtureRequest, server_loop: Any, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory, store: str
+) -> None:
+    """``GET /admin/api/audit?transport=...`` on both stores, combined with the other filters."""
+    import httpx
+
+    url = request.getfixturevalue("postgres_schema") if store == "postgres" else None
+    gw = start_gateway(server_loop, simulator, tmp_path_factory, database_url=url)
+    with open_ws(gw) as ws:
+        exchange(ws, QUICK)
+        exchange(ws, {**QUICK, "model": "echo"})
+    over_http = httpx.post(gw.base_url + "/responses", json={"model": "text", "input": "hi"})
+    rows = audit_rows(gw, 3)
+    by_transport: dict[str, list[str]] = {}
+    for row in rows:
+        by_transport.setdefault(row["transport"], []).append(row["request_id"])
+    assert by_transport["http"] == [over_http.headers["x-request-id"]] and len(by_transport["websocket"]) == 2
+
+    def listed(**params: str) -> list[str]:
+        page = httpx.get(gw.url + "/admin/api/audit", params=params, headers=gw.admin).json()
+        assert page["total"] == len(page["data"])
+        return sorted(r["request_id"] for r in page["data"])
+
+    assert listed(transport="websocket") == sorted(by_transport["websocket"])
+    assert listed(transport="http") == by_transport["http"]
+    assert listed(transport="websocket", model="echo") == [r["request_id"] for r in rows if r["model"] == "echo"]
+    assert listed(transport="http", model="echo") == []
+    assert listed(transport="smoke-signals") == []
+
+
 def test_connection_memory_is_bounded_in_bytes_and_keeps_the_newest() -> None:
     import asyncio
 

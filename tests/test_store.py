@@ -141,6 +141,50 @@ async def test_audit_write_read_aggregate_export_and_retention(opener: Callable[
     assert (await audit.query(db))[1] == 30
 
 
+async def test_audit_filters_by_transport_and_the_migration_backfills_it(
+    request: pytest.FixtureRequest, opener: Callable[[], Store], tmp_path: Path
+) -> None:
+    """``transport`` is a column generated from the record (migration 7): rows written
+    before it get theirs from their record, a record from before the field has none (NULL,
+    matched by no filter), and the writer's upsert never names it."""
+    url = request.getfixturevalue("postgres_schema") if "postgres" in request.node.callspec.id else None
+    old = open_database(url, tmp_path, migrate=False)
+    try:
+        old.migrate([m for m in MIGRATIONS if m[0] < 7])  # a store of the previous release
+        assert old.version == 6
+        for rid, rec in [("old_ws", {"request_id": "old_ws", "transport": "websocket"}),
+                         ("old_http", {"request_id": "old_http", "transport": "http"}),
+                         ("older", {"request_id": "older"}),  # before records named their transport
+                         ("nul_ws", {"request_id": "nul_ws", "transport": "websocket", "text": "a\x00b"})]:  # JSON: "a\\u0000b"
+            old.execute("INSERT INTO audit (request_id, started_at, ended_at, protocol, mode, streamed, model, outcome,"
+                        " error_code, http_status, record) VALUES (?, ?, ?, 'responses', 'compatible', 1, 'm',"
+                        " 'success', NULL, 200, ?)", (rid, time.time(), time.time(), json.dumps(rec)))
+    finally:
+        old.close()
+    db = opener()  # the new release migrates it
+    assert db.version == LATEST
+    assert dict(db.execute("SELECT request_id, transport FROM audit")) == {
+        "old_ws": "websocket", "old_http": "http", "older": None, "nul_ws": "websocket"}
+    writer = AuditWriter(db, flush_interval=0.01)
+    await writer.start()
+    writer.submit(record("new_ws", protocol="responses", transport="websocket"))
+    writer.submit(record("new_http", protocol="responses"))  # http: the record's default
+    writer.submit(record("new_ws", protocol="responses", transport="websocket", outcome="error"))  # the upsert again
+    await writer.aclose()
+    assert writer.written == 3 and writer.write_errors == 0
+
+    async def ids(**filters: str) -> list[str]:
+        rows, total = await audit.query(db, **filters)
+        assert total == len(rows)
+        return sorted(r["request_id"] for r in rows)
+
+    assert await ids(transport="websocket") == ["new_ws", "nul_ws", "old_ws"]
+    assert await ids(transport="http") == ["new_http", "old_http"]
+    assert await ids(transport="websocket", outcome="error") == ["new_ws"]
+    assert await ids(transport="carrier-pigeon") == []
+    assert len(await ids()) == 6
+
+
 async def test_audit_from_two_processes_lands_in_one_table(opener: Callable[[], Store]) -> None:
     a, b = opener(), opener()
     writers = [AuditWriter(db, flush_interval=0.005, batch_size=7) for db in (a, b)]

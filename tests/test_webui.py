@@ -425,6 +425,50 @@ def test_audit_detail_names_a_websocket_request(page: Any, ui: Gateway) -> None:
     assert page.text_content("#detail-id") == found[0]
 
 
+def test_audit_filters_by_transport(page: Any, ui: Gateway) -> None:
+    """The Transport filter: the same model asked over HTTP and over the Responses WebSocket;
+    each filter shows its own request (and the API's answer for that filter), the WebSocket
+    row marked "(ws)"."""
+    from websockets.sync.client import connect
+
+    model = "echo;chunk=13"  # asked only here
+    over_http = httpx.post(ui.base_url + "/responses", json={"model": model, "input": "over http"}, timeout=20)
+    assert over_http.json()["status"] == "completed"
+    with connect(ui.url.replace("http://", "ws://") + "/v1/responses") as ws:
+        ws.send(json.dumps({"type": "response.create", "model": model, "input": "over the socket"}))
+        while json.loads(ws.recv(timeout=20))["type"] != "response.completed":
+            pass
+    http_id = over_http.headers["x-request-id"]
+    wait_audited(ui, http_id)
+    deadline = time.monotonic() + 5
+    while True:
+        rows = httpx.get(ui.url + "/admin/api/audit", params={"model": model, "transport": "websocket"}, headers=AUTH).json()
+        if rows["total"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    [ws_row] = rows["data"]
+    assert ws_row["transport"] == "websocket" and ws_row["request_id"] != http_id
+
+    login(page, ui, "#/audit")
+    page.wait_for_selector(f"tr[data-request-id='{http_id}']")
+
+    def apply(transport: str) -> list[str]:
+        page.fill("#f-model", model)
+        page.select_option("#f-transport", transport)
+        loads = int(page.get_attribute("#audit-rows", "data-loads") or 0)
+        page.click("#apply-filters")
+        page.wait_for_function(f"Number(document.querySelector('#audit-rows').dataset.loads) > {loads}")
+        return page.eval_on_selector_all("#audit-rows tr[data-request-id]", "els => els.map(e => e.dataset.requestId)")
+
+    assert apply("websocket") == [ws_row["request_id"]]
+    assert page.locator("#audit-rows td[data-col=protocol]").all_text_contents() == ["responses (ws)"]
+    assert apply("http") == [http_id]
+    assert page.locator("#audit-rows td[data-col=protocol]").all_text_contents() == ["responses (json)"]  # not streamed
+    assert sorted(apply("")) == sorted([http_id, ws_row["request_id"]])
+    page.fill("#f-model", "")
+    page.click("#apply-filters")
+
+
 def test_credentials_add_disable_enable_reset(page: Any, ui: Gateway, shots: Path) -> None:
     secret = "sk-webui-never-shown-0123456789"
     login(page, ui, "#/credentials")

@@ -325,7 +325,9 @@ class AuditWriter:
 
 # -- queries -----------------------------------------------------------------------------
 
-FILTER_COLUMNS = ("outcome", "protocol", "mode", "model", "error_code", "request_id")
+#: Columns the audit list filters on, exactly; ``transport`` is generated from the record
+#: (migration 7), so the upsert above never names it.
+FILTER_COLUMNS = ("outcome", "protocol", "mode", "model", "error_code", "request_id", "transport")
 
 
 def _where(since: float | None, until: float | None, filters: dict[str, str | None]) -> tuple[str, list[Any]]:

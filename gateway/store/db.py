@@ -141,6 +141,33 @@ MIGRATIONS: list[Migration] = [
             """,
         },
     ),
+    (
+        7,
+        # audit.transport (http | websocket), filterable: generated from the record, so the
+        # row the writer upserts (and the spill journal holds) keeps its shape and old rows
+        # are backfilled by the migration itself; a record from before the field = NULL.
+        # PostgreSQL: a stored column (its ALTER rewrites the table once); jsonb refuses a
+        # \u0000 escape, so such a record is read by pattern instead of failing its insert.
+        {
+            "sqlite": """
+            ALTER TABLE audit ADD COLUMN transport TEXT GENERATED ALWAYS AS
+                (CASE WHEN json_valid(record) THEN json_extract(record, '$.transport') END) VIRTUAL;
+            CREATE INDEX audit_transport ON audit (transport, started_at);
+            """,
+            "postgres": """
+            CREATE OR REPLACE FUNCTION audit_transport(doc text) RETURNS text
+            LANGUAGE plpgsql IMMUTABLE AS $fn$
+            BEGIN
+                RETURN doc::jsonb ->> 'transport';
+            EXCEPTION WHEN others THEN
+                RETURN substring(doc from '"transport"[[:space:]]*:[[:space:]]*"(http|websocket)"');
+            END
+            $fn$;
+            ALTER TABLE audit ADD COLUMN transport TEXT GENERATED ALWAYS AS (audit_transport(record)) STORED;
+            CREATE INDEX audit_transport ON audit (transport, started_at);
+            """,
+        },
+    ),
 ]
 
 _PG_TYPES = ((re.compile(r"\bREAL\b"), "DOUBLE PRECISION"), (re.compile(r"\bINTEGER\b"), "BIGINT"))

@@ -14,9 +14,10 @@ const RANGES = [
 const OUTCOMES = ["success", "error", "cancelled", "invalid", "refused"];
 const PROTOCOLS = ["chat", "responses", "messages"];
 const MODES = ["compatible", "realtime"];
+const TRANSPORTS = ["http", "websocket"];
 
 // Kept across visits so "back to the list" keeps the filters and page.
-const state = { outcome: "", protocol: "", mode: "", model: "", error_code: "", request_id: "", range: "3600",
+const state = { outcome: "", protocol: "", transport: "", mode: "", model: "", error_code: "", request_id: "", range: "3600",
                 from: "", to: "", offset: 0 };
 
 function select(id, label, options, value) {
@@ -62,6 +63,7 @@ export function mount(main) {
   },
   select("f-outcome", "Outcome", OUTCOMES, state.outcome),
   select("f-protocol", "Protocol", PROTOCOLS, state.protocol),
+  select("f-transport", "Transport", TRANSPORTS, state.transport),
   select("f-mode", "Mode", MODES, state.mode),
   h("label.filter", null, "Model", model),
   h("label.filter", null, "Error code", errorCode, knownCodes),
@@ -90,6 +92,7 @@ export function mount(main) {
   function readFilters() {
     state.outcome = form.querySelector("#f-outcome").value;
     state.protocol = form.querySelector("#f-protocol").value;
+    state.transport = form.querySelector("#f-transport").value;
     state.mode = form.querySelector("#f-mode").value;
     state.model = model.value.trim();
     state.error_code = errorCode.value.trim();
@@ -100,7 +103,7 @@ export function mount(main) {
   }
 
   function params() {
-    const p = { outcome: state.outcome, protocol: state.protocol, mode: state.mode, model: state.model,
+    const p = { outcome: state.outcome, protocol: state.protocol, transport: state.transport, mode: state.mode, model: state.model,
                 error_code: state.error_code, request_id: state.request_id, limit: PAGE, offset: state.offset };
     if (state.range === "custom") {
       p.since = toEpoch(state.from);
@@ -138,7 +141,9 @@ export function mount(main) {
       },
       h("td.nowrap", { title: fmtTime(r.started_at) }, shortTime(r.started_at)),
       h("td.mono.cut", { title: r.request_id }, r.request_id),
-      h("td", { title: r.streamed ? "streamed" : "JSON answer" }, r.protocol, r.streamed ? "" : h("span.muted", null, " (json)")),
+      h("td", { title: `${r.streamed ? "streamed" : "JSON answer"} over ${r.transport || "?"}`, "data-col": "protocol" },
+        r.protocol, r.streamed ? "" : h("span.muted", null, " (json)"),
+        r.transport === "websocket" ? h("span.muted", null, " (ws)") : ""),
       h("td", { "data-col": "mode" }, r.mode),
       h("td.mono.cut", { title: r.model }, r.model),
       h("td", null, outcomePill(r.outcome)),
