@@ -20,7 +20,7 @@ from gateway.protocols.base import ProtocolRoom
 from gateway.protocols.chat import ChatRoom
 from gateway.protocols.responses import ResponsesRoom
 from gateway.protocols.messages import MessagesRoom
-from gateway.protocols.responses_ws import websocket_endpoint as responses_websocket
+from gateway.protocols.responses_ws import ConnectionSlots, websocket_endpoint as responses_websocket
 from gateway.admin import admin_mount, auth_routes
 from gateway.admin.auth import AdminAccess, login_base_url
 from gateway.admin.common import admin_error
@@ -235,10 +235,12 @@ def create_app(
     response_store = ResponseStore(db, observability.durable)  # spills like the audit
     responses_room = ResponsesRoom(response_store)
     webui = webui_routes()
+    metrics = observability.metrics
+    websocket_slots = ConnectionSlots(metrics.websockets_open.set, metrics.websocket_upgrades_refused.inc)
     routes = [
         Route("/v1/chat/completions", generation(ChatRoom()), methods=["POST"]),
         Route("/v1/responses", generation(responses_room), methods=["POST"]),
-        WebSocketRoute("/v1/responses", responses_websocket(relay, responses_room)),
+        WebSocketRoute("/v1/responses", responses_websocket(relay, responses_room, websocket_slots)),
         Route("/v1/responses/compact", generation(responses_room.compact_room()), methods=["POST"]),
         Route("/v1/responses/{response_id}", keyed(retrieve_response_endpoint(response_store), openai_error), methods=["GET"]),
         Route("/v1/messages", generation(MessagesRoom()), methods=["POST"]),

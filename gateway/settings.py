@@ -78,6 +78,12 @@ class Settings(BaseSettings):
     ws_idle_timeout: float = Field(
         300.0, gt=0, description="seconds a Responses WebSocket with nothing in flight may stay silent"
     )
+    ws_max_connections: int = Field(
+        256, ge=1, description="Responses WebSockets open at once in this process (the upgrade is refused past it)"
+    )
+    ws_max_lifetime: float = Field(
+        3600.0, gt=0, description="seconds a Responses WebSocket may live; closed after that once nothing is in flight"
+    )
     data_dir: Path = Path("data")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     audit_retention_days: float = Field(30, ge=0, description="0 = keep audit rows forever")
@@ -238,6 +244,12 @@ CLI_FIELDS: dict[str, str] = {
     "first_byte_timeout": "seconds to wait for the upstream's response headers",
     "idle_timeout": "seconds of upstream silence before the stream is abandoned",
     "ws_idle_timeout": "seconds a Responses WebSocket with nothing in flight may go without a frame before it is closed",
+    "ws_max_connections": "Responses WebSockets (Codex) open at once per process; past it the upgrade is refused with"
+                          " a 503 too_many_websockets (default 256: four per --max-concurrent slot, since a Codex"
+                          " session holds its socket between turns, while one idle socket holds at most its"
+                          " inbox and remembered conversations)",
+    "ws_max_lifetime": "seconds a Responses WebSocket may stay open; after that it is closed (1001) as soon as nothing"
+                       " is in flight, never mid-answer (default 3600, OpenAI's own 60-minute limit; Codex reconnects)",
     "data_dir": "directory for the SQLite store and other state",
     "log_level": "debug, info, warning or error",
     "audit_retention_days": "days to keep audit records (0 = forever)",

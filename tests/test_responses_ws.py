@@ -495,3 +495,158 @@ def test_a_connection_forgets_its_oldest_conversations_past_the_byte_budget(
         assert exchange(ws, {**QUICK, "model": "echo", "input": "next", "previous_response_id": ids[-1]})[-1]["type"] == "response.completed"
         error = _closing_error(ws, {**QUICK, "previous_response_id": ids[0]})
     assert error["status"] == 400 and error["error"]["code"] == "previous_response_not_found"
+
+
+# -- connections: how many at once, how long each ---------------------------------------------
+
+
+def _open_websockets(gw: Gateway) -> tuple[float, float]:
+    """(open now, upgrades refused so far) from /metrics."""
+    from tests.test_audit import scrape, total
+
+    samples = scrape(gw.url)
+    return (total(samples, "codebuddy2api_websockets_open"),
+            total(samples, "codebuddy2api_websocket_upgrades_refused_total"))
+
+
+def _wait_open(gw: Gateway, count: float) -> None:
+    from tests.conftest import wait_for
+
+    wait_for(lambda: _open_websockets(gw)[0] == count, timeout=10)
+
+
+def test_connection_slots_count_refusals() -> None:
+    from gateway.protocols.responses_ws import ConnectionSlots
+
+    seen: list[int] = []
+    refused: list[bool] = []
+    slots = ConnectionSlots(seen.append, lambda: refused.append(True))
+    assert slots.take(2) and slots.take(2) and not slots.take(2)
+    assert (slots.open, seen, refused) == (2, [1, 2], [True])
+    slots.give_back()
+    assert slots.take(2) and not slots.take(1)  # the limit is read per upgrade (live settings)
+    assert seen == [1, 2, 1, 2] and refused == [True, True]
+
+
+def test_past_max_connections_the_upgrade_is_a_503_with_the_openai_error_body(
+    server_loop: Any, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The N+1th upgrade is refused before it is accepted (an HTTP answer, no WebSocket):
+    503, Retry-After and ``too_many_websockets``; closing one frees its slot; the refusal
+    is counted and is no generation request (no audit record)."""
+    from contextlib import ExitStack
+
+    from websockets.exceptions import InvalidStatus
+
+    gw = start_gateway(server_loop, simulator, tmp_path_factory, ws_max_connections=2)
+    with ExitStack() as opened:
+        first, second = opened.enter_context(open_ws(gw)), opened.enter_context(open_ws(gw))
+        _wait_open(gw, 2)
+        with pytest.raises(InvalidStatus) as refused:
+            open_ws(gw)
+        response = refused.value.response
+        assert response.status_code == 503 and response.headers["Retry-After"] == "5"
+        assert response.headers["Content-Type"] == "application/json"
+        body = json.loads(response.body)
+        assert body == {"error": {
+            "message": "the gateway has its limit of 2 Responses WebSocket connections open: retry later"
+                       " (or send the request as POST /v1/responses)",
+            "type": "server_error", "param": None, "code": "too_many_websockets",
+        }}
+        assert _open_websockets(gw) == (2, 1)
+        assert exchange(second, QUICK)[-1]["type"] == "response.completed"  # the open ones serve on
+        first.close()
+        _wait_open(gw, 1)
+        with open_ws(gw) as third:  # the freed slot
+            assert exchange(third, {**QUICK, "model": "echo"})[-1]["type"] == "response.completed"
+            with pytest.raises(InvalidStatus):
+                open_ws(gw)  # full again
+        assert _open_websockets(gw)[1] == 2
+    _wait_open(gw, 0)
+    rows = audit_rows(gw, 2)
+    assert sorted((r["outcome"], r["model"]) for r in rows) == [("success", "echo"), ("success", "text")]
+
+
+def test_without_the_denial_extension_the_refusal_is_close_1013() -> None:
+    """A server without ASGI's ``websocket.http.response``: accepted, then closed 1013
+    (try again later) with the message as the reason."""
+    import asyncio
+
+    from starlette.websockets import WebSocket
+
+    from gateway.protocols.responses import ResponsesRoom
+    from gateway.protocols.responses_ws import refuse_upgrade, too_many_websockets
+
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "websocket.connect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "websocket", "path": "/v1/responses", "headers": [], "query_string": b""}
+    asyncio.run(refuse_upgrade(WebSocket(scope, receive, send), ResponsesRoom(None), too_many_websockets(3)))  # type: ignore[arg-type]
+    assert [m["type"] for m in sent] == ["websocket.accept", "websocket.close"]
+    assert sent[1]["code"] == 1013 and sent[1]["reason"].startswith("the gateway has its limit of 3 Responses WebSocket")
+    assert len(sent[1]["reason"].encode()) <= 123
+
+
+def test_past_max_lifetime_the_connection_closes_after_its_answer_and_the_sdk_reconnects(
+    server_loop: Any, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """--ws-max-lifetime 1: an answer taking longer is never cut (assembled whole); right
+    after it the connection is closed 1001, which the official SDK's ``responses.connect``
+    treats as recoverable: it reconnects, and the next request is answered there."""
+    import threading
+
+    import openai
+
+    gw = start_gateway(server_loop, simulator, tmp_path_factory, ws_max_lifetime=1.0, ws_idle_timeout=60)
+    client = openai.OpenAI(base_url=gw.base_url, api_key="unused", _strict_response_validation=True)
+    reconnects: list[int] = []
+    reconnecting = threading.Event()
+
+    def on_reconnecting(event: Any) -> None:
+        reconnects.append(event.close_code)
+        reconnecting.set()
+
+    answers: list[tuple[str, str]] = []
+    with client.responses.connect(on_reconnecting=on_reconnecting, initial_delay=0.05) as conn:
+        conn.response.create(model="text;first_chunk_delay=1.5", input="outlive the lifetime")
+        deltas: list[str] = []
+        second = threading.Thread(
+            target=lambda: reconnecting.wait(20) and conn.response.create(model="echo", input="after the reconnect"))
+        second.start()
+        for event in conn:
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+            elif event.type == "response.completed":
+                answers.append(("".join(deltas), event.response.output_text))
+                deltas = []
+                if len(answers) == 2:
+                    break
+        second.join(20)
+    (streamed, final), (streamed_again, echoed) = answers
+    assert streamed == final and len(final) > 20  # the answer that outlived the lifetime, whole
+    assert echoed == streamed_again == "You said: after the reconnect"
+    assert reconnects == [1001]
+    rows = audit_rows(gw, 2)
+    assert sorted((r["outcome"], r["transport"], r["model"]) for r in rows) == [
+        ("success", "websocket", "echo"), ("success", "websocket", "text;first_chunk_delay=1.5"),
+    ]
+
+
+def test_an_idle_connection_past_its_lifetime_is_closed_1001(
+    server_loop: Any, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Nothing in flight: the lifetime closes it even though the idle timeout is far off;
+    its slot (and the gauge) goes back."""
+    gw = start_gateway(server_loop, simulator, tmp_path_factory, ws_max_lifetime=0.5, ws_idle_timeout=60)
+    with open_ws(gw) as ws:
+        assert exchange(ws, QUICK)[-1]["type"] == "response.completed"
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=20)
+    assert closed.value.rcvd is not None
+    assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (1001, "max lifetime reached: reconnect")
+    _wait_open(gw, 0)

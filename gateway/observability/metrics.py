@@ -312,6 +312,15 @@ class Metrics:
         self.shutdown_cut = Counter(
             p + "shutdown_cut_requests", "Requests ended by the shutdown deadline", registry=r
         )
+        # Responses over WebSocket (gateway/protocols/responses_ws.py: ConnectionSlots)
+        self.websockets_open = Gauge(
+            p + "websockets_open", "Responses WebSocket connections open now (--ws-max-connections per process)",
+            registry=r, multiprocess_mode="livesum",
+        )
+        self.websocket_upgrades_refused = Counter(
+            p + "websocket_upgrades_refused", "Responses WebSocket upgrades refused: --ws-max-connections were open",
+            registry=r,
+        )
         for kind in ("audit", "response"):
             for counter in (self.records_spilled, self.records_replayed, self.records_lost):
                 counter.labels(kind)

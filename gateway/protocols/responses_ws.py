@@ -23,6 +23,13 @@ that the wrapped 400 ``too_many_queued_frames``, the answer in flight is cut, an
 frame for ``--ws-idle-timeout`` seconds is closed (1000). Codex sends one ``response.create``
 and waits for its terminal event (then at most a ``response.processed``), so it never
 comes near the queue bound; it reconnects after any close.
+
+Connections themselves are bounded too (:class:`ConnectionSlots`): past
+``--ws-max-connections`` open in this process an upgrade is refused before it is accepted,
+with an HTTP 503 and the OpenAI error body ``too_many_websockets`` (ASGI's
+``websocket.http.response`` extension; without it: accepted, then closed 1013); a
+connection older than ``--ws-max-lifetime`` is closed 1001 once nothing is in flight (an
+answer is never cut by it).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +52,7 @@ from gateway.protocols.openai_shapes import error_json
 from gateway.protocols.responses import ResponsesFacts, ResponsesRoom
 from gateway.stream.events import Finish, Usage
 
-from gateway.relay import GenerationService, check_client_key
+from gateway.relay import GenerationService, check_client_key, error_response
 
 log = structlog.get_logger("gateway.responses_ws")
 
@@ -63,8 +71,13 @@ MAX_QUEUED_FRAMES = 8
 
 #: RFC 6455 close codes used here.
 CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001
 CLOSE_POLICY_VIOLATION = 1008
 CLOSE_TOO_BIG = 1009
+CLOSE_TRY_AGAIN_LATER = 1013
+
+#: Seconds a client refused for too many open connections is told to wait (Retry-After).
+REFUSED_RETRY_AFTER = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +134,52 @@ class Inbox:
         message, size = self.frames.popleft()
         self.bytes -= size
         return message, size
+
+
+class ConnectionSlots:
+    """The Responses WebSockets open in this process, at most ``limit`` at a time.
+
+    Counted from the upgrade to the end of the connection (each holds an inbox and
+    remembered conversations, whatever it does); ``on_open(count)`` / ``on_refused()``
+    feed the metrics. One event loop per process: no lock needed."""
+
+    def __init__(self, on_open: Callable[[int], None] | None = None, on_refused: Callable[[], None] | None = None) -> None:
+        self.open = 0
+        self._on_open = on_open or (lambda count: None)
+        self._on_refused = on_refused or (lambda: None)
+
+    def take(self, limit: int) -> bool:
+        """A slot for one more connection, or False (counted as refused) at ``limit``."""
+        if self.open >= limit:
+            self._on_refused()
+            return False
+        self.open += 1
+        self._on_open(self.open)
+        return True
+
+    def give_back(self) -> None:
+        self.open -= 1
+        self._on_open(self.open)
+
+
+def too_many_websockets(limit: int) -> GatewayError:
+    return GatewayError(
+        "overloaded", "too_many_websockets",
+        f"the gateway has its limit of {limit} Responses WebSocket connections open: retry later"
+        " (or send the request as POST /v1/responses)",
+        retry_after=REFUSED_RETRY_AFTER,
+    )
+
+
+async def refuse_upgrade(websocket: WebSocket, room: ResponsesRoom, err: GatewayError) -> None:
+    """Refuse the upgrade before accepting it: the HTTP status and the room's error body
+    (ASGI ``websocket.http.response``, which uvicorn offers); a server without it gets an
+    accepted connection closed at once with 1013 (try again later) and the message."""
+    if "websocket.http.response" in websocket.scope.get("extensions", {}):
+        await websocket.send_denial_response(error_response(room, err))
+        return
+    await websocket.accept()
+    await websocket.close(CLOSE_TRY_AGAIN_LATER, err.message[:120])  # a close reason holds 123 bytes
 
 
 class ConnectionRoom(ResponsesRoom):
@@ -197,6 +256,7 @@ class ResponsesConnection:
         self.websocket = websocket
         self.inbox = Inbox(MAX_QUEUED_FRAMES, settings.max_body_bytes)
         self.idle_timeout = settings.ws_idle_timeout
+        self.closes_at = asyncio.get_running_loop().time() + settings.ws_max_lifetime
         self.arrived = asyncio.Event()  # set when the reader queued a frame or stopped
         self.disconnected = asyncio.Event()  # the client is gone
         self.refused: Refusal | None = None  # set once by the reader; it then stops reading
@@ -230,17 +290,27 @@ class ResponsesConnection:
 
     async def _next(self) -> tuple[dict[str, Any], int] | None:
         """The next queued frame and its size; None once the connection is to end (client gone, a bound
-        broken, or ``--ws-idle-timeout`` with nothing asked: closed here)."""
+        broken, ``--ws-idle-timeout`` with nothing asked, or past ``--ws-max-lifetime`` with nothing in
+        flight: closed here). Past its lifetime a connection answers nothing more: frames still
+        waiting then were never read as requests (Codex has none: it waits for each answer)."""
+        loop = asyncio.get_running_loop()
         while True:
             if self.stopped:
+                return None
+            left = self.closes_at - loop.time()
+            if left <= 0:
+                log.info("responses_ws_lifetime_closed", waiting_frames=len(self.inbox.frames))
+                await self._close(CLOSE_GOING_AWAY, "max lifetime reached: reconnect")
                 return None
             frame = self.inbox.take()
             if frame is not None:
                 return frame
             self.arrived.clear()
             try:
-                await asyncio.wait_for(self.arrived.wait(), self.idle_timeout)
+                await asyncio.wait_for(self.arrived.wait(), min(self.idle_timeout, left))
             except TimeoutError:
+                if left <= self.idle_timeout:
+                    continue  # the lifetime ran out first: closed above
                 log.info("responses_ws_idle_closed", idle_timeout=self.idle_timeout)
                 await self._close(CLOSE_NORMAL, "idle timeout")
                 return None
@@ -403,8 +473,16 @@ class _EventSink:
         return {"type": "error", "status": self.status, "error": error}
 
 
-def websocket_endpoint(relay: GenerationService, room: ResponsesRoom):  # type: ignore[no-untyped-def]
+def websocket_endpoint(relay: GenerationService, room: ResponsesRoom, slots: ConnectionSlots):  # type: ignore[no-untyped-def]
     async def endpoint(websocket: WebSocket) -> None:
-        await ResponsesConnection(relay, room, websocket).run()
+        limit = relay.live.current.ws_max_connections
+        if not slots.take(limit):  # not a generation request (no frame was read): no audit record
+            log.warning("responses_ws_upgrade_refused", open=slots.open, limit=limit)
+            await refuse_upgrade(websocket, room, too_many_websockets(limit))
+            return
+        try:
+            await ResponsesConnection(relay, room, websocket).run()
+        finally:
+            slots.give_back()
 
     return endpoint
