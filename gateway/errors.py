@@ -28,7 +28,8 @@ upstream           502     upstream_error, upstream_unreachable, upstream_discon
                            response_too_large, failover_exhausted, model_not_available
 timeout            504     upstream_timeout, upstream_idle_timeout
 overloaded         503     capacity_exceeded, upstream_unavailable, upstream_capacity,
-                           server_shutting_down
+                           server_shutting_down, too_many_websockets (a WebSocket
+                           upgrade past --ws-max-connections: no request, no record)
 internal           500     internal_error
 (no status)        499     client_disconnected (audit only: the client went away)
 =================  ======  ==========================================================
