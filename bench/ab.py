@@ -17,7 +17,6 @@ imports ``gateway`` from its tree (``PYTHONPATH``), everything else from this ve
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -55,7 +54,6 @@ def main() -> None:
     args = parser.parse_args()
     py = sys.executable
     trees = {"A": str(Path(args.tree_a).resolve()), "B": str(Path(args.tree_b).resolve())}
-    os.chdir(tempfile.gettempdir())  # `python -m gateway` must not find a `gateway` in the cwd
     request = body(args.protocol, SCENARIOS[args.scenario])
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -69,7 +67,7 @@ def main() -> None:
                 name, [py, "-m", "gateway", "serve", "--port", str(port), "--upstream-url", upstream,
                        "--data-dir", str(tmp / name), "--stream-mode", args.mode, "--log-level", "warning",
                        "--max-concurrent", "4096"],
-                port, "/healthz", tmp / f"{name}.log", env={"PYTHONPATH": tree})
+                port, "/healthz", tmp / f"{name}.log", env={"PYTHONPATH": tree}, cwd=Path(tree))
         loadgens: dict[str, LoadGen] = {}
         try:
             for server in servers.values():

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import sys
 import tempfile
@@ -160,15 +159,10 @@ def run(repo: Path, label: str) -> dict[str, Any]:
         [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--api-key", KEY,
          "--data-dir", str(tmp / "data"), "--log-level", "warning"],
         port, "/healthz", tmp / "gateway.log",
-        env={"PYTHONPATH": str(repo)},
+        env={"PYTHONPATH": str(repo)}, cwd=repo,
     )
     server.proc = None
-    cwd = os.getcwd()
-    os.chdir(repo)  # python -m gateway resolves from the tree under test
-    try:
-        server.start()
-    finally:
-        os.chdir(cwd)
+    server.start()
     out: dict[str, Any] = {"label": label, "repo": str(repo)}
     try:
         server.wait_ready()

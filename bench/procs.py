@@ -95,6 +95,9 @@ class Server:
     health: str | None  # path answering 200 when ready; None = TCP connect suffices
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
+    #: where it starts: ``python -m gateway`` imports the ``gateway`` of its working directory
+    #: first, so a tree under test is both this and ``PYTHONPATH``
+    cwd: Path | None = None
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -110,7 +113,7 @@ class Server:
         log = open(self.log_path, "wb")  # noqa: SIM115 - closed with the process
         self.proc = subprocess.Popen(
             self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **self.env},
+            env={**os.environ, **self.env}, cwd=self.cwd,
         )
 
     def wait_ready(self, timeout: float = 30.0) -> None:

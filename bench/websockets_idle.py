@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import tempfile
 import time
@@ -80,14 +79,9 @@ def run(repo: Path, label: str, count: int, input_bytes: int, serve_args: list[s
         "gateway",
         [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--data-dir", str(tmp / "data"),
          "--log-level", "warning", *serve_args],
-        port, "/healthz", tmp / "gateway.log", env={"PYTHONPATH": str(repo)},
+        port, "/healthz", tmp / "gateway.log", env={"PYTHONPATH": str(repo)}, cwd=repo,
     )
-    cwd = os.getcwd()
-    os.chdir(repo)  # python -m gateway resolves from the tree under test
-    try:
-        server.start()
-    finally:
-        os.chdir(cwd)
+    server.start()
     out: dict[str, Any] = {"label": label, "repo": str(repo), "connections": count, "input_bytes": input_bytes,
                            "serve_args": serve_args}
     try:
