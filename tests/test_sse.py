@@ -53,6 +53,14 @@ def test_an_event_cut_by_the_end_of_the_stream_is_dropped() -> None:
     assert parser.feed(b" off\n") == []  # its line ended, the event did not
 
 
+def test_a_byte_order_mark_opening_the_stream_is_dropped_even_split() -> None:
+    stream = b"\xef\xbb\xbfdata: first\n\ndata: \xef\xbb\xbfkept\n\n"
+    assert feed_all([stream]) == [b"first", b"\xef\xbb\xbfkept"]  # only at the start
+    assert byte_by_byte(stream) == [b"first", b"\xef\xbb\xbfkept"]
+    assert feed_all([b"\xef", b"\xbb", b"\xbfdata: a\n\n"]) == [b"a"]
+    assert feed_all([b"d", b"ata: short\n\n"]) == [b"short"]  # a first read shorter than a BOM
+
+
 def oracle(stream: bytes) -> list[bytes]:
     """httpx-sse's line and event decoders on the decoded text (what EventSource does)."""
     lines, events = SSELineDecoder(), SSEDecoder()

@@ -12,7 +12,8 @@ parser keeps the WHATWG event-stream rules the gateway relies on and nothing mor
 - ``field:value`` with one leading space stripped from the value; ``data`` lines of one
   event are joined with LF; every other field (``event``, ``id``, ``retry``) is ignored;
 - a blank line ends an event; an event without a ``data`` line is not one; an event cut
-  by the end of the stream (no blank line) is dropped, as the spec says.
+  by the end of the stream (no blank line) is dropped, as the spec says;
+- a byte order mark opening the stream is dropped (httpx-sse kept it, losing the first event).
 
 A pure state class fed one network read at a time (openai-python's stream-state style);
 the I/O loop is :func:`gateway.upstream.client.UpstreamClient._request`.
@@ -21,17 +22,26 @@ the I/O loop is :func:`gateway.upstream.client.UpstreamClient._request`.
 from __future__ import annotations
 
 
+_BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark: the spec drops one at the stream's start
+
+
 class SSEDataParser:
     """``feed(read) -> [data, ...]``: the complete events' data in that read, in order."""
 
-    __slots__ = ("_data", "_partial", "_skip_lf")
+    __slots__ = ("_data", "_partial", "_skip_lf", "_started")
 
     def __init__(self) -> None:
         self._partial = b""  # the start of a line whose end has not arrived
         self._data: list[bytes] | None = None  # this event's data lines so far
         self._skip_lf = False  # the last read ended in CR: an LF opening the next is its pair
+        self._started = False  # the stream's first bytes are in (a BOM there is dropped)
 
     def feed(self, read: bytes) -> list[bytes]:
+        if not self._started:
+            if len(self._partial) + len(read) < len(_BOM) and _BOM.startswith(self._partial + read):
+                self._partial += read  # too few bytes yet to tell a BOM from a line
+                return []
+            read, self._partial, self._started = (self._partial + read).removeprefix(_BOM), b"", True
         if self._skip_lf:
             self._skip_lf = False
             if read[:1] == b"\n":
