@@ -13,6 +13,7 @@ from gateway.stream.accumulator import ChatSSEAccumulator, ToolRules
 from gateway.stream.compatible import replay
 from gateway.stream.events import BlockDelta, BlockStart, BlockStop, Finish
 from gateway.stream.realtime import RealtimeScheduler, viable_object_prefix
+from gateway.stream.tool_calls import ToolArgs, ToolCallMerger, ToolIdentified
 
 
 def chunk(delta: dict, finish: str | None = None) -> dict:
@@ -275,3 +276,77 @@ def test_chat_realtime_never_interleaves_two_calls_and_never_holds_text() -> Non
     completion = acc.seal()
     tail = scheduler.finish(acc.sealed_slots, completion.finish_reason, completion.usage)
     assert tail == [BlockStop(1, "text", "meanwhile"), Finish("tool_calls", None)]
+
+
+# -- ToolCallMerger alone (gateway/stream/tool_calls.py) ------------------------------------
+
+
+def merger(retained: list[str] | None = None) -> ToolCallMerger:
+    return ToolCallMerger(retained.append if retained is not None else lambda _: None)
+
+
+def call(index: int | None = None, id: str | None = None, name: str | None = None, args: object = None) -> dict:
+    """One delta carrying one ``tool_calls`` item (``args`` may be an object, as llama.cpp sends)."""
+    return tool(index, id, name, args)["choices"][0]["delta"]  # type: ignore[arg-type]
+
+
+def test_merger_releases_a_call_once_identified_and_begun_then_each_fragment() -> None:
+    tools = merger()
+    assert tools.feed(call(0, "c0", "a")) == []  # no arguments yet: not announced
+    [identified] = tools.feed(call(0, args='{"x"'))
+    assert isinstance(identified, ToolIdentified) and identified.slot.id == "c0"
+    [args] = tools.feed(call(0, args=": 1}"))
+    assert isinstance(args, ToolArgs) and args.fragment == ": 1}" and args.slot is identified.slot
+    assert [s.arguments for s in tools.slots] == ['{"x": 1}']
+
+
+def test_merger_index_reused_after_a_complete_object_is_a_new_call_else_an_identity_change() -> None:
+    tools = merger()
+    tools.feed(call(0, "c0", "a", "{}"))
+    tools.feed(call(0, "c1", "b", '{"y": 2}'))  # index 0 again, after a whole object: a second call
+    assert [(s.ordinal, s.id, s.name, s.arguments) for s in tools.slots] == [(0, "c0", "a", "{}"), (1, "c1", "b", '{"y": 2}')]
+    unfinished = merger()
+    unfinished.feed(call(0, "c0", "a", '{"x"'))
+    with pytest.raises(GatewayError) as err:
+        unfinished.feed(call(0, "c1", "b", "}"))
+    assert err.value.code == "tool_identity_changed" and "'c0' to 'c1'" in err.value.message
+
+
+def test_merger_counts_a_legacy_function_call_only_without_tool_calls() -> None:
+    both = merger()
+    for args in ('{"x"', ": 1}"):  # llama-cpp-python: both shapes on every chunk
+        both.feed({**call(0, "c0", "a", args), "function_call": {"name": "a", "arguments": args}})
+    assert [s.arguments for s in both.slots] == ['{"x": 1}']
+    legacy = merger()
+    legacy.feed({"function_call": {"name": "a", "arguments": "{"}})
+    legacy.feed({"function_call": {"arguments": "}"}})
+    assert [(s.name, s.arguments) for s in legacy.slots] == [("a", "{}")]
+
+
+def test_merger_object_arguments_once_and_every_fragment_retained_before_it_is_kept() -> None:
+    retained: list[str] = []
+    tools = merger(retained)
+    tools.feed(call(0, "c0", "a", {"x": [1]}))
+    tools.feed(call(0, args={"x": [1]}))  # the same object repeated: not a second fragment
+    assert tools.slots[0].parts == ['{"x":[1]}'] and retained == ['{"x":[1]}']
+
+    def refuse(_: str) -> None:
+        raise GatewayError("upstream", "response_too_large", "over")
+
+    full = ToolCallMerger(refuse)
+    with pytest.raises(GatewayError):
+        full.feed(call(0, "c0", "a", "{}"))
+    assert full.slots[0].parts == []  # refused before it was kept
+
+
+def test_merger_seal_names_id_less_calls_and_returns_only_the_unannounced() -> None:
+    tools = merger()
+    tools.feed(call(0, "c0", "a", "{}"))  # announced while streaming
+    tools.feed(call(1, name="b", args="{}"))  # no id: never announced
+    tools.feed(call(2, "c2", "c"))  # no arguments ever: never announced
+    tools.feed(call(3, args="{}"))  # no name: left for terminal validation
+    sealed = tools.seal_identities()
+    assert [s.ordinal for s in sealed] == [1, 2]
+    assert sealed[0].id is not None and sealed[0].id.startswith("call_") and len(sealed[0].id) == 29
+    assert tools.slots[3].id is None and not tools.slots[3].announced
+    assert tools.seal_identities() == []  # sealing twice announces nothing again

@@ -4,40 +4,36 @@ Fed one parsed chunk at a time (no I/O), it returns the *pieces* a realtime sche
 release at once, and at the end :meth:`ChatSSEAccumulator.seal` validates the terminal and
 returns the :class:`~gateway.stream.events.Completion`.
 
-Tool slots are keyed by the upstream ``index``; where an upstream omits ``index``, by
-``id``; a delta with neither continues the last slot. A slot is *identified* once it has a
-name and an id (an id may also be synthesized at the terminal). ``id`` and ``name`` are
-whole values: a repeat is ignored, a different value is an identity change and rejected.
+Tool-call deltas are merged into slots by :class:`~gateway.stream.tool_calls.ToolCallMerger`
+(keying, identity, object-valued arguments, legacy ``function_call``, thought signatures),
+which the accumulator feeds and whose slots it validates at the terminal.
 
 What real servers send differently is normalised here, once for every room:
 
-- ``arguments`` as a JSON *object* (llama.cpp) is serialised once, as one fragment (a
-  repeat of the same object is ignored);
 - usage is read wherever it appears (top level, ``choices[i].usage``, ``x_groq.usage``,
   on the finish chunk); each report is a running total, so the last one wins;
 - finish reasons outside the enum: ``eos``/``eos_token``/``end_turn`` -> ``stop``,
   ``tool_call``/``function_call``/``tool_use`` -> ``tool_calls``, ``max_tokens`` ->
   ``length``; ``""`` is "not yet" (a stream that then ends with ``[DONE]`` is complete);
   ``error`` is a failure;
-- a legacy ``function_call`` delta is a call only when the stream sends no ``tool_calls``
-  (llama-cpp-python sends both on every chunk: the call is counted once);
-- an explicit ``null`` is the same as an absent field, everywhere;
-- Gemini's ``extra_content.google.thought_signature`` on a call is kept on its slot.
+- an explicit ``null`` is the same as an absent field, everywhere.
 """
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
-
-import orjson
 
 from gateway.errors import GatewayError
 from gateway.stream.events import Completion, FinishReason, Segment, TokenData, ToolCall, Usage
-from gateway.stream.signatures import client_call_id
 from gateway.stream.think_tags import Start, ThinkTagSplitter
+from gateway.stream.tool_calls import ToolArgs, ToolCallMerger, ToolIdentified, ToolSlot, parse_arguments
+
+__all__ = [  # the tool-call names are re-exported: the rooms and the scheduler import them from here
+    "ChatSSEAccumulator", "FINISH_MAP", "Piece", "TextPiece", "ToolArgs", "ToolIdentified", "ToolRules",
+    "ToolSlot", "UsageEstimator", "parse_arguments", "stream_error",
+]
 
 #: Upstream finish reasons (lower-cased) -> the canonical terminal. Anything else not
 #: listed here is a normal end (``stop``); ``error`` is handled as a failure.
@@ -64,77 +60,10 @@ def stream_error(code: str, message: str) -> GatewayError:
     return GatewayError("upstream", code, message)
 
 
-@dataclass(slots=True)
-class ToolSlot:
-    """One tool call being assembled."""
-
-    ordinal: int
-    id: str | None = None
-    name: str | None = None
-    parts: list[str] = field(default_factory=list)
-    emitted: int = 0  # how many of ``parts`` a scheduler has released
-    thought_signature: str | None = None  # Gemini's, sent back with this call next turn
-    shown_id: str | None = None  # the id a client has already been shown (realtime)
-    announced: bool = False  # handed to the scheduler (ToolIdentified)
-
-    @property
-    def client_id(self) -> str | None:
-        """The id clients see: the upstream's, carrying its thought signature (once shown,
-        it never changes; a signature arriving after that is not carried)."""
-        if self.shown_id is not None or self.id is None:
-            return self.shown_id or self.id
-        return client_call_id(self.id, self.thought_signature)
-
-    @property
-    def arguments(self) -> str:
-        return "".join(self.parts)
-
-    def take_unreleased(self) -> str:
-        """The argument text not yet released, marking it released."""
-        if self.emitted >= len(self.parts):
-            return ""
-        text = "".join(self.parts[self.emitted :])
-        self.emitted = len(self.parts)
-        return text
-
-    @property
-    def identified(self) -> bool:
-        return self.id is not None and self.name is not None
-
-    def arguments_complete(self) -> bool:
-        """True when the arguments already form a JSON object (nothing can follow)."""
-        args = self.arguments.rstrip()
-        if not args.endswith("}"):
-            return False
-        return parse_arguments(args) is not None
-
-
-def parse_arguments(arguments: str) -> dict | None:
-    """The arguments as a JSON object, ``{}`` for empty, or None when not an object."""
-    if not arguments.strip():
-        return {}
-    try:
-        value = orjson.loads(arguments)
-    except orjson.JSONDecodeError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
 @dataclass(frozen=True, slots=True)
 class TextPiece:
     kind: Literal["text", "reasoning"]
     text: str
-
-
-@dataclass(frozen=True, slots=True)
-class ToolIdentified:
-    slot: ToolSlot
-
-
-@dataclass(frozen=True, slots=True)
-class ToolArgs:
-    slot: ToolSlot
-    fragment: str
 
 
 Piece = TextPiece | ToolIdentified | ToolArgs
@@ -171,11 +100,9 @@ class ChatSSEAccumulator:
         self.text_parts: list[str] = []
         self.reasoning_parts: list[str] = []
         self.segments: list[Segment] = []  # reasoning/text runs in the upstream's order
-        self.slots: list[ToolSlot] = []
-        self._slot_by_key: dict[tuple[str, object], ToolSlot] = {}
+        self.tools = ToolCallMerger(self._retain)
         self.finish_reason: str | None = None
         self._empty_finish = False  # saw finish_reason "" (some servers' "not yet")
-        self._saw_tool_calls = False  # legacy function_call deltas are ignored from then on
         self.usage: Usage | None = None
         self.usage_estimated = False
         self.saw_done = False
@@ -219,13 +146,8 @@ class ChatSSEAccumulator:
             refusal = delta.get("refusal")
             if refusal and isinstance(refusal, str):
                 self._add_text("text", refusal, pieces)
-            tool_calls = [t for t in delta.get("tool_calls") or () if isinstance(t, dict)]
-            if tool_calls:
-                self._saw_tool_calls = True
-            elif isinstance(delta.get("function_call"), dict) and not self._saw_tool_calls:
-                tool_calls = [{"index": 0, "function": delta["function_call"]}]  # legacy shape
-            for tool_delta in tool_calls:
-                pieces.extend(self.merge_tool_call_delta(tool_delta))
+            if delta.get("tool_calls") or delta.get("function_call") is not None:
+                pieces.extend(self.tools.feed(delta))
             finish = choice.get("finish_reason")
             if isinstance(finish, str):
                 self._take_finish(finish)
@@ -276,69 +198,6 @@ class ChatSSEAccumulator:
                 f"the answer exceeded the output budget of {self.max_collect_bytes} bytes",
             )
 
-    def _slot_for(self, tool_delta: dict) -> ToolSlot:
-        index = tool_delta.get("index")
-        call_id = tool_delta.get("id") or None
-        if index is not None:
-            key: tuple[str, object] = ("index", index)
-        elif call_id is not None:
-            key = ("id", call_id)
-        elif self.slots:
-            return self.slots[-1]
-        else:
-            key = ("anonymous", 0)
-        slot = self._slot_by_key.get(key)
-        if slot is not None and call_id and slot.id and call_id != slot.id:
-            name = _dict(tool_delta.get("function")).get("name")
-            if name and slot.arguments_complete():
-                # Some upstreams reuse index 0 for every parallel call: a new id with a
-                # name after a finished argument object is a new call, not a change.
-                key = (key[0], (key[1], len(self.slots)))
-                slot = None
-        if slot is None:
-            slot = ToolSlot(ordinal=len(self.slots))
-            self.slots.append(slot)
-            self._slot_by_key[key] = slot
-        return slot
-
-    def merge_tool_call_delta(self, tool_delta: dict) -> list[Piece]:
-        """Merge one ``delta.tool_calls[]`` item into its slot."""
-        slot = self._slot_for(tool_delta)
-        call_id = tool_delta.get("id") or None
-        function = _dict(tool_delta.get("function"))
-        name = function.get("name") or None
-        if call_id is not None and call_id != slot.id:
-            if slot.id is not None:
-                raise identity_changed(slot, "id", slot.id, call_id)
-            slot.id = call_id
-        if name is not None and name != slot.name:
-            if slot.name is not None:
-                raise identity_changed(slot, "name", slot.name, name)
-            slot.name = name
-        signature = _dict(_dict(tool_delta.get("extra_content")).get("google")).get("thought_signature")
-        if isinstance(signature, str) and signature:
-            slot.thought_signature = signature
-        fragment = function.get("arguments")
-        if isinstance(fragment, dict):
-            # an object, not a string (llama.cpp): one fragment, once
-            if slot.parts and parse_arguments(slot.arguments) == fragment:
-                fragment = None
-            else:
-                fragment = orjson.dumps(fragment).decode()
-        pieces: list[Piece] = []
-        if fragment and isinstance(fragment, str):
-            self._retain(fragment)
-            slot.parts.append(fragment)
-            if slot.announced:
-                pieces.append(ToolArgs(slot, fragment))
-        # announced once identified and its arguments (or a signature) have begun: a
-        # thought signature sent in its own delta after the call's start still makes it
-        # into the id clients see
-        if not slot.announced and slot.identified and (slot.parts or slot.thought_signature):
-            slot.announced = True
-            pieces.append(ToolIdentified(slot))
-        return pieces
-
     # -- the terminal ------------------------------------------------------------------
 
     @property
@@ -349,17 +208,10 @@ class ChatSSEAccumulator:
     def reasoning(self) -> str:
         return "".join(self.reasoning_parts)
 
-    def seal_tool_identities(self) -> list[ToolSlot]:
-        """Give id-less named slots a gateway id; return the named slots not announced
-        before (id synthesized now, or no arguments ever came)."""
-        sealed = []
-        for slot in self.slots:
-            if slot.id is None and slot.name is not None:
-                slot.id = "call_" + secrets.token_hex(12)
-            if slot.name is not None and not slot.announced:
-                slot.announced = True
-                sealed.append(slot)
-        return sealed
+    @property
+    def slots(self) -> list[ToolSlot]:
+        """The tool calls so far, in the order they began."""
+        return self.tools.slots
 
     def seal(self) -> Completion:
         """Validate the terminal and return the answer, or raise a GatewayError."""
@@ -369,8 +221,8 @@ class ChatSSEAccumulator:
         if self.finish_reason is None:
             raise stream_error("upstream_incomplete", "the upstream ended without a finish_reason")
         finish = FINISH_MAP.get(self.finish_reason, "stop")
-        self.sealed_slots = self.seal_tool_identities()
-        calls = [validate_tool_slot(slot, self.rules) for slot in self.slots]
+        self.sealed_slots = self.tools.seal_identities()
+        calls = [validate_tool_slot(slot, self.rules) for slot in self.tools.slots]
         check_tool_rules(calls, self.rules)
         if calls and finish == "stop":
             finish = "tool_calls"
@@ -401,13 +253,6 @@ def _dict(value: object) -> dict:
 def upstream_error_frame(error: object) -> GatewayError:
     message = error.get("message") if isinstance(error, dict) else str(error)
     return stream_error("upstream_error", f"the upstream reported an error: {message}")
-
-
-def identity_changed(slot: ToolSlot, what: str, old: str, new: str) -> GatewayError:
-    return stream_error(
-        "tool_identity_changed",
-        f"tool call #{slot.ordinal} changed its {what} from {old!r} to {new!r} mid-stream",
-    )
 
 
 def validate_tool_slot(slot: ToolSlot, rules: ToolRules) -> ToolCall:
