@@ -170,7 +170,7 @@ def create_app(
         relay.pool = build_pool(settings, credential_state, simulator_url)
         relay.pool.on_change = track_pool
         track_pool()
-        state_writer = relay.pool.writer = CredentialStateWriter(credential_state, on_saved=relay.pool.saved)
+        state_writer = relay.pool.state.writer = CredentialStateWriter(credential_state, on_saved=relay.pool.state.saved)
         await state_writer.start()
         prober = CredentialProber(lambda: relay.pool, upstream, settings.credential_probe_interval)
         await prober.start()

@@ -13,6 +13,7 @@ from gateway.upstream.pool import (
     Upstream,
     UpstreamPool,
 )
+from gateway.upstream.pool_state import CredentialStateSync
 
 
 def pool(*keys: str, models: frozenset[str] | None = None) -> tuple[UpstreamPool, list[float]]:
@@ -113,3 +114,85 @@ def test_stickiness_keeps_a_session_while_it_is_healthy() -> None:
     p.report_failure(next(c for c in p.credentials if c.api_key == first), "m", upstream_error(500))
     moved = pick(p, session="s1")
     assert moved != first and pick(p, session="s1") == moved
+
+
+# -- CredentialStateSync alone (gateway/upstream/pool_state.py) -----------------------------
+
+
+class VersionedStore:
+    """A store that numbers its rows (as the SQL one does) and can be made to fail."""
+
+    def __init__(self, rows: dict[str, tuple[int, dict]] | None = None) -> None:
+        self.rows = dict(rows or {})
+        self.failing = False
+
+    def load(self) -> dict[str, dict]:
+        return {k: state for k, (_, state) in self.rows.items()}
+
+    def load_versions(self) -> dict[str, tuple[int, dict]]:
+        return dict(self.rows)
+
+    def save(self, credential_id: str, state: dict) -> int:
+        if self.failing:
+            raise OSError("disk gone")
+        version = self.rows.get(credential_id, (0, {}))[0] + 1
+        self.rows[credential_id] = (version, state)
+        return version
+
+
+class FakeWriter:
+    def __init__(self) -> None:
+        self.busy: set[str] = set()
+        self.submitted: list[tuple[str, dict]] = []
+
+    def submit(self, credential_id: str, state: dict) -> None:
+        self.submitted.append((credential_id, state))
+
+
+def test_state_sync_adopts_only_rows_newer_than_its_own_write() -> None:
+    credential = Credential(Upstream("u", "http://u.test/v1"), "sk-a")
+    store = VersionedStore()
+    sync = CredentialStateSync(store, clock=lambda: 1000.0)
+    credential.disabled, credential.disabled_reason, credential.disabled_by = True, "by admin", "admin"
+    sync.persist(credential)  # written now (no writer): version 1, remembered
+    stale = {credential.id: (1, {"disabled": False})}
+    sync.adopt([credential], stale)
+    assert credential.disabled  # our own write is not undone by the same version read back
+    sync.adopt([credential], {credential.id: (2, {"disabled": False, "cooldowns": {"m": 1060}})})
+    assert not credential.disabled and credential.cooldowns == {"m": 1060.0}
+
+
+def test_state_sync_skips_a_credential_whose_newer_change_is_still_queued() -> None:
+    credential = Credential(Upstream("u", "http://u.test/v1"), "sk-a")
+    sync = CredentialStateSync(VersionedStore(), clock=lambda: 1000.0)
+    sync.writer = writer = FakeWriter()
+    credential.cooldowns = {"m": 1030.0, "old": 900.0}
+    sync.persist(credential)
+    assert writer.submitted == [(credential.id, {
+        "disabled": False, "disabled_reason": None, "disabled_by": None, "disabled_at": None,
+        "cooldowns": {"m": 1030.0},  # an expired cooldown is not persisted; the key never is
+    })]
+    writer.busy.add(credential.id)
+    sync.adopt([credential], {credential.id: (7, {"disabled": True, "disabled_reason": "x"})})
+    assert not credential.disabled
+    writer.busy.clear()
+    sync.adopt([credential], {credential.id: (7, {"disabled": True, "disabled_reason": "upstream answered 401"})})
+    assert credential.disabled and credential.disabled_by == "upstream"  # inferred from an old row's reason
+
+
+def test_state_sync_restores_from_a_plain_store_and_survives_a_failing_save() -> None:
+    credential = Credential(Upstream("u", "http://u.test/v1"), "sk-a")
+
+    class PlainStore:
+        def load(self) -> dict[str, dict]:
+            return {credential.id: {"disabled": True, "disabled_reason": "retired"}}
+
+        def save(self, credential_id: str, state: dict) -> None:
+            raise OSError("read-only")
+
+    sync = CredentialStateSync(PlainStore(), clock=lambda: 1000.0)
+    sync.restore([credential])
+    assert credential.disabled and credential.disabled_by == "admin"
+    credential.disabled = False
+    sync.persist(credential)  # the store refuses: logged, and memory still holds the change
+    assert not credential.disabled

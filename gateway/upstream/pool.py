@@ -8,9 +8,9 @@ first client byte are reported back here: 401/403 disables a credential (and the
 :class:`~gateway.upstream.prober.CredentialProber` re-enables it once a probe with its key
 works again), 429 cools it down (per credential and model) for Retry-After seconds,
 5xx and connect errors put it last for a few seconds (a penalty, not a cooldown). State
-changes are persisted through a :class:`CredentialStateStore` so they survive a restart;
-in a running gateway through a background writer (``pool.writer``), so the request path
-never waits on the store.
+changes are persisted through a :class:`~gateway.upstream.pool_state.CredentialStateSync`
+(``pool.state``) so they survive a restart; in a running gateway through a background
+writer (``pool.state.writer``), so the request path never waits on the store.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 
 from gateway.errors import ErrorCode, GatewayError
+from gateway.upstream.pool_state import CredentialStateStore, CredentialStateSync
 
 log = structlog.get_logger("gateway.pool")
 
@@ -115,21 +116,6 @@ class Credential:
         }
 
 
-class StateWriter(Protocol):
-    """Where the pool hands state to persist (see CredentialStateWriter)."""
-
-    busy: set[str]
-
-    def submit(self, credential_id: str, state: dict[str, Any]) -> None: ...
-
-
-class CredentialStateStore(Protocol):
-    def load(self) -> dict[str, dict[str, Any]]: ...
-
-    def save(self, credential_id: str, state: dict[str, Any]) -> int | None:
-        """Persist; may return the stored row's version (see :meth:`UpstreamPool.apply_shared`)."""
-
-
 @dataclass(slots=True)
 class Lease:
     """A credential held for one upstream attempt; released exactly once."""
@@ -190,52 +176,14 @@ class UpstreamPool:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.credentials = list(credentials)
-        self.store = store
         self.max_in_flight = max_in_flight_per_credential
         self.clock = clock
         self._turn = itertools.count()
         self._sticky = StickySessions(clock)
-        self._versions: dict[str, int] = {}  # credential id -> stored version last seen
         self.on_change: Callable[[], None] | None = None  # called when a credential is added
-        #: the background state writer (gateway.store.credentials.CredentialStateWriter)
-        self.writer: StateWriter | None = None
-        if store is not None:
-            load_versions = getattr(store, "load_versions", None)
-            if load_versions is not None:
-                self.apply_shared(load_versions())
-            else:
-                self._restore(store.load())
-
-    def _restore(self, saved: dict[str, dict[str, Any]]) -> None:
-        for credential in self.credentials:
-            state = saved.get(credential.id)
-            if state:
-                self._set_state(credential, state)
-
-    @staticmethod
-    def _set_state(credential: Credential, state: dict[str, Any]) -> None:
-        was_disabled = credential.disabled
-        credential.disabled = bool(state.get("disabled"))
-        credential.disabled_reason = state.get("disabled_reason")
-        credential.disabled_by = state.get("disabled_by") or (
-            ("upstream" if "upstream answered" in str(credential.disabled_reason) else "admin")
-            if credential.disabled else None
-        )
-        credential.disabled_at = state.get("disabled_at")
-        credential.cooldowns = {k: float(v) for k, v in (state.get("cooldowns") or {}).items()}
-        if credential.disabled != was_disabled:
-            credential.next_probe_at, credential.probe_failures = None, 0
-
-    def state_of(self, credential: Credential) -> dict[str, Any]:
-        """What is persisted for a credential (never its key)."""
-        now = self.clock()
-        return {
-            "disabled": credential.disabled,
-            "disabled_reason": credential.disabled_reason,
-            "disabled_by": credential.disabled_by,
-            "disabled_at": credential.disabled_at,
-            "cooldowns": {m: u for m, u in credential.cooldowns.items() if u > now},
-        }
+        #: the learned state's way to and from the store (its ``writer``: the background one)
+        self.state = CredentialStateSync(store, clock)
+        self.state.restore(self.credentials)
 
     def apply_shared(
         self,
@@ -253,38 +201,11 @@ class UpstreamPool:
                 self.credentials.append(Credential(upstream, key, id=credential_id))
                 known.add(credential_id)
                 self._changed()
-        busy = self.writer.busy if self.writer is not None else frozenset()
-        for credential in self.credentials:
-            entry = states.get(credential.id)
-            if entry is None or entry[0] <= self._versions.get(credential.id, -1):
-                continue
-            if credential.id in busy:  # our own newer change is on its way to the store
-                continue
-            self._versions[credential.id] = entry[0]
-            self._set_state(credential, entry[1])
-
-    def _persist(self, credential: Credential) -> None:
-        """Save the credential's state: handed to the background writer when there is one
-        (memory is the truth meanwhile), else written now (offline tools, unit tests)."""
-        if self.writer is not None:
-            self.writer.submit(credential.id, self.state_of(credential))
-            return
-        if self.store is not None:
-            try:
-                version = self.store.save(credential.id, self.state_of(credential))
-            except Exception as exc:  # a store outage: what was learned still holds here
-                log.warning("credential_state_not_saved", credential=credential.id, error=type(exc).__name__)
-                return
-            if isinstance(version, int):
-                self.saved(credential.id, version)
-
-    def saved(self, credential_id: str, version: int) -> None:
-        """The store holds our write of ``credential_id`` as ``version``."""
-        self._versions[credential_id] = max(version, self._versions.get(credential_id, -1))
+        self.state.adopt(self.credentials, states)
 
     def add(self, credential: Credential) -> None:
         self.credentials.append(credential)
-        self._persist(credential)
+        self.state.persist(credential)
         self._changed()
 
     def _changed(self) -> None:
@@ -367,7 +288,7 @@ class UpstreamPool:
             return True
         else:
             return False
-        self._persist(credential)
+        self.state.persist(credential)
         return True
 
     # -- admin -------------------------------------------------------------------------
@@ -376,14 +297,14 @@ class UpstreamPool:
         credential = self.get(credential_id)
         credential.disabled, credential.disabled_reason, credential.disabled_by = False, None, None
         credential.disabled_at, credential.next_probe_at, credential.probe_failures = None, None, 0
-        self._persist(credential)
+        self.state.persist(credential)
         return credential
 
     def disable(self, credential_id: str, reason: str = "disabled by admin") -> Credential:
         credential = self.get(credential_id)
         credential.disabled, credential.disabled_reason, credential.disabled_by = True, reason, "admin"
         credential.disabled_at = self.clock()
-        self._persist(credential)
+        self.state.persist(credential)
         return credential
 
     # -- probing (gateway.upstream.prober) -----------------------------------------------
@@ -417,7 +338,7 @@ class UpstreamPool:
     def reset_cooldowns(self, credential_id: str) -> Credential:
         credential = self.get(credential_id)
         credential.cooldowns.clear()
-        self._persist(credential)
+        self.state.persist(credential)
         return credential
 
     @property
