@@ -31,7 +31,7 @@ from gateway.observability.logging import make_formatter
 from gateway.record import RequestRecord
 from gateway.servers import bind_loopback, start_embedded, stop_embedded
 from gateway.settings import Settings
-from gateway.store.audit import AUDIT_UPSERT, AuditWriter, cap_bodies, percentile
+from gateway.store.audit import AUDIT_UPSERT, AuditRetention, AuditWriter, cap_bodies, percentile
 from gateway.store.db import Database
 from gateway.store.spill import DurableWriter, SpillJournal
 from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway, wait_for
@@ -498,6 +498,30 @@ async def test_writer_caps_bodies_only_when_enabled(tmp_path: Path) -> None:
     db.close()
 
 
+async def test_retention_purges_on_its_interval_with_the_period_read_each_time(tmp_path: Path) -> None:
+    db = Database(tmp_path / "r.sqlite3")
+    days = [0.0]  # 0 = keep forever: nothing goes at start-up
+    old = time.time() - 2 * 86400
+    writer = AuditWriter(db, flush_interval=0.01)
+    writer.submit(_record("req_old", started_at=old))
+    writer.submit(_record("req_new"))
+    await writer.aclose()
+    retention = AuditRetention(db, lambda: days[0], interval=0.01)
+    await retention.start()
+    await asyncio.sleep(0.05)
+    assert {r[0] for r in db.execute("SELECT request_id FROM audit")} == {"req_old", "req_new"}
+    days[0] = 1.0  # the live setting changes: the next round purges by it
+    for _ in range(500):
+        if [r[0] for r in db.execute("SELECT request_id FROM audit")] == ["req_new"]:
+            break
+        await asyncio.sleep(0.01)
+    assert [r[0] for r in db.execute("SELECT request_id FROM audit")] == ["req_new"]
+    await retention.aclose()
+    assert retention._task is not None and retention._task.cancelled()
+    db.close()
+    assert await AuditRetention(db, lambda: 1.0).purge() == 0  # a store that cannot delete: logged, 0
+
+
 async def test_writer_retention_and_drops(tmp_path: Path) -> None:
     db = Database(tmp_path / "b.sqlite3")
     writer = AuditWriter(db, retention_days=lambda: 30, flush_interval=0.01)
@@ -506,9 +530,9 @@ async def test_writer_retention_and_drops(tmp_path: Path) -> None:
     writer.submit(_record("req_new"))
     await writer.aclose()
     assert {r[0] for r in db.execute("SELECT request_id FROM audit")} == {"req_old", "req_new"}
-    assert await AuditWriter(db, retention_days=lambda: 30).purge() == 1  # what start-up does
+    assert await AuditWriter(db, retention_days=lambda: 30).retention.purge() == 1  # what start-up does
     assert [r[0] for r in db.execute("SELECT request_id FROM audit")] == ["req_new"]
-    assert await AuditWriter(db, retention_days=lambda: 0).purge() == 0  # 0 = keep forever
+    assert await AuditWriter(db, retention_days=lambda: 0).retention.purge() == 0  # 0 = keep forever
     drops: list[int] = []
     small = AuditWriter(db, max_queue=2, on_drop=drops.append)
     for i in range(5):

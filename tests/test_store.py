@@ -137,7 +137,7 @@ async def test_audit_write_read_aggregate_export_and_retention(opener: Callable[
 
     lines = [json.loads(line) for chunk in [c async for c in audit.export(db, page=7)] for line in chunk.splitlines()]
     assert [line["request_id"] for line in lines] == ["req_old", *[f"req_{i:02d}" for i in range(30)]]
-    assert await AuditWriter(db, retention_days=lambda: 30).purge() == 1
+    assert await AuditWriter(db, retention_days=lambda: 30).retention.purge() == 1
     assert (await audit.query(db))[1] == 30
 
 

@@ -9,8 +9,8 @@ lost. A full queue (a store slower than the traffic) is no reason to lose a reco
 what does not fit goes to a second queue of the same bound that a second task spills
 straight to the journal (fsync'd, no store in the way), replayed like any spill; only past
 both bounds, or with no journal, is a record dropped (counted, logged). Shutdown drains
-both queues completely before the database closes. Rows
-older than the retention period are deleted at start-up and hourly (on a shared store every
+both queues completely before the database closes. Rows older than the retention period
+are deleted at start-up and hourly by :class:`AuditRetention` (on a shared store every
 replica purges; the deletes are idempotent).
 """
 
@@ -98,8 +98,55 @@ def _row(record: dict[str, Any]) -> tuple[Any, ...]:
     )
 
 
+class AuditRetention:
+    """Deletes audit rows older than the retention period, at start-up and then hourly.
+    Its own task, apart from the writer: a purge never holds up a batch, and the period
+    is read afresh each time (it is a live setting; 0 keeps rows forever)."""
+
+    def __init__(self, db: Store, retention_days: Callable[[], float], interval: float = RETENTION_INTERVAL) -> None:
+        self.db = db
+        self.retention_days = retention_days
+        self.interval = interval
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Purge now, then every ``interval`` seconds until :meth:`aclose`."""
+        await self.purge()
+        self._task = asyncio.create_task(self._loop(), name="audit-retention")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            await self.purge()
+
+    async def purge(self) -> int:
+        """Delete rows older than the retention period; returns how many went."""
+        days = self.retention_days()
+        if days <= 0:
+            return 0
+        cutoff = time.time() - days * 86400
+
+        def delete(conn: Any) -> int:
+            return int(conn.execute("DELETE FROM audit WHERE started_at < ?", (cutoff,)).rowcount)
+
+        try:
+            deleted = await self.db.arun(delete)
+        except self.db.errors as exc:
+            log.warning("audit_retention_failed", error=type(exc).__name__)
+            return 0
+        if deleted:
+            log.info("audit_retention", deleted=deleted, older_than_days=days)
+        return deleted
+
+
 class AuditWriter:
-    """Bounded queue + background batch writer for audit rows."""
+    """Bounded queue + background batch writer for audit rows (``retention``: the purge
+    of old rows, started and stopped with it)."""
 
     def __init__(
         self,
@@ -118,7 +165,7 @@ class AuditWriter:
         self.db = db
         #: store, else spill journal (none here: a failed batch is lost and counted)
         self.durable = durable if durable is not None else DurableWriter(db, None, {"audit": _INSERT})
-        self.retention_days = retention_days
+        self.retention = AuditRetention(db, retention_days)
         self.store_bodies = store_bodies
         self.body_max_bytes = body_max_bytes
         self.max_queue = max_queue
@@ -138,7 +185,6 @@ class AuditWriter:
         self._wake: asyncio.Event | None = None
         self._closed_event: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        self._retention: asyncio.Task[None] | None = None
         self._closing = False
         self._closed = False
         self._in_flight = 0
@@ -193,19 +239,16 @@ class AuditWriter:
             self._wake.set()
         if self._overflow:
             self._overflow_wake.set()
-        await self.purge()
+        await self.retention.start()
         self._task = asyncio.create_task(self._run(), name="audit-writer")
         self._overflow_task = asyncio.create_task(self._spill_overflow(), name="audit-overflow")
-        self._retention = asyncio.create_task(self._retention_loop(), name="audit-retention")
 
     async def aclose(self) -> None:
         """Write everything still queued, then stop. Call before the database closes."""
         self._closing = True
         if self._closed_event is not None:
             self._closed_event.set()
-        if self._retention is not None:
-            self._retention.cancel()
-            await asyncio.gather(self._retention, return_exceptions=True)
+        await self.retention.aclose()
         if self._overflow_task is not None:
             assert self._overflow_wake is not None
             self._overflow_wake.set()
@@ -222,31 +265,7 @@ class AuditWriter:
             await self._write_all()
         self._closed = True
 
-    async def purge(self) -> int:
-        """Delete rows older than the retention period; returns how many went."""
-        days = self.retention_days()
-        if days <= 0:
-            return 0
-        cutoff = time.time() - days * 86400
-
-        def delete(conn: Any) -> int:
-            return int(conn.execute("DELETE FROM audit WHERE started_at < ?", (cutoff,)).rowcount)
-
-        try:
-            deleted = await self.db.arun(delete)
-        except self.db.errors as exc:
-            log.warning("audit_retention_failed", error=type(exc).__name__)
-            return 0
-        if deleted:
-            log.info("audit_retention", deleted=deleted, older_than_days=days)
-        return deleted
-
     # -- the writer --------------------------------------------------------------------
-
-    async def _retention_loop(self) -> None:
-        while True:
-            await asyncio.sleep(RETENTION_INTERVAL)
-            await self.purge()
 
     async def _run(self) -> None:
         assert self._wake is not None
