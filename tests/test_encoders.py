@@ -171,3 +171,22 @@ def test_responses_error_closes_the_open_item_then_fails() -> None:
     failed = frames[-1][1]["response"]
     assert failed["status"] == "failed" and failed["error"] == {"code": "server_error", "message": "cut (upstream_disconnected)"}
     assert failed["output"][0]["status"] == "incomplete"
+
+
+def test_streamed_response_numbers_every_event_and_outputs_items_in_finish_order() -> None:
+    from gateway.protocols.responses_encoder import StreamedResponse
+
+    response = StreamedResponse("resp_1", {"model": "m"})
+    raw = response.added(1, {"id": "b", "v": "announced"}) + response.added(0, {"id": "a", "v": "announced"})
+    assert response.snapshot("in_progress")["output"] == []  # nothing finished is shown in progress
+    raw += response.finished(0, {"id": "a", "v": "final"}) + response.event("response.in_progress", {})
+    raw += response.finished(1, {"id": "b", "v": "final"})
+    events = [orjson.loads(block.split("data: ", 1)[1]) for block in raw.decode().split("\n\n")[:-1]]
+    assert [e["sequence_number"] for e in events] == [0, 1, 2, 3, 4]
+    assert [(e["type"], e.get("output_index")) for e in events] == [
+        ("response.output_item.added", 1), ("response.output_item.added", 0), ("response.output_item.done", 0),
+        ("response.in_progress", None), ("response.output_item.done", 1),
+    ]
+    final = response.snapshot("completed", usage=None)
+    assert final["id"] == "resp_1" and final["model"] == "m" and final["status"] == "completed"
+    assert final["output"] == [{"id": "a", "v": "final"}, {"id": "b", "v": "final"}]  # finish order, last state

@@ -154,48 +154,68 @@ def _failed_error(error: GatewayError) -> dict[str, Any]:
 # -- the stream encoder -------------------------------------------------------------------
 
 
+class StreamedResponse:
+    """The Response object as the stream has told it so far. Every event takes the next
+    ``sequence_number`` here (one counter, contiguous from 0); each output index's item is
+    kept in its latest state (as announced, then final), and the order items finished is
+    the ``output`` of every snapshot: the terminal object is exactly what was streamed."""
+
+    def __init__(self, response_id: str, echo: dict[str, Any]) -> None:
+        self.response_id = response_id
+        self.echo = echo  # the request fields the Response object repeats
+        self.created_at = int(time.time())
+        self.items: dict[int, dict[str, Any]] = {}  # output index -> item (in progress, then final)
+        self.done: list[int] = []  # output indexes in the order their items finished
+        self._seq = 0
+
+    def event(self, kind: str, payload: dict[str, Any]) -> bytes:
+        """One SSE event, numbered."""
+        data = {"type": kind, **payload, "sequence_number": self._seq}
+        self._seq += 1
+        return sse(dumps(data), event=kind)
+
+    def snapshot(self, status: str, **kwargs: Any) -> dict[str, Any]:
+        """The Response object now (``output`` only once it is no longer in progress)."""
+        output = [self.items[i] for i in self.done] if status != "in_progress" else []
+        return response_object(self.echo, self.response_id, self.created_at, status, output, **kwargs)
+
+    def added(self, index: int, item: dict[str, Any]) -> bytes:
+        """``response.output_item.added``: ``item`` is the output at ``index`` from now on."""
+        self.items[index] = item
+        return self.event("response.output_item.added", {"output_index": index, "item": item})
+
+    def finished(self, index: int, final: dict[str, Any]) -> bytes:
+        """``response.output_item.done``: ``final`` is the item's last state."""
+        self.items[index] = final
+        self.done.append(index)
+        return self.event("response.output_item.done", {"output_index": index, "item": final})
+
+
 class ResponsesEncoder:
-    """Canonical events -> Responses SSE events; one response id, one sequence counter."""
+    """Canonical events -> Responses SSE events: which items and parts each block becomes
+    (the Response and its sequence numbers are a :class:`StreamedResponse`)."""
 
     def __init__(
         self, response_id: str, *, echo: dict[str, Any], tool_map: ToolMap, envelope: bool, compaction: bool
     ) -> None:
-        self.echo = echo  # the request fields the Response object repeats
+        self.response = StreamedResponse(response_id, echo)
+        self._event = self.response.event  # bound once: the per-delta call stays one call
         self.tool_map = tool_map
         self.envelope = envelope  # include reasoning.encrypted_content
         #: A compaction turn: the answer's text becomes one compaction item, nothing else.
         self.compaction = compaction
         self._summary: list[str] = []
-        self.response_id = response_id
-        self.created_at = int(time.time())
-        self._seq = 0
-        self._items: dict[
-            int, dict[str, Any]
-        ] = {}  # output index -> item (in progress, then final)
-        self._parts: dict[int, list[str]] = {}
-        self._done: list[int] = []
+        self._parts: dict[int, list[str]] = {}  # output index -> the text streamed for it
         self._pending: set[int] = set()  # client-executed tool calls not yet announced
         self._custom: dict[int, CustomInputStream] = {}  # open custom calls' decoded input
         self._open: int | None = None
         self.final: dict[str, Any] | None = None
 
-    # -- framing ---------------------------------------------------------------------
-
-    def _event(self, kind: str, payload: dict[str, Any]) -> bytes:
-        data = {"type": kind, **payload, "sequence_number": self._seq}
-        self._seq += 1
-        return sse(dumps(data), event=kind)
-
-    def _snapshot(self, status: str, **kwargs: Any) -> dict[str, Any]:
-        output = [self._items[i] for i in self._done] if status != "in_progress" else []
-        return response_object(
-            self.echo, self.response_id, self.created_at, status, output, **kwargs
-        )
-
     def start(self) -> bytes:
-        return self._event(
-            "response.created", {"response": self._snapshot("in_progress")}
-        ) + self._event("response.in_progress", {"response": self._snapshot("in_progress")})
+        snapshot = self.response.snapshot
+        return self._event("response.created", {"response": snapshot("in_progress")}) + self._event(
+            "response.in_progress", {"response": snapshot("in_progress")}
+        )
 
     # -- events ----------------------------------------------------------------------
 
@@ -211,11 +231,11 @@ class ResponsesEncoder:
         if isinstance(event, BlockStop):
             return self._stop(event.index, event.content, "completed")
         if isinstance(event, Keepalive):
-            return self._event("response.in_progress", {"response": self._snapshot("in_progress")})
+            return self._event("response.in_progress", {"response": self.response.snapshot("in_progress")})
         if isinstance(event, Finish):
             out = self._close_open("completed")
             status, reason = terminal_status(event.finish_reason)
-            self.final = self._snapshot(
+            self.final = self.response.snapshot(
                 status, usage=usage_object(event.usage), incomplete_reason=reason
             )
             kind = "response.completed" if status == "completed" else "response.incomplete"
@@ -224,7 +244,7 @@ class ResponsesEncoder:
             err = event.error
             out = self._close_open("incomplete")
             out += self._event("error", {"code": err.code, "message": err.message, "param": None})
-            self.final = self._snapshot("failed", error=_failed_error(err))
+            self.final = self.response.snapshot("failed", error=_failed_error(err))
             return out + self._event("response.failed", {"response": self.final})
         return b""
 
@@ -235,11 +255,8 @@ class ResponsesEncoder:
         if not isinstance(event, Finish):
             return b""
         item = compaction_item("".join(self._summary))
-        self._items[0] = item
-        self._done.append(0)
-        out = self._event("response.output_item.added", {"output_index": 0, "item": item})
-        out += self._event("response.output_item.done", {"output_index": 0, "item": item})
-        self.final = self._snapshot("completed", usage=usage_object(event.usage))
+        out = self.response.added(0, item) + self.response.finished(0, item)
+        self.final = self.response.snapshot("completed", usage=usage_object(event.usage))
         return out + self._event("response.completed", {"response": self.final})
 
     def _start(self, event: BlockStart) -> bytes:
@@ -247,7 +264,6 @@ class ResponsesEncoder:
         index = event.index
         self._open = index
         self._parts[index] = []
-        where = {"output_index": index}
         if event.kind == "text":
             item = message_item(new_id("msg_"), None, "in_progress")
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
@@ -264,36 +280,32 @@ class ResponsesEncoder:
             # freeform input streams as it is decoded from the upstream's JSON arguments
             item = tool_call_item(self.tool_map, new_id("ctc_"), call_id, event.name, "", "in_progress")
             item["input"] = ""
-            self._items[index] = item
             self._custom[index] = CustomInputStream()
-            return out + self._event("response.output_item.added", {**where, "item": item})
+            return out + self.response.added(index, item)
         if kind is not None:
             # the other client-executed items need their whole action/operation: announced
             # once the call's arguments are complete, in _stop
-            self._items[index] = {"id": new_id("ctc_"), "call_id": call_id, "upstream": event.name}
+            self.response.items[index] = {"id": new_id("ctc_"), "call_id": call_id, "upstream": event.name}
             self._pending.add(index)
             return out
         name = _client_name(self.tool_map, event.name)
         item = function_call_item(new_id("fc_"), call_id, name, "", "in_progress")
-        self._items[index] = item
-        return out + self._event("response.output_item.added", {**where, "item": item})
+        return out + self.response.added(index, item)
 
     def _added_with_part(
         self, index: int, item: dict[str, Any], part_event: str, part_key: str, part: dict[str, Any]
     ) -> bytes:
         """A message or reasoning item announced, then its first (empty) part."""
-        self._items[index] = item
-        where = {"output_index": index}
-        added = self._event("response.output_item.added", {**where, "item": item})
-        return added + self._event(part_event, {"item_id": item["id"], **where, part_key: 0, "part": part})
+        added = self.response.added(index, item)
+        return added + self._event(part_event, {"item_id": item["id"], "output_index": index, part_key: 0, "part": part})
 
     def _delta(self, index: int, text: str) -> bytes:
-        if not text or index not in self._items:
+        item = self.response.items.get(index)
+        if not text or item is None:
             return b""
         self._parts[index].append(text)
         if index in self._pending:
             return b""
-        item = self._items[index]
         where = {"item_id": item["id"], "output_index": index}
         if index in self._custom:
             new = self._custom[index].feed(text)
@@ -318,7 +330,7 @@ class ResponsesEncoder:
         return self._stop(self._open, "".join(self._parts[self._open]), status)
 
     def _stop(self, index: int, content: str, status: str) -> bytes:
-        if index not in self._items or index in self._done:
+        if index not in self.response.items or index in self.response.done:
             return b""
         if index in self._pending:
             return self._stop_client_call(index, content or "".join(self._parts[index]), status)
@@ -329,7 +341,7 @@ class ResponsesEncoder:
         if content != sent and content.startswith(sent):
             out += self._delta(index, content[len(sent) :])  # keep deltas and final in agreement
         text = "".join(self._parts[index])
-        item = self._items[index]
+        item = self.response.items[index]
         where = {"item_id": item["id"], "output_index": index}
         if item["type"] == "message":
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
@@ -358,27 +370,24 @@ class ResponsesEncoder:
         return out + self._finish_item(index, final)
 
     def _finish_item(self, index: int, final: dict[str, Any]) -> bytes:
-        self._items[index] = final
-        self._done.append(index)
         if self._open == index:
             self._open = None
-        return self._event("response.output_item.done", {"output_index": index, "item": final})
+        return self.response.finished(index, final)
 
     def _stop_client_call(self, index: int, arguments: str, status: str) -> bytes:
         """added (in progress, with its whole action/operation), then done."""
         self._pending.discard(index)
-        pending = self._items[index]
+        pending = self.response.items[index]
         item_id, call_id, upstream = pending["id"], pending["call_id"], pending["upstream"]
         added = tool_call_item(self.tool_map, item_id, call_id, upstream, arguments, "in_progress")
         final = tool_call_item(self.tool_map, item_id, call_id, upstream, arguments, status)
-        out = self._event("response.output_item.added", {"output_index": index, "item": added})
-        return out + self._finish_item(index, final)
+        return self.response.added(index, added) + self._finish_item(index, final)
 
     def _stop_custom_call(self, index: int, arguments: str, status: str) -> bytes:
         """The rest of the input, ``custom_tool_call_input.done``, the item done: the final
         input is exactly the concatenated deltas."""
         stream = self._custom.pop(index)
-        item = self._items[index]
+        item = self.response.items[index]
         where = {"item_id": item["id"], "output_index": index}
         out = b""
         rest = stream.finish(arguments)
