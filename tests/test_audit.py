@@ -31,7 +31,7 @@ from gateway.observability.logging import make_formatter
 from gateway.record import RequestRecord
 from gateway.servers import bind_loopback, start_embedded, stop_embedded
 from gateway.settings import Settings
-from gateway.store.audit import AUDIT_UPSERT, AuditRetention, AuditWriter, cap_bodies, percentile
+from gateway.store.audit import AUDIT_UPSERT, AuditOverflow, AuditRetention, AuditWriter, cap_bodies, percentile
 from gateway.store.db import Database
 from gateway.store.spill import DurableWriter, SpillJournal
 from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway, wait_for
@@ -543,6 +543,34 @@ async def test_writer_retention_and_drops(tmp_path: Path) -> None:
     db.close()
 
 
+async def test_overflow_holds_up_to_its_bound_and_spills_in_batches_in_order() -> None:
+    batches: list[list[str]] = []
+    gate = asyncio.Event()
+
+    async def spill(batch: list[dict[str, Any]]) -> None:
+        await gate.wait()  # a journal that is slow to take a batch
+        batches.append([r["request_id"] for r in batch])
+
+    overflow = AuditOverflow(max_queue=5, batch_size=2, spill=spill)
+    for i in range(5):
+        assert not overflow.full
+        overflow.push({"request_id": f"r{i}"})
+    assert overflow.full and len(overflow) == 5 and overflow.taken == 5
+    overflow.start()
+    await asyncio.sleep(0.01)  # the task took the first batch and waits on the journal
+    assert len(overflow) == 3 and not overflow.full
+    overflow.push({"request_id": "r5"})
+    gate.set()
+    await overflow.aclose()  # everything held is spilled before the task ends
+    assert batches == [["r0", "r1"], ["r2", "r3"], ["r4", "r5"]] and len(overflow) == 0 and overflow.taken == 6
+    never_started = AuditOverflow(max_queue=5, batch_size=4, spill=spill)
+    never_started.push({"request_id": "late"})
+    await never_started.aclose()  # nothing to stop; the writer drains what is left
+    assert len(never_started) == 1
+    await never_started.drain()
+    assert batches[-1] == ["late"] and len(never_started) == 0
+
+
 def audit_ids(db: Database) -> list[str]:
     return [r[0] for r in db.execute("SELECT request_id FROM audit ORDER BY request_id")]
 
@@ -579,7 +607,7 @@ async def test_a_full_queue_overflows_to_the_spill_journal_not_to_the_floor(tmp_
         for request_id in ids[group * 3:group * 3 + 3]:
             writer.submit(_record(request_id))
         await asyncio.to_thread(wait_for, lambda: durable.spill_entries == group * 3)
-    assert writer.dropped == 0 and drops == [] and writer.overflowed == 9 and sum(spilled) == 9
+    assert writer.dropped == 0 and drops == [] and writer.overflow.taken == 9 and sum(spilled) == 9
     assert writer.depth == 4  # the batch stuck in the store + the full queue
     store.stalled.clear()
     store.released.set()
@@ -601,7 +629,7 @@ async def test_past_both_bounds_a_record_is_dropped_counted_and_logged(
     with caplog.at_level(logging.ERROR):
         for i in range(6):
             writer.submit(_record(f"req_{i}"))
-    assert writer.depth == 4 and writer.overflowed == 2 and writer.dropped == 2 and drops == [1, 1]
+    assert writer.depth == 4 and writer.overflow.taken == 2 and writer.dropped == 2 and drops == [1, 1]
     assert sum("audit_records_dropped" in r.getMessage() for r in caplog.records) == 1  # said once, counted always
     await writer.aclose()  # the overflow is spilled, the queue written
     assert await durable.recover() is True

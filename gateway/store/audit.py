@@ -144,9 +144,69 @@ class AuditRetention:
         return deleted
 
 
+class AuditOverflow:
+    """The overflow way: records that found the audit queue full, held in a second queue
+    of the same bound and handed, a batch at a time, to ``spill`` (straight to the spill
+    journal, no store in the way) by their own task, so a store slower than the traffic
+    neither loses them nor holds up the main queue."""
+
+    def __init__(self, max_queue: int, batch_size: int, spill: Callable[[list[dict[str, Any]]], Awaitable[None]]) -> None:
+        self.max_queue = max_queue
+        self.batch_size = batch_size
+        self._spill = spill
+        self._queue: collections.deque[dict[str, Any]] = collections.deque()
+        self.taken = 0  # records that took this way (spilled, or lost if the journal refused)
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    @property
+    def full(self) -> bool:
+        return len(self._queue) >= self.max_queue
+
+    def push(self, snap: dict[str, Any]) -> None:
+        """Take one record (never blocks; the caller checked :attr:`full`)."""
+        self._queue.append(snap)
+        self.taken += 1
+        if self._wake is not None:
+            self._wake.set()
+
+    def start(self) -> None:
+        self._wake = asyncio.Event()
+        if self._queue:
+            self._wake.set()
+        self._task = asyncio.create_task(self._run(), name="audit-overflow")
+
+    async def aclose(self) -> None:
+        """Spill everything held, then stop the task."""
+        self._closing = True
+        if self._task is not None:
+            assert self._wake is not None
+            self._wake.set()
+            await self._task
+
+    async def drain(self) -> None:
+        while self._queue:
+            count = min(len(self._queue), self.batch_size)
+            await self._spill([self._queue.popleft() for _ in range(count)])
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self.drain()
+            if self._closing:
+                return
+
+
 class AuditWriter:
-    """Bounded queue + background batch writer for audit rows (``retention``: the purge
-    of old rows, started and stopped with it)."""
+    """Bounded queue + background batch writer for audit rows (``overflow``: where a full
+    queue sends records; ``retention``: the purge of old rows; both started and stopped
+    with it)."""
 
     def __init__(
         self,
@@ -178,10 +238,7 @@ class AuditWriter:
         self.write_errors = 0  # lost: neither the store nor the spill journal took them
         self._pending: collections.deque[dict[str, Any]] = collections.deque()
         #: records past ``max_queue``: spilled straight to the journal by their own task
-        self._overflow: collections.deque[dict[str, Any]] = collections.deque()
-        self._overflow_wake: asyncio.Event | None = None
-        self._overflow_task: asyncio.Task[None] | None = None
-        self.overflowed = 0  # records that took the overflow way (spilled, or lost if the journal refused)
+        self.overflow = AuditOverflow(max_queue, batch_size, self._spill_batch)
         self._wake: asyncio.Event | None = None
         self._closed_event: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -192,7 +249,7 @@ class AuditWriter:
     @property
     def depth(self) -> int:
         """Records accepted but not yet written (including a batch being written)."""
-        return len(self._pending) + self._in_flight + len(self._overflow)
+        return len(self._pending) + self._in_flight + len(self.overflow)
 
     # -- the hot path ------------------------------------------------------------------
 
@@ -206,13 +263,10 @@ class AuditWriter:
             self._pending.append(self._snapshot(record))
             if self._wake is not None:
                 self._wake.set()
-        elif self.durable.journal is not None and len(self._overflow) < self.max_queue:
-            if not self._overflow:
+        elif self.durable.journal is not None and not self.overflow.full:
+            if not len(self.overflow):
                 log.warning("audit_queue_full", queued=len(self._pending), to="spill journal")
-            self._overflow.append(self._snapshot(record))
-            self.overflowed += 1
-            if self._overflow_wake is not None:
-                self._overflow_wake.set()
+            self.overflow.push(self._snapshot(record))
         else:
             self._drop("queue full")
 
@@ -224,7 +278,7 @@ class AuditWriter:
 
     def _drop(self, why: str) -> None:
         if not self.dropped:
-            log.error("audit_records_dropped", why=why, queued=len(self._pending), overflow=len(self._overflow))
+            log.error("audit_records_dropped", why=why, queued=len(self._pending), overflow=len(self.overflow))
         self.dropped += 1
         self.on_drop(1)
 
@@ -233,15 +287,12 @@ class AuditWriter:
     async def start(self) -> None:
         """Purge expired rows, then start the writer and the hourly retention task."""
         self._wake = asyncio.Event()
-        self._overflow_wake = asyncio.Event()
         self._closed_event = asyncio.Event()
         if self._pending:
             self._wake.set()
-        if self._overflow:
-            self._overflow_wake.set()
         await self.retention.start()
         self._task = asyncio.create_task(self._run(), name="audit-writer")
-        self._overflow_task = asyncio.create_task(self._spill_overflow(), name="audit-overflow")
+        self.overflow.start()
 
     async def aclose(self) -> None:
         """Write everything still queued, then stop. Call before the database closes."""
@@ -249,19 +300,15 @@ class AuditWriter:
         if self._closed_event is not None:
             self._closed_event.set()
         await self.retention.aclose()
-        if self._overflow_task is not None:
-            assert self._overflow_wake is not None
-            self._overflow_wake.set()
-            await self._overflow_task
+        await self.overflow.aclose()
         if self._task is not None:
             assert self._wake is not None
             self._wake.set()
             await self._task
         # never started, or submitted while the tasks wound down: written here, and no
         # await between the last check and closing, so nothing is stranded
-        while self._overflow or self._pending:
-            while self._overflow:
-                await self._spill_batch()
+        while len(self.overflow) or self._pending:
+            await self.overflow.drain()
             await self._write_all()
         self._closed = True
 
@@ -287,22 +334,9 @@ class AuditWriter:
         while self._pending:
             await self._write_batch()
 
-    async def _spill_overflow(self) -> None:
-        """The overflow way: what did not fit the queue, straight to the journal."""
-        assert self._overflow_wake is not None
-        while True:
-            await self._overflow_wake.wait()
-            self._overflow_wake.clear()
-            while self._overflow:
-                await self._spill_batch()
-            if self._closing:
-                return
-
-    async def _spill_batch(self) -> None:
-        count = min(len(self._overflow), self.batch_size)
-        batch = [self._overflow.popleft() for _ in range(count)]
-        outcome = await self._persist(batch, self.durable.spill)
-        self._count(outcome, count)
+    async def _spill_batch(self, batch: list[dict[str, Any]]) -> None:
+        """One batch of the overflow way, to the journal."""
+        self._count(await self._persist(batch, self.durable.spill), len(batch))
 
     async def _write_batch(self) -> None:
         count = min(len(self._pending), self.batch_size)
