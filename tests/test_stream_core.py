@@ -281,8 +281,26 @@ def test_chat_realtime_never_interleaves_two_calls_and_never_holds_text() -> Non
 # -- ToolCallMerger alone (gateway/stream/tool_calls.py) ------------------------------------
 
 
-def merger(retained: list[str] | None = None) -> ToolCallMerger:
-    return ToolCallMerger(retained.append if retained is not None else lambda _: None)
+class Merger:
+    """A ToolCallMerger fed with a budget that records what it was told (or refuses)."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.inner, self.retained, self.refuse = ToolCallMerger(), [], refuse
+
+    def retain(self, fragment: str) -> None:
+        if self.refuse:
+            raise GatewayError("upstream", "response_too_large", "over")
+        self.retained.append(fragment)
+
+    def feed(self, delta: dict) -> list:
+        return self.inner.feed(delta, self.retain)
+
+    @property
+    def slots(self) -> list:
+        return self.inner.slots
+
+    def seal_identities(self) -> list:
+        return self.inner.seal_identities()
 
 
 def call(index: int | None = None, id: str | None = None, name: str | None = None, args: object = None) -> dict:
@@ -291,7 +309,7 @@ def call(index: int | None = None, id: str | None = None, name: str | None = Non
 
 
 def test_merger_releases_a_call_once_identified_and_begun_then_each_fragment() -> None:
-    tools = merger()
+    tools = Merger()
     assert tools.feed(call(0, "c0", "a")) == []  # no arguments yet: not announced
     [identified] = tools.feed(call(0, args='{"x"'))
     assert isinstance(identified, ToolIdentified) and identified.slot.id == "c0"
@@ -301,11 +319,11 @@ def test_merger_releases_a_call_once_identified_and_begun_then_each_fragment() -
 
 
 def test_merger_index_reused_after_a_complete_object_is_a_new_call_else_an_identity_change() -> None:
-    tools = merger()
+    tools = Merger()
     tools.feed(call(0, "c0", "a", "{}"))
     tools.feed(call(0, "c1", "b", '{"y": 2}'))  # index 0 again, after a whole object: a second call
     assert [(s.ordinal, s.id, s.name, s.arguments) for s in tools.slots] == [(0, "c0", "a", "{}"), (1, "c1", "b", '{"y": 2}')]
-    unfinished = merger()
+    unfinished = Merger()
     unfinished.feed(call(0, "c0", "a", '{"x"'))
     with pytest.raises(GatewayError) as err:
         unfinished.feed(call(0, "c1", "b", "}"))
@@ -313,34 +331,29 @@ def test_merger_index_reused_after_a_complete_object_is_a_new_call_else_an_ident
 
 
 def test_merger_counts_a_legacy_function_call_only_without_tool_calls() -> None:
-    both = merger()
+    both = Merger()
     for args in ('{"x"', ": 1}"):  # llama-cpp-python: both shapes on every chunk
         both.feed({**call(0, "c0", "a", args), "function_call": {"name": "a", "arguments": args}})
     assert [s.arguments for s in both.slots] == ['{"x": 1}']
-    legacy = merger()
+    legacy = Merger()
     legacy.feed({"function_call": {"name": "a", "arguments": "{"}})
     legacy.feed({"function_call": {"arguments": "}"}})
     assert [(s.name, s.arguments) for s in legacy.slots] == [("a", "{}")]
 
 
 def test_merger_object_arguments_once_and_every_fragment_retained_before_it_is_kept() -> None:
-    retained: list[str] = []
-    tools = merger(retained)
+    tools = Merger()
     tools.feed(call(0, "c0", "a", {"x": [1]}))
     tools.feed(call(0, args={"x": [1]}))  # the same object repeated: not a second fragment
-    assert tools.slots[0].parts == ['{"x":[1]}'] and retained == ['{"x":[1]}']
-
-    def refuse(_: str) -> None:
-        raise GatewayError("upstream", "response_too_large", "over")
-
-    full = ToolCallMerger(refuse)
+    assert tools.slots[0].parts == ['{"x":[1]}'] and tools.retained == ['{"x":[1]}']
+    full = Merger(refuse=True)
     with pytest.raises(GatewayError):
         full.feed(call(0, "c0", "a", "{}"))
     assert full.slots[0].parts == []  # refused before it was kept
 
 
 def test_merger_seal_names_id_less_calls_and_returns_only_the_unannounced() -> None:
-    tools = merger()
+    tools = Merger()
     tools.feed(call(0, "c0", "a", "{}"))  # announced while streaming
     tools.feed(call(1, name="b", args="{}"))  # no id: never announced
     tools.feed(call(2, "c2", "c"))  # no arguments ever: never announced
@@ -350,3 +363,18 @@ def test_merger_seal_names_id_less_calls_and_returns_only_the_unannounced() -> N
     assert sealed[0].id is not None and sealed[0].id.startswith("call_") and len(sealed[0].id) == 29
     assert tools.slots[3].id is None and not tools.slots[3].announced
     assert tools.seal_identities() == []  # sealing twice announces nothing again
+
+
+def test_an_accumulator_with_tool_calls_is_freed_without_the_cycle_collector() -> None:
+    import gc
+    import weakref
+
+    acc = ChatSSEAccumulator()
+    acc.feed(tool(0, "c0", "a", '{"x": 1}'))
+    ref = weakref.ref(acc)
+    gc.disable()
+    try:
+        del acc
+        assert ref() is None  # no reference cycle (the merger holds none back): a large answer goes at once
+    finally:
+        gc.enable()

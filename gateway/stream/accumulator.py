@@ -100,7 +100,7 @@ class ChatSSEAccumulator:
         self.text_parts: list[str] = []
         self.reasoning_parts: list[str] = []
         self.segments: list[Segment] = []  # reasoning/text runs in the upstream's order
-        self.tools = ToolCallMerger(self._retain)
+        self.tools = ToolCallMerger()
         self.finish_reason: str | None = None
         self._empty_finish = False  # saw finish_reason "" (some servers' "not yet")
         self.usage: Usage | None = None
@@ -147,7 +147,7 @@ class ChatSSEAccumulator:
             if refusal and isinstance(refusal, str):
                 self._add_text("text", refusal, pieces)
             if delta.get("tool_calls") or delta.get("function_call") is not None:
-                pieces.extend(self.tools.feed(delta))
+                pieces.extend(self.tools.feed(delta, self._retain))
             finish = choice.get("finish_reason")
             if isinstance(finish, str):
                 self._take_finish(finish)

@@ -103,16 +103,16 @@ ToolPiece = ToolIdentified | ToolArgs
 class ToolCallMerger:
     """Fed each upstream delta that carries tool calls (``feed``): merges them into
     :class:`ToolSlot`\\ s, in the order the calls began, and returns what a scheduler may
-    release. No I/O. ``retain`` is told of every argument fragment before it is kept
-    (the accumulator's output-byte budget: it raises to refuse one)."""
+    release. No I/O. ``retain`` (per call, so the merger holds no reference back to its
+    accumulator) is told of every argument fragment before it is kept: the output-byte
+    budget, which raises to refuse one."""
 
-    def __init__(self, retain: Callable[[str], None]) -> None:
+    def __init__(self) -> None:
         self.slots: list[ToolSlot] = []
-        self._retain = retain
         self._slot_by_key: dict[tuple[str, object], ToolSlot] = {}
         self._saw_tool_calls = False  # legacy function_call deltas are ignored from then on
 
-    def feed(self, delta: dict) -> list[ToolPiece]:
+    def feed(self, delta: dict, retain: Callable[[str], None]) -> list[ToolPiece]:
         """Merge one delta's ``tool_calls`` (or its legacy ``function_call``)."""
         tool_calls = [t for t in delta.get("tool_calls") or () if isinstance(t, dict)]
         if tool_calls:
@@ -121,10 +121,10 @@ class ToolCallMerger:
             tool_calls = [{"index": 0, "function": delta["function_call"]}]  # legacy shape
         pieces: list[ToolPiece] = []
         for tool_delta in tool_calls:
-            self.merge(tool_delta, pieces)
+            self.merge(tool_delta, retain, pieces)
         return pieces
 
-    def merge(self, tool_delta: dict, pieces: list[ToolPiece]) -> None:
+    def merge(self, tool_delta: dict, retain: Callable[[str], None], pieces: list[ToolPiece]) -> None:
         """Merge one ``delta.tool_calls[]`` item into its slot; append what is released."""
         slot = self._slot_for(tool_delta)
         call_id = tool_delta.get("id") or None
@@ -149,7 +149,7 @@ class ToolCallMerger:
             else:
                 fragment = orjson.dumps(fragment).decode()
         if fragment and isinstance(fragment, str):
-            self._retain(fragment)
+            retain(fragment)
             slot.parts.append(fragment)
             if slot.announced:
                 pieces.append(ToolArgs(slot, fragment))
