@@ -10,7 +10,6 @@ not touched here — the generation copies the log when it reports the request.
 from __future__ import annotations
 
 import contextlib
-
 import secrets
 import time
 from collections.abc import AsyncIterator

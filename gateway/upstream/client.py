@@ -22,8 +22,8 @@ from gateway.errors import GatewayError
 from gateway.policy import StreamPolicy
 from gateway.redact import SECRETS
 from gateway.stream.answer import DONE, Done
-from gateway.upstream.sse import SSEDataParser
 from gateway.upstream.pool import Credential
+from gateway.upstream.sse import SSEDataParser
 
 __all__ = ["ANSWERED", "DONE", "Answered", "Done", "UpstreamClient", "UpstreamItem"]
 
