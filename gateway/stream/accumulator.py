@@ -28,7 +28,7 @@ from typing import Literal
 from gateway.errors import GatewayError
 from gateway.stream.events import Completion, FinishReason, Segment, TokenData, ToolCall, Usage
 from gateway.stream.think_tags import Start, ThinkTagSplitter
-from gateway.stream.tool_calls import ToolArgs, ToolCallMerger, ToolIdentified, ToolSlot, parse_arguments
+from gateway.stream.tool_calls import ToolArgs, ToolCallMerger, ToolIdentified, ToolSlot, object_or_empty, parse_arguments
 
 __all__ = [  # the tool-call names are re-exported: the rooms and the scheduler import them from here
     "ChatSSEAccumulator", "FINISH_MAP", "Piece", "TextPiece", "ToolArgs", "ToolIdentified", "ToolRules",
@@ -121,7 +121,7 @@ class ChatSSEAccumulator:
         if chunk.get("error"):
             raise upstream_error_frame(chunk["error"])
         self._take_usage(chunk.get("usage"))
-        self._take_usage(_dict(chunk.get("x_groq")).get("usage"))
+        self._take_usage(object_or_empty(chunk.get("x_groq")).get("usage"))
         pieces: list[Piece] = []
         for choice in chunk.get("choices") or ():
             if not isinstance(choice, dict) or (choice.get("index") or 0) != 0:
@@ -131,7 +131,7 @@ class ChatSSEAccumulator:
                 if self.token_data is None:
                     self.token_data = TokenData()
                 self.token_data.absorb(chunk, choice)
-            delta = _dict(choice.get("delta"))
+            delta = object_or_empty(choice.get("delta"))
             # reasoning first when one delta carries both (it was thought before it was said)
             reasoning = delta.get("reasoning_content") or delta.get("reasoning")
             if reasoning and isinstance(reasoning, str):
@@ -243,11 +243,6 @@ class ChatSSEAccumulator:
             completion.usage = self._estimate_usage(completion)
             self.usage_estimated = True
         return completion
-
-
-def _dict(value: object) -> dict:
-    """``value`` if it is an object, else ``{}`` (an explicit ``null`` is no field)."""
-    return value if isinstance(value, dict) else {}
 
 
 def upstream_error_frame(error: object) -> GatewayError:

@@ -128,7 +128,7 @@ class ToolCallMerger:
         """Merge one ``delta.tool_calls[]`` item into its slot; append what is released."""
         slot = self._slot_for(tool_delta)
         call_id = tool_delta.get("id") or None
-        function = _dict(tool_delta.get("function"))
+        function = object_or_empty(tool_delta.get("function"))
         name = function.get("name") or None
         if call_id is not None and call_id != slot.id:
             if slot.id is not None:
@@ -138,7 +138,8 @@ class ToolCallMerger:
             if slot.name is not None:
                 raise identity_changed(slot, "name", slot.name, name)
             slot.name = name
-        signature = _dict(_dict(tool_delta.get("extra_content")).get("google")).get("thought_signature")
+        google = object_or_empty(object_or_empty(tool_delta.get("extra_content")).get("google"))
+        signature = google.get("thought_signature")
         if isinstance(signature, str) and signature:
             slot.thought_signature = signature
         fragment = function.get("arguments")
@@ -173,7 +174,7 @@ class ToolCallMerger:
             key = ("anonymous", 0)
         slot = self._slot_by_key.get(key)
         if slot is not None and call_id and slot.id and call_id != slot.id:
-            name = _dict(tool_delta.get("function")).get("name")
+            name = object_or_empty(tool_delta.get("function")).get("name")
             if name and slot.arguments_complete():
                 # Some upstreams reuse index 0 for every parallel call: a new id with a
                 # name after a finished argument object is a new call, not a change.
@@ -198,7 +199,7 @@ class ToolCallMerger:
         return sealed
 
 
-def _dict(value: object) -> dict:
+def object_or_empty(value: object) -> dict:
     """``value`` if it is an object, else ``{}`` (an explicit ``null`` is no field)."""
     return value if isinstance(value, dict) else {}
 
