@@ -99,6 +99,14 @@ def usage_json(usage: Usage | None, estimate_in: Callable[[], int], estimate_out
     return out
 
 
+def stop_fields(finish_reason: str, stop_sequence: str | None, declared: tuple[str, ...]) -> dict[str, Any]:
+    """``stop_reason`` + ``stop_sequence``: ``stop_sequence`` when the upstream named one of
+    the client's ``stop_sequences`` as the match (vLLM ``stop_reason``, SGLang ``matched_stop``)."""
+    if finish_reason == "stop" and stop_sequence is not None and stop_sequence in declared:
+        return {"stop_reason": "stop_sequence", "stop_sequence": stop_sequence}
+    return {"stop_reason": STOP_REASONS[finish_reason], "stop_sequence": None}
+
+
 @dataclass(frozen=True, slots=True)
 class MessagesFacts:
     """What the Messages encoder and JSON answer need beyond the upstream body.
@@ -110,6 +118,7 @@ class MessagesFacts:
 
     input_estimate: int = 0
     dropped_tools: tuple[str, ...] = ()  # server tools the gateway cannot run, left out
+    stop_sequences: tuple[str, ...] = ()  # the client's, to name the one that matched
 
 
 def _input_counter(request: ParsedRequest[MessagesFacts]) -> Callable[[], int]:
@@ -132,7 +141,11 @@ class MessagesRoom:
             stream=t.stream,
             upstream_body=t.body,
             rules=t.rules,
-            facts=MessagesFacts(input_estimate=quick_token_estimate(t.body), dropped_tools=tuple(t.dropped_tools)),
+            facts=MessagesFacts(
+                input_estimate=quick_token_estimate(t.body),
+                dropped_tools=tuple(t.dropped_tools),
+                stop_sequences=tuple(t.body.get("stop") or ()),
+            ),
         )
 
     def new_response_id(self) -> str:
@@ -147,7 +160,10 @@ class MessagesRoom:
         return None
 
     def encoder(self, request: ParsedRequest, response_id: str) -> MessagesEncoder:
-        return MessagesEncoder(response_id, request.model, request.facts.input_estimate, _input_counter(request))
+        facts: MessagesFacts = request.facts
+        return MessagesEncoder(
+            response_id, request.model, facts.input_estimate, _input_counter(request), facts.stop_sequences
+        )
 
     def json_body(self, request: ParsedRequest, response_id: str, completion: Completion) -> dict:
         content: list[dict[str, Any]] = []
@@ -175,8 +191,7 @@ class MessagesRoom:
             "role": "assistant",
             "model": request.model,
             "content": content,
-            "stop_reason": STOP_REASONS[completion.finish_reason],
-            "stop_sequence": None,
+            **stop_fields(completion.finish_reason, completion.stop_sequence, request.facts.stop_sequences),
             "usage": usage_json(
                 completion.usage, _input_counter(request), estimate_out
             ),
@@ -189,8 +204,16 @@ class MessagesRoom:
 class MessagesEncoder:
     """Canonical events -> Messages SSE frames; one id; nothing after a terminal frame."""
 
-    def __init__(self, response_id: str, model: str, input_estimate: int, input_tokens: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        input_estimate: int,
+        input_tokens: Callable[[], int],
+        stop_sequences: tuple[str, ...] = (),
+    ) -> None:
         self.response_id = response_id
+        self.stop_sequences = stop_sequences
         self.model = model
         self.input_estimate = input_estimate
         self.input_tokens = input_tokens
@@ -241,7 +264,7 @@ class MessagesEncoder:
         if isinstance(event, Finish):
             delta = {
                 "type": "message_delta",
-                "delta": {"stop_reason": STOP_REASONS[event.finish_reason], "stop_sequence": None},
+                "delta": stop_fields(event.finish_reason, event.stop_sequence, self.stop_sequences),
                 "usage": usage_json(event.usage, self.input_tokens, lambda: sum(map(count_text, self._outputs))),
             }
             self._ended = True  # only once the frames exist: a failure above still gets its error event

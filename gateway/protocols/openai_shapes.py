@@ -42,8 +42,8 @@ def usage_json(usage: Usage) -> dict[str, Any]:
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
-        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {**usage.completion_details, "reasoning_tokens": usage.reasoning_tokens},
+        "prompt_tokens_details": {**usage.prompt_details, "cached_tokens": usage.cached_tokens},
     }
 
 

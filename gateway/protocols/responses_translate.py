@@ -179,6 +179,13 @@ def _answer_upstream(
     response_format = _response_format(body.text)
     if response_format is not None:
         upstream["response_format"] = response_format
+    verbosity = (body.text or {}).get("verbosity")
+    if verbosity is not None:
+        if verbosity not in ("low", "medium", "high"):
+            raise invalid_request(
+                "text.verbosity must be 'low', 'medium' or 'high'", param="text.verbosity", code="invalid_value"
+            )
+        upstream["verbosity"] = verbosity
     effort = (body.reasoning or {}).get("effort")
     if effort is not None:
         if not isinstance(effort, str):

@@ -31,7 +31,7 @@ from gateway.stream.think_tags import Start, ThinkTagSplitter
 from gateway.stream.tool_calls import ToolArgs, ToolCallMerger, ToolIdentified, ToolSlot, object_or_empty, parse_arguments
 
 __all__ = [  # the tool-call names are re-exported: the rooms and the scheduler import them from here
-    "ChatSSEAccumulator", "FINISH_MAP", "Piece", "TextPiece", "ToolArgs", "ToolIdentified", "ToolRules",
+    "ChatSSEAccumulator", "FINISH_MAP", "LogprobsPiece", "Piece", "TextPiece", "ToolArgs", "ToolIdentified", "ToolRules",
     "ToolSlot", "UsageEstimator", "parse_arguments", "stream_error",
 ]
 
@@ -66,7 +66,14 @@ class TextPiece:
     text: str
 
 
-Piece = TextPiece | ToolIdentified | ToolArgs
+@dataclass(frozen=True, slots=True)
+class LogprobsPiece:
+    """One chunk's ``logprobs.content`` entries, released after that chunk's output."""
+
+    entries: tuple[dict, ...]
+
+
+Piece = TextPiece | ToolIdentified | ToolArgs | LogprobsPiece
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +117,7 @@ class ChatSSEAccumulator:
         self.chunks = 0
         self.sealed_slots: list[ToolSlot] = []  # slots whose id was synthesized at the terminal
         self.token_data: TokenData | None = None  # only when the upstream sent any
+        self.stop_sequence: str | None = None  # the matched stop string, when the upstream names it
         self._splitter = ThinkTagSplitter(reasoning_tags) if reasoning_tags else None
         self._estimate_usage = estimate_usage
 
@@ -148,9 +156,13 @@ class ChatSSEAccumulator:
                 self._add_text("text", refusal, pieces)
             if delta.get("tool_calls") or delta.get("function_call") is not None:
                 pieces.extend(self.tools.feed(delta, self._retain))
+            logprobs = object_or_empty(choice.get("logprobs")).get("content")
+            if logprobs and isinstance(logprobs, list):
+                pieces.append(LogprobsPiece(tuple(e for e in logprobs if isinstance(e, dict))))
             finish = choice.get("finish_reason")
             if isinstance(finish, str):
                 self._take_finish(finish)
+                self._take_stop_sequence(choice)
                 if self.finish_reason is not None:
                     pieces.extend(self._flush_splitter())
         return pieces
@@ -161,6 +173,15 @@ class ChatSSEAccumulator:
     def _take_usage(self, raw: object) -> None:
         if isinstance(raw, dict) and raw:
             self.usage = Usage.from_upstream(raw)
+
+    def _take_stop_sequence(self, choice: dict) -> None:
+        """vLLM's ``stop_reason`` and SGLang's ``matched_stop`` name the stop string that
+        ended the answer (an integer there is a stop *token*, not a client sequence)."""
+        for key in ("stop_reason", "matched_stop"):
+            value = choice.get(key)
+            if isinstance(value, str) and value:
+                self.stop_sequence = value
+                return
 
     def _take_finish(self, finish: str) -> None:
         value = finish.strip().lower()
@@ -238,6 +259,7 @@ class ChatSSEAccumulator:
             usage=self.usage,
             token_data=self.token_data,
             segments=[Segment(s.kind, ["".join(s.parts)]) for s in self.segments],
+            stop_sequence=self.stop_sequence if finish == "stop" else None,
         )
         if completion.usage is None and self._estimate_usage is not None:
             completion.usage = self._estimate_usage(completion)

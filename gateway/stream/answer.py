@@ -95,7 +95,9 @@ class RealtimeAnswer(_Answer):
     def finish(self) -> list[Event]:
         assert self.acc is not None
         completion = self.completion = self.acc.seal()
-        return self.scheduler.finish(self.acc.sealed_slots, completion.finish_reason, completion.usage)
+        return self.scheduler.finish(
+            self.acc.sealed_slots, completion.finish_reason, completion.usage, completion.stop_sequence
+        )
 
 
 class CompatibleAnswer(_Answer):

@@ -8,7 +8,7 @@ upstream's order (thinking, text, thinking, text stay four blocks), then the too
 
 from __future__ import annotations
 
-from gateway.stream.events import BlockDelta, BlockStart, BlockStop, Completion, Event, Finish
+from gateway.stream.events import BlockDelta, BlockStart, BlockStop, Completion, Event, Finish, TokenLogprobs
 
 #: Replayed text is cut into deltas of at most this many characters, so that a client's
 #: incremental parser never has to hold one huge frame.
@@ -34,5 +34,7 @@ def replay(completion: Completion) -> list[Event]:
         events.extend(BlockDelta(index, "tool", piece) for piece in _pieces(call.arguments))
         events.append(BlockStop(index, "tool", call.arguments))
         index += 1
-    events.append(Finish(completion.finish_reason, completion.usage))
+    if completion.token_data is not None and completion.token_data.logprobs:
+        events.append(TokenLogprobs(tuple(completion.token_data.logprobs)))
+    events.append(Finish(completion.finish_reason, completion.usage, completion.stop_sequence))
     return events

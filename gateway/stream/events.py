@@ -29,6 +29,10 @@ class Usage:
     reasoning_tokens: int = 0
     cached_tokens: int = 0
     estimated: bool = False  # the upstream reported none: the gateway counted (o200k)
+    # every integer detail the upstream reported (``completion_tokens_details``,
+    # ``prompt_tokens_details``), kept as sent so no room drops one
+    completion_details: dict[str, int] = field(default_factory=dict)
+    prompt_details: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_upstream(cls, raw: dict) -> Usage:
@@ -42,7 +46,17 @@ class Usage:
             total_tokens=int(raw.get("total_tokens") or prompt + completion),
             reasoning_tokens=int(details.get("reasoning_tokens") or 0),
             cached_tokens=int(prompt_details.get("cached_tokens") or 0),
+            completion_details=int_fields(details),
+            prompt_details=int_fields(prompt_details),
         )
+
+
+def int_fields(raw: object) -> dict[str, int]:
+    """The integer-valued fields of a usage details object (anything else is dropped:
+    the clients' types only have counts there)."""
+    if not isinstance(raw, dict):
+        return {}
+    return {k: v for k, v in raw.items() if isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)}
 
 
 @dataclass(slots=True)
@@ -77,6 +91,7 @@ class Completion:
     usage: Usage | None = None
     token_data: TokenData | None = None
     segments: list[Segment] | None = None  # None: one reasoning run, then one text run
+    stop_sequence: str | None = None  # the stop string that ended it, when the upstream said
 
     def runs(self) -> list[Segment]:
         """Reasoning and text runs in the order they were produced."""
@@ -136,6 +151,15 @@ class BlockStop:
 class Finish:
     finish_reason: FinishReason
     usage: Usage | None = None
+    stop_sequence: str | None = None  # which stop string matched (vLLM stop_reason, SGLang matched_stop)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The upstream's ``logprobs.content`` entries for the output released so far (Chat
+    ``logprobs``); not a block event: rooms that show logprobs attach them, others ignore."""
+
+    entries: tuple[dict[str, Any], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +172,7 @@ class Keepalive:
     pass
 
 
-Event = BlockStart | BlockDelta | BlockStop | Finish | Error | Keepalive
+Event = BlockStart | BlockDelta | BlockStop | Finish | TokenLogprobs | Error | Keepalive
 
 KEEPALIVE = Keepalive()
 

@@ -1,0 +1,272 @@
+"""Request and answer features that must survive translation (issue #29): logprobs, usage
+details, matched stop sequences, legacy ``functions``, structured outputs on Messages,
+Responses ``text.verbosity``, and audio refused by name. Each test drives the official SDK
+(strict validation) through the gateway, both stream modes, streamed and not, against a
+scripted simulator answer, and asserts both what the upstream received and what the SDK
+assembled."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pydantic
+import pytest
+
+from tests.conftest import Gateway, Simulator
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def chat_client(gateway: Gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.base_url, api_key="unused", _strict_response_validation=True, max_retries=0)
+
+
+def messages_client(gateway: Gateway) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=gateway.url, api_key="unused", _strict_response_validation=True, max_retries=0)
+
+
+def frame(delta: dict[str, Any], finish: str | None = None, **choice: Any) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish, **choice}]}
+
+
+def logprob(token: str, value: float) -> dict[str, Any]:
+    # vLLM's shape: bytes and top_logprobs present; the gateway also fills them when absent
+    return {"token": token, "logprob": value, "bytes": list(token.encode()), "top_logprobs": [
+        {"token": token, "logprob": value, "bytes": list(token.encode())}]}
+
+
+TOKENS = [("Hel", -0.1), ("lo", -0.25), (" world", -1.5)]
+
+
+def logprob_script(simulator: Simulator) -> str:
+    frames: list[dict[str, Any]] = [frame({"role": "assistant", "content": ""})]
+    for token, value in TOKENS:
+        frames.append(frame({"content": token}, logprobs={"content": [logprob(token, value)]}))
+    frames.append(frame({}, "stop"))
+    frames.append({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}})
+    return simulator.script(frames)
+
+
+def last_request(simulator: Simulator) -> dict[str, Any]:
+    return simulator.requests()[-1]["body"]
+
+
+# -- logprobs ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_chat_logprobs_reach_the_client_as_the_upstream_sent_them(gateway: Gateway, simulator: Simulator, stream: bool) -> None:
+    model = logprob_script(simulator)
+    client = chat_client(gateway)
+    ask = {"model": model, "messages": USER, "logprobs": True, "top_logprobs": 1}
+    if stream:
+        with client.chat.completions.stream(**ask) as events:
+            deltas = [e for e in events if e.type == "logprobs.content.delta"]
+            completion = events.get_final_completion()
+        assert deltas, "no logprobs delta event"
+    else:
+        completion = client.chat.completions.create(**ask)
+    sent = last_request(simulator)
+    assert sent["logprobs"] is True and sent["top_logprobs"] == 1
+    choice = completion.choices[0]
+    assert choice.message.content == "Hello world"
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    assert [(t.token, t.logprob) for t in choice.logprobs.content] == TOKENS
+    assert [t.top_logprobs[0].token for t in choice.logprobs.content] == [t for t, _ in TOKENS]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_chat_logprobs_the_client_did_not_ask_for_stay_out(gateway: Gateway, simulator: Simulator, stream: bool) -> None:
+    """A gateway that asks for logprobs itself (training capture) must not show them."""
+    model = logprob_script(simulator)
+    client = chat_client(gateway)
+    if stream:
+        with client.chat.completions.stream(model=model, messages=USER) as events:
+            completion = events.get_final_completion()
+    else:
+        completion = client.chat.completions.create(model=model, messages=USER)
+    assert completion.choices[0].message.content == "Hello world"
+    assert completion.choices[0].logprobs is None
+
+
+# -- usage details ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_chat_usage_details_are_relayed_whole(gateway: Gateway, simulator: Simulator, stream: bool) -> None:
+    usage = {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18,
+             "completion_tokens_details": {"reasoning_tokens": 2, "accepted_prediction_tokens": 3,
+                                           "rejected_prediction_tokens": 1, "audio_tokens": 0},
+             "prompt_tokens_details": {"cached_tokens": 4, "audio_tokens": 0}}
+    model = simulator.script([frame({"role": "assistant", "content": "ok"}), frame({}, "stop"),
+                              {"choices": [], "usage": usage}])
+    client = chat_client(gateway)
+    if stream:
+        with client.chat.completions.stream(model=model, messages=USER, stream_options={"include_usage": True}) as events:
+            completion = events.get_final_completion()
+    else:
+        completion = client.chat.completions.create(model=model, messages=USER)
+    got = completion.usage
+    assert got is not None and (got.prompt_tokens, got.completion_tokens, got.total_tokens) == (11, 7, 18)
+    details = got.completion_tokens_details
+    assert details is not None
+    assert (details.reasoning_tokens, details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (2, 3, 1)
+    assert got.prompt_tokens_details is not None and got.prompt_tokens_details.cached_tokens == 4
+
+
+# -- matched stop sequences (Messages) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["stop_reason", "matched_stop"])  # vLLM, SGLang
+@pytest.mark.parametrize("stream", [True, False])
+def test_messages_names_the_stop_sequence_that_matched(gateway: Gateway, simulator: Simulator, stream: bool, field: str) -> None:
+    model = simulator.script([frame({"role": "assistant", "content": "one, two"}), frame({}, "stop", **{field: "THREE"})])
+    client = messages_client(gateway)
+    ask: dict[str, Any] = {"model": model, "max_tokens": 64, "messages": USER, "stop_sequences": ["FOUR", "THREE"]}
+    if stream:
+        with client.messages.stream(**ask) as events:
+            message = events.get_final_message()
+    else:
+        message = client.messages.create(**ask)
+    assert last_request(simulator)["stop"] == ["FOUR", "THREE"]
+    assert message.content[0].type == "text" and message.content[0].text == "one, two"
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "THREE")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_messages_a_stop_token_is_an_ordinary_end_turn(gateway: Gateway, simulator: Simulator, stream: bool) -> None:
+    """vLLM's ``stop_reason`` is an integer for a stop *token*; a string the client never
+    asked for is no stop sequence of theirs either."""
+    for reason in (128009, "<|im_end|>"):
+        model = simulator.script([frame({"role": "assistant", "content": "done"}), frame({}, "stop", stop_reason=reason)])
+        client = messages_client(gateway)
+        ask: dict[str, Any] = {"model": model, "max_tokens": 64, "messages": USER, "stop_sequences": ["END"]}
+        if stream:
+            with client.messages.stream(**ask) as events:
+                message = events.get_final_message()
+        else:
+            message = client.messages.create(**ask)
+        assert (message.stop_reason, message.stop_sequence) == ("end_turn", None)
+
+
+# -- legacy functions ------------------------------------------------------------------------------
+
+FUNCTIONS = [{"name": "get_weather", "description": "weather for a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+
+
+@pytest.mark.parametrize("upstream_shape", ["tool_calls", "function_call"])
+@pytest.mark.parametrize("stream", [True, False])
+def test_legacy_functions_get_a_legacy_function_call(gateway: Gateway, simulator: Simulator, stream: bool, upstream_shape: str) -> None:
+    if upstream_shape == "tool_calls":
+        frames = [
+            frame({"role": "assistant", "tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                                       "function": {"name": "get_weather", "arguments": '{"city":'}}]}),
+            frame({"tool_calls": [{"index": 0, "function": {"arguments": ' "Paris"}'}}]}),
+            frame({}, "tool_calls"),
+        ]
+    else:
+        frames = [
+            frame({"role": "assistant", "function_call": {"name": "get_weather", "arguments": '{"city":'}}),
+            frame({"function_call": {"arguments": ' "Paris"}'}}),
+            frame({}, "function_call"),
+        ]
+    model = simulator.script(frames)
+    client = chat_client(gateway)
+    ask: dict[str, Any] = {"model": model, "messages": USER, "functions": FUNCTIONS, "function_call": {"name": "get_weather"}}
+    if stream:
+        with client.chat.completions.stream(**ask) as events:
+            completion = events.get_final_completion()
+    else:
+        completion = client.chat.completions.create(**ask)
+    sent = last_request(simulator)
+    assert "functions" not in sent and "function_call" not in sent
+    assert sent["tools"] == [{"type": "function", "function": FUNCTIONS[0]}]
+    assert sent["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    choice = completion.choices[0]
+    assert choice.finish_reason == "function_call"
+    assert choice.message.tool_calls is None
+    assert choice.message.function_call is not None
+    assert choice.message.function_call.name == "get_weather"
+    assert json.loads(choice.message.function_call.arguments) == {"city": "Paris"}
+
+
+def test_tools_and_functions_together_are_refused(gateway: Gateway, simulator: Simulator) -> None:
+    simulator.clear()
+    tools = [{"type": "function", "function": FUNCTIONS[0]}]
+    answer = httpx.post(gateway.base_url + "/chat/completions",
+                        json={"model": "echo", "messages": USER, "functions": FUNCTIONS, "tools": tools})
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "functions"
+    assert simulator.requests() == []
+
+
+# -- audio --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body", [
+    {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}},
+    {"audio": {"voice": "alloy", "format": "wav"}},
+])
+def test_audio_output_is_refused_by_name_before_the_upstream(gateway: Gateway, simulator: Simulator, body: dict[str, Any]) -> None:
+    simulator.clear()
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat_client(gateway).chat.completions.create(model="echo", messages=USER, **body)  # type: ignore[call-overload]
+    error = refused.value.body
+    assert isinstance(error, dict) and error["code"] == "audio_not_supported"
+    assert error["param"] in ("modalities", "audio")
+    assert simulator.requests() == []
+
+
+# -- structured outputs on Messages, Responses verbosity ------------------------------------------
+
+
+class City(pydantic.BaseModel):
+    city: str
+    population: int
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_messages_parse_sends_a_response_format_and_parses_the_answer(gateway: Gateway, simulator: Simulator, stream: bool) -> None:
+    model = simulator.script([frame({"role": "assistant", "content": '{"city": "Paris", '}),
+                              frame({"content": '"population": 2100000}'}), frame({}, "stop")])
+    client = messages_client(gateway)
+    ask: dict[str, Any] = {"model": model, "max_tokens": 64, "messages": USER, "output_format": City}
+    if stream:
+        with client.messages.stream(**ask) as events:
+            message = events.get_final_message()
+        parsed = City.model_validate_json(message.content[0].text)  # type: ignore[union-attr]
+    else:
+        parsed = client.messages.parse(**ask).parsed_output
+    assert parsed == City(city="Paris", population=2100000)
+    fmt = last_request(simulator)["response_format"]
+    assert fmt["type"] == "json_schema" and fmt["json_schema"]["strict"] is True
+    assert set(fmt["json_schema"]["schema"]["properties"]) == {"city", "population"}
+
+
+def test_messages_tool_strict_and_a_bad_format_are_handled(gateway: Gateway, simulator: Simulator) -> None:
+    client = messages_client(gateway)
+    tool = {"name": "get_weather", "input_schema": FUNCTIONS[0]["parameters"], "strict": True}
+    client.messages.create(model="echo", max_tokens=32, messages=USER, tools=[tool])  # type: ignore[list-item]
+    assert last_request(simulator)["tools"][0]["function"]["strict"] is True
+    simulator.clear()
+    refused = httpx.post(gateway.url + "/v1/messages", json={
+        "model": "echo", "max_tokens": 32, "messages": USER, "output_config": {"format": {"type": "xml"}}})
+    assert refused.status_code == 400
+    assert refused.json()["type"] == "error" and "output_config.format.type" in refused.json()["error"]["message"]
+    assert simulator.requests() == []
+
+
+def test_responses_text_verbosity_reaches_the_upstream(gateway: Gateway, simulator: Simulator) -> None:
+    client = chat_client(gateway)
+    answer = client.responses.create(model="echo", input="hi", text={"verbosity": "low"})
+    assert answer.output_text
+    assert last_request(simulator)["verbosity"] == "low"
+    simulator.clear()
+    refused = httpx.post(gateway.base_url + "/responses", json={"model": "echo", "input": "hi", "text": {"verbosity": "loud"}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "text.verbosity"
+    assert simulator.requests() == []
