@@ -270,3 +270,61 @@ def test_responses_text_verbosity_reaches_the_upstream(gateway: Gateway, simulat
     refused = httpx.post(gateway.base_url + "/responses", json={"model": "echo", "input": "hi", "text": {"verbosity": "loud"}})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "text.verbosity"
     assert simulator.requests() == []
+
+
+# -- refusals -----------------------------------------------------------------------------------------
+
+REFUSAL = "I can't help with that."
+
+
+def refusal_script(simulator: Simulator) -> str:
+    return simulator.script([frame({"role": "assistant", "refusal": "I can't "}), frame({"refusal": "help with that."}),
+                             frame({}, "stop")])
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_chat_parse_reports_a_refusal(gateway: Gateway, simulator: Simulator, stream: bool) -> None:
+    model = refusal_script(simulator)
+    client = chat_client(gateway)
+    if stream:
+        with client.chat.completions.stream(model=model, messages=USER, response_format=City) as events:
+            completion = events.get_final_completion()
+    else:
+        completion = client.chat.completions.parse(model=model, messages=USER, response_format=City)
+    message = completion.choices[0].message
+    assert message.refusal == REFUSAL
+    assert not message.content and message.parsed is None  # a stream opens with content ""
+    assert completion.choices[0].finish_reason == "stop"
+    assert last_request(simulator)["response_format"]["type"] == "json_schema"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_responses_parse_reports_a_refusal(gateway: Gateway, simulator: Simulator, stream: bool) -> None:
+    model = refusal_script(simulator)
+    client = chat_client(gateway)
+    if stream:
+        with client.responses.stream(model=model, input="hi", text_format=City) as events:
+            kinds = [e.type for e in events]
+            response = events.get_final_response()
+        assert "response.refusal.delta" in kinds and "response.refusal.done" in kinds
+        assert "response.output_text.delta" not in kinds
+    else:
+        response = client.responses.parse(model=model, input="hi", text_format=City)
+    [message] = [item for item in response.output if item.type == "message"]
+    [part] = message.content
+    assert part.type == "refusal" and part.refusal == REFUSAL
+    assert response.output_parsed is None
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_messages_says_refusal_as_its_stop_reason(gateway: Gateway, simulator: Simulator, stream: bool) -> None:
+    model = refusal_script(simulator)
+    client = messages_client(gateway)
+    ask: dict[str, Any] = {"model": model, "max_tokens": 64, "messages": USER}
+    if stream:
+        with client.messages.stream(**ask) as events:
+            message = events.get_final_message()
+    else:
+        message = client.messages.create(**ask)
+    assert message.stop_reason == "refusal"
+    assert [(b.type, getattr(b, "text", None)) for b in message.content] == [("text", REFUSAL)]

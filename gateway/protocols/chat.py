@@ -376,6 +376,8 @@ class ChatEncoder:
                 return self._chunk({"content": event.text})
             if event.kind == "reasoning":
                 return self._chunk({"reasoning_content": event.text})
+            if event.kind == "refusal":
+                return self._chunk({"refusal": event.text})
             if self.legacy_functions:
                 return self._chunk({"function_call": {"arguments": event.text}})
             ordinal = self._tool_ordinal[event.index]

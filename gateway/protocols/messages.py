@@ -64,6 +64,7 @@ PING = sse(b'{"type":"ping"}', "ping")
 _BLOCK_SHAPES: dict[str, tuple[str, str]] = {  # kind -> (delta type, delta field)
     "reasoning": ("thinking_delta", "thinking"),
     "text": ("text_delta", "text"),
+    "refusal": ("text_delta", "text"),  # Messages has no refusal block: text, stop_reason "refusal"
     "tool": ("input_json_delta", "partial_json"),
 }
 
@@ -99,9 +100,14 @@ def usage_json(usage: Usage | None, estimate_in: Callable[[], int], estimate_out
     return out
 
 
-def stop_fields(finish_reason: str, stop_sequence: str | None, declared: tuple[str, ...]) -> dict[str, Any]:
+def stop_fields(
+    finish_reason: str, stop_sequence: str | None, declared: tuple[str, ...], refused: bool = False
+) -> dict[str, Any]:
     """``stop_reason`` + ``stop_sequence``: ``stop_sequence`` when the upstream named one of
-    the client's ``stop_sequences`` as the match (vLLM ``stop_reason``, SGLang ``matched_stop``)."""
+    the client's ``stop_sequences`` as the match (vLLM ``stop_reason``, SGLang ``matched_stop``);
+    ``refusal`` when the model refused (an upstream ``refusal``)."""
+    if refused and finish_reason == "stop":
+        return {"stop_reason": "refusal", "stop_sequence": None}
     if finish_reason == "stop" and stop_sequence is not None and stop_sequence in declared:
         return {"stop_reason": "stop_sequence", "stop_sequence": stop_sequence}
     return {"stop_reason": STOP_REASONS[finish_reason], "stop_sequence": None}
@@ -170,7 +176,7 @@ class MessagesRoom:
         for run in completion.runs():  # thinking and text blocks in the upstream's order
             if run.kind == "reasoning":
                 content.append({"type": "thinking", "thinking": run.text, "signature": SIGNATURE})
-            else:
+            else:  # text, or a refusal (said as text; stop_reason "refusal")
                 content.append({"type": "text", "text": run.text})
         for call in completion.tool_calls:
             content.append(
@@ -191,7 +197,9 @@ class MessagesRoom:
             "role": "assistant",
             "model": request.model,
             "content": content,
-            **stop_fields(completion.finish_reason, completion.stop_sequence, request.facts.stop_sequences),
+            **stop_fields(
+                completion.finish_reason, completion.stop_sequence, request.facts.stop_sequences, bool(completion.refusal)
+            ),
             "usage": usage_json(
                 completion.usage, _input_counter(request), estimate_out
             ),
@@ -218,6 +226,7 @@ class MessagesEncoder:
         self.input_estimate = input_estimate
         self.input_tokens = input_tokens
         self._outputs: list[str] = []  # block contents, counted only if the upstream gives no usage
+        self._refused = False  # a refusal block was sent: stop_reason "refusal"
         self._ended = False
 
     def start(self) -> bytes:
@@ -250,7 +259,8 @@ class MessagesEncoder:
             block: dict[str, Any]
             if event.kind == "reasoning":
                 block = {"type": "thinking", "thinking": "", "signature": SIGNATURE}
-            elif event.kind == "text":
+            elif event.kind in ("text", "refusal"):
+                self._refused = self._refused or event.kind == "refusal"
                 block = {"type": "text", "text": ""}
             else:
                 block = {"type": "tool_use", "id": event.call_id, "name": event.name, "input": {}}
@@ -264,7 +274,7 @@ class MessagesEncoder:
         if isinstance(event, Finish):
             delta = {
                 "type": "message_delta",
-                "delta": stop_fields(event.finish_reason, event.stop_sequence, self.stop_sequences),
+                "delta": stop_fields(event.finish_reason, event.stop_sequence, self.stop_sequences, self._refused),
                 "usage": usage_json(event.usage, self.input_tokens, lambda: sum(map(count_text, self._outputs))),
             }
             self._ended = True  # only once the frames exist: a failure above still gets its error event

@@ -52,6 +52,8 @@ def assistant_message(completion: Completion) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": completion.text or None}
     if completion.reasoning:
         message["reasoning_content"] = completion.reasoning
+    if completion.refusal:
+        message["refusal"] = completion.refusal
     if completion.tool_calls:
         message["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}

@@ -237,7 +237,7 @@ class ResponsesRoom:
                 if run.kind == "reasoning":
                     output.append(reasoning_item(new_id("rs_"), run.text, facts.envelope))
                 else:
-                    output.append(message_item(new_id("msg_"), run.text, "completed"))
+                    output.append(message_item(new_id("msg_"), run.text, "completed", refusal=run.kind == "refusal"))
         for call in completion.tool_calls:
             item_id = new_id("fc_" if call.name not in facts.tool_map.kinds else "ctc_")
             output.append(

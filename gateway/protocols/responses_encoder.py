@@ -46,12 +46,16 @@ def usage_object(usage: Usage | None) -> dict[str, Any]:
     }
 
 
-def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
-    content = (
-        []
-        if text is None
-        else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-    )
+def content_part(text: str, refusal: bool) -> dict[str, Any]:
+    """A message's one content part: ``output_text``, or ``refusal`` (what ``responses.parse``
+    reports instead of parsing)."""
+    if refusal:
+        return {"type": "refusal", "refusal": text}
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def message_item(item_id: str, text: str | None, status: str, refusal: bool = False) -> dict[str, Any]:
+    content = [] if text is None else [content_part(text, refusal)]
     return {
         "id": item_id,
         "type": "message",
@@ -209,6 +213,7 @@ class ResponsesEncoder:
         self._pending: set[int] = set()  # client-executed tool calls not yet announced
         self._custom: dict[int, CustomInputStream] = {}  # open custom calls' decoded input
         self._open: int | None = None
+        self._refusals: set[int] = set()  # output indexes of refusal messages
         self.final: dict[str, Any] | None = None
 
     def start(self) -> bytes:
@@ -264,9 +269,11 @@ class ResponsesEncoder:
         index = event.index
         self._open = index
         self._parts[index] = []
-        if event.kind == "text":
+        if event.kind in ("text", "refusal"):
             item = message_item(new_id("msg_"), None, "in_progress")
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            if event.kind == "refusal":
+                self._refusals.add(index)
+            part = content_part("", event.kind == "refusal")
             return out + self._added_with_part(index, item, "response.content_part.added", "content_index", part)
         if event.kind == "reasoning":
             item = reasoning_item(new_id("rs_"), None, False)
@@ -312,6 +319,8 @@ class ResponsesEncoder:
             if not new:
                 return b""
             return self._event("response.custom_tool_call_input.delta", {**where, "delta": new})
+        if item["type"] == "message" and index in self._refusals:
+            return self._event("response.refusal.delta", {**where, "content_index": 0, "delta": text})
         if item["type"] == "message":
             return self._event(
                 "response.output_text.delta",
@@ -343,7 +352,12 @@ class ResponsesEncoder:
         text = "".join(self._parts[index])
         item = self.response.items[index]
         where = {"item_id": item["id"], "output_index": index}
-        if item["type"] == "message":
+        if item["type"] == "message" and index in self._refusals:
+            part = content_part(text, True)
+            out += self._event("response.refusal.done", {**where, "content_index": 0, "refusal": text})
+            out += self._event("response.content_part.done", {**where, "content_index": 0, "part": part})
+            final = message_item(item["id"], text, status, refusal=True)
+        elif item["type"] == "message":
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
             out += self._event(
                 "response.output_text.done",

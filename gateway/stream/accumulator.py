@@ -62,7 +62,7 @@ def stream_error(code: str, message: str) -> GatewayError:
 
 @dataclass(frozen=True, slots=True)
 class TextPiece:
-    kind: Literal["text", "reasoning"]
+    kind: Literal["text", "reasoning", "refusal"]
     text: str
 
 
@@ -106,6 +106,7 @@ class ChatSSEAccumulator:
         self.rules = rules or ToolRules()
         self.text_parts: list[str] = []
         self.reasoning_parts: list[str] = []
+        self.refusal_parts: list[str] = []
         self.segments: list[Segment] = []  # reasoning/text runs in the upstream's order
         self.tools = ToolCallMerger()
         self.finish_reason: str | None = None
@@ -153,7 +154,7 @@ class ChatSSEAccumulator:
                     self._add_text("text", content, pieces)
             refusal = delta.get("refusal")
             if refusal and isinstance(refusal, str):
-                self._add_text("text", refusal, pieces)
+                self._add_text("refusal", refusal, pieces)
             if delta.get("tool_calls") or delta.get("function_call") is not None:
                 pieces.extend(self.tools.feed(delta, self._retain))
             logprobs = object_or_empty(choice.get("logprobs")).get("content")
@@ -192,9 +193,10 @@ class ChatSSEAccumulator:
             raise stream_error("upstream_error", "the upstream finished with finish_reason 'error'")
         self.finish_reason = value
 
-    def _add_text(self, kind: Literal["text", "reasoning"], text: str, pieces: list[Piece]) -> None:
+    def _add_text(self, kind: Literal["text", "reasoning", "refusal"], text: str, pieces: list[Piece]) -> None:
         self._retain(text)
-        (self.reasoning_parts if kind == "reasoning" else self.text_parts).append(text)
+        parts = {"reasoning": self.reasoning_parts, "refusal": self.refusal_parts}.get(kind, self.text_parts)
+        parts.append(text)
         if self.segments and self.segments[-1].kind == kind:
             self.segments[-1].parts.append(text)
         else:
@@ -249,7 +251,7 @@ class ChatSSEAccumulator:
             finish = "tool_calls"
         if finish == "tool_calls" and not calls:
             raise stream_error("tool_call_invalid", "finish_reason tool_calls without any tool call")
-        if finish == "stop" and not calls and not self.text_parts:
+        if finish == "stop" and not calls and not self.text_parts and not self.refusal_parts:
             raise stream_error("empty_response", "the upstream finished without any output")
         completion = Completion(
             reasoning=self.reasoning,
@@ -260,6 +262,7 @@ class ChatSSEAccumulator:
             token_data=self.token_data,
             segments=[Segment(s.kind, ["".join(s.parts)]) for s in self.segments],
             stop_sequence=self.stop_sequence if finish == "stop" else None,
+            refusal="".join(self.refusal_parts),
         )
         if completion.usage is None and self._estimate_usage is not None:
             completion.usage = self._estimate_usage(completion)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from gateway.errors import GatewayError
 
-BlockKind = Literal["reasoning", "text", "tool"]
+BlockKind = Literal["reasoning", "text", "refusal", "tool"]
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter"]
 
 
@@ -72,7 +72,7 @@ class Segment:
     """One run of reasoning or text, in the upstream's order (reasoning may resume after
     text: thinking, text, thinking, text are four segments)."""
 
-    kind: Literal["reasoning", "text"]
+    kind: Literal["reasoning", "text", "refusal"]
     parts: list[str]
 
     @property
@@ -92,12 +92,13 @@ class Completion:
     token_data: TokenData | None = None
     segments: list[Segment] | None = None  # None: one reasoning run, then one text run
     stop_sequence: str | None = None  # the stop string that ended it, when the upstream said
+    refusal: str = ""  # what the model said as a refusal (Chat ``refusal``: structured outputs)
 
     def runs(self) -> list[Segment]:
         """Reasoning and text runs in the order they were produced."""
         if self.segments is not None:
             return [s for s in self.segments if s.text]
-        runs = [Segment("reasoning", [self.reasoning]), Segment("text", [self.text])]
+        runs = [Segment("reasoning", [self.reasoning]), Segment("text", [self.text]), Segment("refusal", [self.refusal])]
         return [s for s in runs if s.text]
 
 
