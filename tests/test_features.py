@@ -328,3 +328,35 @@ def test_messages_says_refusal_as_its_stop_reason(gateway: Gateway, simulator: S
         message = client.messages.create(**ask)
     assert message.stop_reason == "refusal"
     assert [(b.type, getattr(b, "text", None)) for b in message.content] == [("text", REFUSAL)]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_responses_output_text_logprobs_when_included(gateway: Gateway, simulator: Simulator, stream: bool) -> None:
+    model = logprob_script(simulator)
+    client = chat_client(gateway)
+    ask: dict[str, Any] = {"model": model, "input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 1}
+    if stream:
+        with client.responses.stream(**ask) as events:
+            deltas = [e for e in events if e.type == "response.output_text.delta"]
+            response = events.get_final_response()
+        assert [(lp.token, lp.logprob) for d in deltas for lp in d.logprobs or []] == TOKENS
+    else:
+        response = client.responses.create(**ask)
+    sent = last_request(simulator)
+    assert sent["logprobs"] is True and sent["top_logprobs"] == 1
+    [message] = [item for item in response.output if item.type == "message"]
+    [part] = message.content
+    assert part.type == "output_text" and part.text == "Hello world"
+    assert [(lp.token, lp.logprob, lp.bytes) for lp in part.logprobs or []] == [(t, v, list(t.encode())) for t, v in TOKENS]
+    assert [lp.top_logprobs[0].token for lp in part.logprobs or []] == [t for t, _ in TOKENS]
+
+
+def test_responses_logprobs_not_included_stay_out(gateway: Gateway, simulator: Simulator) -> None:
+    model = logprob_script(simulator)
+    with chat_client(gateway).responses.stream(model=model, input="hi") as events:
+        deltas = [e for e in events if e.type == "response.output_text.delta"]
+        response = events.get_final_response()
+    assert "logprobs" not in last_request(simulator)
+    assert all(not d.logprobs for d in deltas)
+    [message] = [item for item in response.output if item.type == "message"]
+    assert message.content[0].type == "output_text" and message.content[0].logprobs == []

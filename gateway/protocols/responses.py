@@ -24,6 +24,7 @@ from gateway.protocols.responses_compaction import (
 from gateway.protocols.responses_encoder import (
     ResponsesEncoder,
     message_item,
+    output_logprobs,
     new_id,
     reasoning_item,
     response_object,
@@ -91,6 +92,7 @@ class ResponsesFacts:
     dropped_tools: tuple[str, ...] = ()
     resolved: bool = False  # previous_response_id already prepended
     compaction: bool = False  # a compaction turn: the answer is one compaction item
+    logprobs: bool = False  # include message.output_text.logprobs
 
 
 class ResponseStorage(Protocol):
@@ -133,6 +135,7 @@ class ResponsesRoom:
                 history=tuple(t.input_messages),
                 dropped_tools=tuple(t.dropped_tools),
                 compaction=t.compaction,
+                logprobs=t.include_logprobs,
             ),
         )
 
@@ -206,6 +209,7 @@ class ResponsesRoom:
             tool_map=facts.tool_map,
             envelope=facts.envelope,
             compaction=facts.compaction,
+            logprobs=facts.logprobs,
         )
 
     def json_body(self, request: ParsedRequest[ResponsesFacts], response_id: str, completion: Completion) -> dict:
@@ -233,11 +237,14 @@ class ResponsesRoom:
         if facts.compaction:
             output.append(compaction_item(completion.text))
         else:
+            logprobs = output_logprobs(completion) if facts.logprobs else []
             for run in completion.runs():  # reasoning and message items in the upstream's order
                 if run.kind == "reasoning":
                     output.append(reasoning_item(new_id("rs_"), run.text, facts.envelope))
                 else:
-                    output.append(message_item(new_id("msg_"), run.text, "completed", refusal=run.kind == "refusal"))
+                    refusal = run.kind == "refusal"
+                    output.append(message_item(new_id("msg_"), run.text, "completed", refusal, logprobs))
+                    logprobs = logprobs if refusal else []  # all on the first text part, as streamed
         for call in completion.tool_calls:
             item_id = new_id("fc_" if call.name not in facts.tool_map.kinds else "ctc_")
             output.append(

@@ -28,6 +28,7 @@ from gateway.protocols.responses_tools import ToolMap, upstream_tool_choice, ups
 from gateway.protocols.responses_compaction import COMPACTION_ITEMS, SUMMARY_PROMPT, replayed_summary
 from gateway.protocols.fields import (
     MAX_NAME_CHARS,
+    Count,
     Name,
     OutputTokens,
     Probability,
@@ -45,6 +46,10 @@ def seal_reasoning(text: str) -> str:
 def open_reasoning(value: object) -> str | None:
     """The reasoning text of an envelope this process sealed, else None."""
     return open_envelope("r", value)
+
+
+#: The ``include`` value that asks for the output text's token logprobs.
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 class _ResponsesBody(BaseModel):
@@ -65,6 +70,7 @@ class _ResponsesBody(BaseModel):
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
     include: list[StrictStr] | None = None
+    top_logprobs: Count | None = None
     previous_response_id: StrictStr | None = None
     metadata: dict[str, StrictStr] | None = None
     user: StrictStr | None = None
@@ -93,6 +99,7 @@ class Translation:
     dropped_tools: list[str]
     include_reasoning_envelope: bool
     compaction: bool = False  # a compaction turn: answer with one compaction item
+    include_logprobs: bool = False  # include: message.output_text.logprobs
 
 
 def parse_body(raw: dict[str, Any]) -> _ResponsesBody:
@@ -146,6 +153,7 @@ def translate(raw: dict[str, Any], compaction: bool = False) -> Translation:
         dropped_tools=dropped,
         include_reasoning_envelope=not compaction and "reasoning.encrypted_content" in (body.include or []),
         compaction=compaction,
+        include_logprobs=not compaction and LOGPROBS_INCLUDE in (body.include or []),
     )
 
 
@@ -179,6 +187,10 @@ def _answer_upstream(
     response_format = _response_format(body.text)
     if response_format is not None:
         upstream["response_format"] = response_format
+    if LOGPROBS_INCLUDE in (body.include or []):
+        upstream["logprobs"] = True
+        if body.top_logprobs is not None:
+            upstream["top_logprobs"] = body.top_logprobs
     verbosity = (body.text or {}).get("verbosity")
     if verbosity is not None:
         if verbosity not in ("low", "medium", "high"):

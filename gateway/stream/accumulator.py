@@ -68,7 +68,7 @@ class TextPiece:
 
 @dataclass(frozen=True, slots=True)
 class LogprobsPiece:
-    """One chunk's ``logprobs.content`` entries, released after that chunk's output."""
+    """One chunk's ``logprobs.content`` entries, released just before that chunk's output."""
 
     entries: tuple[dict, ...]
 
@@ -140,6 +140,9 @@ class ChatSSEAccumulator:
                 if self.token_data is None:
                     self.token_data = TokenData()
                 self.token_data.absorb(chunk, choice)
+            logprobs = object_or_empty(choice.get("logprobs")).get("content")
+            if logprobs and isinstance(logprobs, list):  # before the output they score: a room
+                pieces.append(LogprobsPiece(tuple(e for e in logprobs if isinstance(e, dict))))  # attaches them to it
             delta = object_or_empty(choice.get("delta"))
             # reasoning first when one delta carries both (it was thought before it was said)
             reasoning = delta.get("reasoning_content") or delta.get("reasoning")
@@ -157,9 +160,6 @@ class ChatSSEAccumulator:
                 self._add_text("refusal", refusal, pieces)
             if delta.get("tool_calls") or delta.get("function_call") is not None:
                 pieces.extend(self.tools.feed(delta, self._retain))
-            logprobs = object_or_empty(choice.get("logprobs")).get("content")
-            if logprobs and isinstance(logprobs, list):
-                pieces.append(LogprobsPiece(tuple(e for e in logprobs if isinstance(e, dict))))
             finish = choice.get("finish_reason")
             if isinstance(finish, str):
                 self._take_finish(finish)
