@@ -8,6 +8,8 @@ assembled."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -267,8 +269,13 @@ def test_responses_text_verbosity_reaches_the_upstream(gateway: Gateway, simulat
     assert answer.output_text
     assert last_request(simulator)["verbosity"] == "low"
     simulator.clear()
+    client.responses.create(model="echo", input="hi", text={"verbosity": "medium"})  # Codex's default
+    assert "verbosity" not in last_request(simulator)  # the default: upstreams without the key still answer
+    simulator.clear()
     refused = httpx.post(gateway.base_url + "/responses", json={"model": "echo", "input": "hi", "text": {"verbosity": "loud"}})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "text.verbosity"
+    background = httpx.post(gateway.base_url + "/responses", json={"model": "echo", "input": "hi", "background": True})
+    assert background.status_code == 400 and background.json()["error"]["code"] == "background_not_supported"
     assert simulator.requests() == []
 
 
@@ -360,3 +367,46 @@ def test_responses_logprobs_not_included_stay_out(gateway: Gateway, simulator: S
     assert all(not d.logprobs for d in deltas)
     [message] = [item for item in response.output if item.type == "message"]
     assert message.content[0].type == "output_text" and message.content[0].logprobs == []
+
+
+# -- the field tables in docs/protocols/*.md --------------------------------------------------------
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "protocols"
+
+
+def documented(doc: str, section: str) -> set[str]:
+    """The top-level field names in the first column of ``section``'s tables (a row's
+    backticked names: ``a.b`` counts as ``a``, ``a[].b`` as ``a``)."""
+    text = (DOCS / doc).read_text()
+    start = next(i for i, line in enumerate(text.splitlines()) if line.startswith("#") and section in line)
+    names: set[str] = set()
+    for line in text.splitlines()[start + 1:]:
+        if line.startswith("## "):
+            break
+        if line.startswith("| `"):
+            first = line.split(" | ")[0]
+            names |= {re.split(r"[.\[ (]", n)[0] for n in re.findall(r"`([^`]+)`", first)}
+    return names
+
+
+def request_fields(params: type) -> set[str]:
+    return {key for cls in params.__mro__ for key in getattr(cls, "__annotations__", {})}
+
+
+def model_fields(*models: type[pydantic.BaseModel]) -> set[str]:
+    return {name for model in models for name in model.model_fields}
+
+
+@pytest.mark.parametrize(("doc", "section", "fields"), [
+    ("chat.md", "Request", lambda: request_fields(openai.types.chat.completion_create_params.CompletionCreateParamsBase) | {"stream"}),
+    ("responses.md", "Request keys", lambda: request_fields(openai.types.responses.response_create_params.ResponseCreateParamsBase) | {"stream"}),
+    ("messages.md", "Request translation", lambda: request_fields(anthropic.types.message_create_params.MessageCreateParamsBase) | {"stream"}),
+    ("chat.md", "Answer fields", lambda: model_fields(openai.types.chat.ChatCompletion)),
+    ("responses.md", "Answer fields", lambda: model_fields(openai.types.responses.Response)),
+    ("messages.md", "Answer fields", lambda: model_fields(anthropic.types.Message)),
+])
+def test_every_sdk_field_has_a_row_in_the_protocol_tables(doc: str, section: str, fields: Any) -> None:
+    """A field the SDKs learn (a new release) fails here until its row says what the
+    gateway does with it: translated, forwarded, refused (code) or ignored (why)."""
+    missing = sorted(fields() - documented(doc, section))
+    assert not missing, f"docs/protocols/{doc} ({section}) has no row for {missing}"

@@ -69,6 +69,7 @@ def _echo(raw: dict[str, Any], body: Any) -> dict[str, Any]:
         "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
         "tools": tools,
         "top_p": body.top_p,
+        "top_logprobs": body.top_logprobs,
         "truncation": truncation if truncation in _TRUNCATION else "disabled",
         "user": body.user,
     }

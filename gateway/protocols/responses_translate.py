@@ -119,6 +119,12 @@ def parse_body(raw: dict[str, Any]) -> _ResponsesBody:
                 param=key,
                 code=f"{key}_not_supported",
             )
+    if raw.get("background") is True:
+        raise invalid_request(
+            "background responses are not supported by this gateway: stream the response, or wait for it",
+            param="background",
+            code="background_not_supported",
+        )
     if body.input is None and body.previous_response_id is None:
         raise invalid_request(
             "missing required parameter: 'input'", param="input", code="missing_required_parameter"
@@ -197,7 +203,8 @@ def _answer_upstream(
             raise invalid_request(
                 "text.verbosity must be 'low', 'medium' or 'high'", param="text.verbosity", code="invalid_value"
             )
-        upstream["verbosity"] = verbosity
+        if verbosity != "medium":  # medium is every API's default: left out, upstreams without it still answer
+            upstream["verbosity"] = verbosity
     effort = (body.reasoning or {}).get("effort")
     if effort is not None:
         if not isinstance(effort, str):
