@@ -410,3 +410,34 @@ def test_every_sdk_field_has_a_row_in_the_protocol_tables(doc: str, section: str
     gateway does with it: translated, forwarded, refused (code) or ignored (why)."""
     missing = sorted(fields() - documented(doc, section))
     assert not missing, f"docs/protocols/{doc} ({section}) has no row for {missing}"
+
+
+CACHE_USAGE = {"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105,
+               "prompt_tokens_details": {"cached_tokens": 60, "cache_write_tokens": 30},
+               "completion_tokens_details": {"reasoning_tokens": 2}}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_cache_reads_and_writes_reach_messages_and_responses_usage(gateway: Gateway, simulator: Simulator, stream: bool) -> None:
+    model = simulator.script([frame({"role": "assistant", "content": "ok"}), frame({}, "stop"),
+                              {"choices": [], "usage": CACHE_USAGE}])
+    ask: dict[str, Any] = {"model": model, "max_tokens": 16, "messages": USER}
+    anthropic_client = messages_client(gateway)
+    if stream:
+        with anthropic_client.messages.stream(**ask) as events:
+            message = events.get_final_message()
+    else:
+        message = anthropic_client.messages.create(**ask)
+    usage = message.usage
+    assert (usage.input_tokens, usage.cache_read_input_tokens, usage.cache_creation_input_tokens) == (10, 60, 30)
+    assert usage.output_tokens == 5
+    openai_client = chat_client(gateway)
+    if stream:
+        with openai_client.responses.stream(model=model, input="hi") as events:
+            response = events.get_final_response()
+    else:
+        response = openai_client.responses.create(model=model, input="hi")
+    assert response.usage is not None
+    details = response.usage.input_tokens_details
+    assert (response.usage.input_tokens, details.cached_tokens, details.cache_write_tokens) == (100, 60, 30)
+    assert response.usage.output_tokens_details.reasoning_tokens == 2

@@ -93,6 +93,10 @@ def usage_json(usage: Usage | None, estimate_in: Callable[[], int], estimate_out
     }
     if usage.cached_tokens:
         out["cache_read_input_tokens"] = usage.cached_tokens
+    written = usage.prompt_details.get("cache_write_tokens", 0)
+    if written:  # OpenAI-style upstreams that report cache writes (prompt_tokens_details)
+        out["cache_creation_input_tokens"] = written
+        out["input_tokens"] = max(0, out["input_tokens"] - written)
     if usage.reasoning_tokens:
         out["output_tokens_details"] = {
             "thinking_tokens": min(usage.reasoning_tokens, usage.completion_tokens)

@@ -41,7 +41,9 @@ def usage_object(usage: Usage | None) -> dict[str, Any]:
     u = usage or Usage()
     return {
         "input_tokens": u.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
+        "input_tokens_details": {
+            "cached_tokens": u.cached_tokens, "cache_write_tokens": u.prompt_details.get("cache_write_tokens", 0)
+        },
         "output_tokens": u.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
         "total_tokens": u.total_tokens,
