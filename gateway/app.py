@@ -33,6 +33,7 @@ from gateway.models_api import keyed, list_models, retrieve_model, route_error_h
 from gateway.protocols.openai_shapes import error_json as openai_error
 from gateway.protocols.messages import error_json as anthropic_error
 from gateway.relay import GenerationService
+from gateway.relayed import CompletionsRoute, EmbeddingsRoute
 from gateway.routes import count_tokens_endpoint, generation_endpoint, retrieve_response_endpoint
 from gateway.servers import bind_loopback, on_server_exit, start_embedded, stop_embedded
 from gateway.shutdown import GracefulShutdown
@@ -245,6 +246,8 @@ def create_app(
         Route("/v1/responses/{response_id}", keyed(retrieve_response_endpoint(response_store), openai_error), methods=["GET"]),
         Route("/v1/messages", generation(MessagesRoom()), methods=["POST"]),
         Route("/v1/messages/count_tokens", keyed(count_tokens_endpoint, anthropic_error), methods=["POST"]),
+        Route("/v1/completions", generation(CompletionsRoute()), methods=["POST"]),  # type: ignore[arg-type]
+        Route("/v1/embeddings", generation(EmbeddingsRoute()), methods=["POST"]),  # type: ignore[arg-type]
         Route("/v1/models", keyed(list_models, openai_error), methods=["GET"]),
         Route("/v1/models/{model_id:path}", keyed(retrieve_model, openai_error), methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),

@@ -120,7 +120,9 @@ class GenerationService:
             return error_response(room, err, headers)
         session = request.headers.get(settings.session_header) if settings.session_header else None
         try:
-            run = GenerationRun(room, parsed, policy, record, UpstreamAttempts(self.pool, self.upstream, policy, session, record.trace_context))
+            # a room may name its own run: the relayed routes' RelayedCall (gateway/relayed.py)
+            run_type = getattr(room, "run_type", GenerationRun)
+            run = run_type(room, parsed, policy, record, UpstreamAttempts(self.pool, self.upstream, policy, session, record.trace_context))
         except Exception as exc:
             err = internal_error(exc, record.request_id, "encoder")
             outcome.failed(err)
@@ -183,11 +185,12 @@ class GenerationService:
         self.running.discard(record.request_id)
         record.ended_at = time.time()
         record.duration_ms = (record.ended_at - record.started_at) * 1000
-        if run is not None:
-            note_run(record, run)
+        chat_run = run if isinstance(run, GenerationRun) else None  # a RelayedCall noted itself
+        if chat_run is not None:
+            note_run(record, chat_run)
         self.observer.on_finish(record)
-        if self.capture is not None and run is not None:
-            self.capture.submit(capture_record(run))
+        if self.capture is not None and chat_run is not None:
+            self.capture.submit(capture_record(chat_run))
 
 
 #: The old name, kept for imports elsewhere; it wires, it does not relay.
