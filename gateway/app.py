@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from importlib import resources
 from pathlib import Path
 
@@ -47,6 +47,8 @@ from gateway.upstream.prober import CredentialProber
 from gateway.store.replicas import Replication
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.config import build_pool
+from gateway.upstream.pool import Credential
+from gateway.upstream.urls import header_secrets, url_secrets
 from gateway.capture import CaptureWriter
 
 log = structlog.get_logger("gateway")
@@ -125,7 +127,17 @@ def settings_secrets(settings: Settings) -> list[str]:
     if settings.database_url is not None:
         url = settings.database_url.get_secret_value()
         out += [url, urlsplit(url).password or ""]
+    for url in settings.upstream_url:
+        out += url_secrets(url)
     return out
+
+
+def pool_secrets(credentials: Iterable[Credential]) -> list[str]:
+    """Every secret the pool holds: keys, configured header values, URL userinfo."""
+    out: list[str] = []
+    for upstream in {id(c.upstream): c.upstream for c in credentials}.values():
+        out += header_secrets(upstream.headers) + url_secrets(upstream.base_url)
+    return out + [c.api_key for c in credentials if c.api_key]
 
 
 def create_app(
@@ -155,7 +167,7 @@ def create_app(
     SECRETS.set(owner + ":settings", settings_secrets(live.current))
 
     def track_pool() -> None:
-        SECRETS.set(owner + ":pool", [c.api_key for c in relay.pool.credentials if c.api_key])
+        SECRETS.set(owner + ":pool", pool_secrets(relay.pool.credentials))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
