@@ -24,7 +24,9 @@ from gateway.protocols.responses_ws import ConnectionSlots, websocket_endpoint a
 from gateway.admin import admin_mount, auth_routes
 from gateway.admin.auth import AdminAccess, login_base_url
 from gateway.admin.common import admin_error
+from gateway.admin.sessions import SessionEpoch
 from gateway.admin.surface import AdminSurface
+from gateway.admin.throttle import AttemptThrottle
 from gateway.body_limit import BodyLimit
 from gateway.errors import GatewayError
 from gateway.redact import SECRETS, RedactingSend
@@ -188,11 +190,11 @@ def create_app(
         await prober.start()
         observability.metrics.declare_configuration(relay.pool)
         if getattr(app.state, "print_banner", False):
-            from gateway.banner import print_banner, startup_facts
+            from gateway.banner import announce
 
             upstreams = [c.upstream for c in relay.pool.credentials]
             login_url = getattr(app.state, "admin_login_url", None)
-            print_banner(startup_facts(live.current, upstreams, simulator_url, bool(webui), login_url, live.sources))
+            announce(live.current, upstreams, simulator_url, bool(webui), login_url, live.sources, settings.data_dir)
         if replication is not None:
             await replication.start(relay.pool)
             relay.capacity = replication.capacity
@@ -275,6 +277,8 @@ def create_app(
         middleware.insert(0, Middleware(SimulatorHeader))
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware, exception_handlers=route_error_handlers())
     app.state.admin_access = access
+    app.state.admin_throttle = AttemptThrottle()  # failed token attempts (gateway.admin.throttle)
+    app.state.admin_sessions = SessionEpoch(saved)  # logout revokes, on every process sharing the store
     app.state.admin_login_url = access.login_url(login_base_url(settings.host, settings.port, settings.public_url))
     app.state.live = live
     app.state.db = db

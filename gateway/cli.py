@@ -318,8 +318,8 @@ def websocket_options(settings: Settings) -> dict[str, Any]:
 
 def admin_login_url(settings: Settings, access: AdminAccess) -> str | None:
     """The generated admin token's login URL (None with a configured ``--admin-token``):
-    the banner prints it once, on stderr; it is never logged (the log pipeline masks every
-    secret, this one included)."""
+    written to a 0600 file in the data dir and shown whole on a terminal only; it is never
+    logged (the log pipeline masks every secret, this one included)."""
     return access.login_url(login_base_url(settings.host, settings.port, settings.public_url))
 
 
@@ -327,7 +327,7 @@ def _banner_before_workers(settings: Settings, sources: dict, login_url: str | N
     """With ``--workers N`` the parent says it once (each worker builds its own app),
     with the saved values the workers will apply."""
     from gateway.app import WEBUI_DIR, uses_simulator
-    from gateway.banner import print_banner, startup_facts
+    from gateway.banner import announce
     from gateway.settings import LiveSettings
     from gateway.store.credentials import CredentialState
     from gateway.store.db import open_database
@@ -345,7 +345,7 @@ def _banner_before_workers(settings: Settings, sources: dict, login_url: str | N
     finally:
         saved.close()
         db.close()
-    print_banner(startup_facts(current, upstreams, simulator, (WEBUI_DIR / "index.html").is_file(), login_url, current_sources))
+    announce(current, upstreams, simulator, (WEBUI_DIR / "index.html").is_file(), login_url, current_sources, settings.data_dir)
 
 
 #: The environment variable carrying the resolved CLI values to worker processes (JSON).

@@ -129,9 +129,9 @@ def test_serve_prints_the_banner_at_warning_level_and_marks_simulator_answers(tm
     assert banner["simulator"] is True and banner["listen_url"] == f"http://127.0.0.1:{port}"
     assert banner["webui_url"] == f"http://127.0.0.1:{port}/ui/" and banner["stream_mode"] == "compatible"
     assert banner["store"] == f"SQLite {tmp_path / 'codebuddy2api.sqlite3'}"
-    # no --admin-token: the one-time login URL is in the banner, and nowhere else
-    token = banner["admin_login_url"].removeprefix(f"http://127.0.0.1:{port}/ui/?token=")
-    assert token and "/" not in token and stderr.count(token) == 1
+    # no --admin-token: the one-time login URL is in its 0600 file, and nowhere on stderr
+    token = Path(banner["admin_login_file"]).read_text().strip().removeprefix(f"http://127.0.0.1:{port}/ui/?token=")
+    assert token and "/" not in token and stderr.count(token) == 0 and banner["admin_token_prefix"] == token[:6] + "..."
     assert [e for e in events if e.get("level") == "info" and e.get("event") != "startup"] == []
 
 
