@@ -48,6 +48,7 @@ class SecretSet:
         #: position however many secrets), and how far back it may start
         self._tail: re.Pattern[str] | None = None
         self._tail_window = 0
+        self._long: tuple[str, ...] = ()  # secrets whose prefixes go past the trie's depth
 
     def set(self, owner: str, secrets: Iterable[str | None]) -> None:
         """Replace ``owner``'s share of the set."""
@@ -64,7 +65,8 @@ class SecretSet:
             self._few_text = tuple(every) if few else None
             self._few_bytes = tuple(e.encode() for e in every) if few else None
             self._tail = re.compile(f"(?:{_prefix_trie(every)})\\Z") if every else None
-            self._tail_window = max((len(s) for s in every), default=1) - 1
+            self._tail_window = min(max((len(s) for s in every), default=1) - 1, TRIE_DEPTH)
+            self._long = tuple(s for s in every if len(s) - 1 > TRIE_DEPTH)
 
     def drop(self, owner: str) -> None:
         self.set(owner, ())
@@ -87,8 +89,17 @@ class SecretSet:
         pattern = self._tail
         if pattern is None or not text:
             return 0
+        held = 0
+        for secret in self._long:  # rare (a 200+ character key): candidates by its first character
+            start = max(0, len(text) - len(secret) + 1)
+            at = text.find(secret[0], start, len(text) - TRIE_DEPTH)
+            while at >= 0:
+                if secret.startswith(text[at:]):
+                    held = max(held, len(text) - at)
+                    break
+                at = text.find(secret[0], at + 1, len(text) - TRIE_DEPTH)
         found = pattern.search(text, max(0, len(text) - self._tail_window))
-        return len(text) - found.start() if found else 0
+        return max(held, len(text) - found.start() if found else 0)
 
     def mask_value(self, value: Any) -> Any:
         """Strings anywhere inside dicts, lists and tuples (a copy only where one changed)."""
@@ -103,13 +114,19 @@ class SecretSet:
         return value
 
 
+#: How deep the prefix trie (a nested regex) goes: ``re`` compiles nesting recursively.
+#: Longer prefixes of longer secrets are found by :meth:`SecretSet.held_tail`'s loop.
+TRIE_DEPTH = 200
+
+
 def _prefix_trie(secrets: list[str]) -> str:
-    """A regex matching every proper prefix of every secret (non-empty): a trie of the
-    secrets without their last character, each step optional after the first."""
+    """A regex matching every proper prefix of every secret (non-empty, at most
+    :data:`TRIE_DEPTH` characters): a trie of the secrets without their last character,
+    each step optional after the first."""
     trie: dict[str, Any] = {}
     for secret in secrets:
         node = trie
-        for char in secret[:-1]:
+        for char in secret[: min(len(secret) - 1, TRIE_DEPTH)]:
             node = node.setdefault(char, {})
 
     def render(node: dict[str, Any]) -> str:

@@ -253,3 +253,18 @@ def test_a_secret_added_mid_stream_is_masked_from_then_on() -> None:
     assert masker.feed([BlockDelta(0, "text", OTHER)]) == [BlockDelta(0, "text", OTHER)]
     held.set("late", [OTHER])
     assert masker.feed([BlockDelta(0, "text", OTHER + ".")]) == [BlockDelta(0, "text", MASK + ".")]
+
+
+def test_a_key_longer_than_the_trie_is_held_at_every_offset_too() -> None:
+    """An OpenAI project key is ~164 characters and a database URL may be longer: the
+    prefix trie stops at TRIE_DEPTH (re compiles nesting recursively), the rest is found
+    by a scan for the key's first character; a set holding such a key compiles at all."""
+    from gateway.redact import TRIE_DEPTH
+
+    long_key = "sk-proj-" + "Ab3x" * 100  # 408 characters
+    assert len(long_key) > TRIE_DEPTH * 2
+    for cut in range(1, len(long_key), 7):
+        masker = _masker(long_key, SECRET)
+        out = masker.feed([BlockDelta(0, "text", "x " + long_key[:cut])]) + masker.feed(
+            [BlockDelta(0, "text", long_key[cut:] + " y")]) + masker.feed([BlockStop(0, "text", "")])
+        assert "".join(e.text for e in out if isinstance(e, BlockDelta)) == f"x {MASK} y", cut
