@@ -126,19 +126,33 @@ def test_wrong_bearer_tokens_are_rate_limited_on_the_admin_api(guarded: tuple[Ga
     assert httpx.get(api, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}).status_code == 200
 
 
-def _two_instances(server_loop: ServerLoop, simulator: Simulator, data_dir: Path) -> list[Gateway]:
+def _two_instances(server_loop: ServerLoop, simulator: Simulator, data_dir: Path, database_url: str | None = None) -> list[Gateway]:
     """Two apps (as two replicas or workers would be) on one store."""
-    settings = Settings(upstream_url=[simulator.url + "/v1"], data_dir=data_dir, admin_token=ADMIN_TOKEN,
-                        spill_max_bytes=1 << 20)
-    sources = {name: "default" for name in Settings.model_fields}
-    apps = [create_app(settings, sources) for _ in range(2)]  # type: ignore[arg-type]
+    apps = []
+    for n in range(2):
+        settings = Settings(upstream_url=[simulator.url + "/v1"], data_dir=data_dir / str(n) if database_url else data_dir,
+                            admin_token=ADMIN_TOKEN, spill_max_bytes=1 << 20, database_url=database_url)
+        apps.append(create_app(settings, {name: "default" for name in Settings.model_fields}))  # type: ignore[arg-type]
     return [Gateway(server_loop.serve(app), app) for app in apps]
 
 
 def test_logout_revokes_the_cookie_on_every_instance_sharing_the_store(
     server_loop: ServerLoop, simulator: Simulator, tmp_path: Path
 ) -> None:
-    first, second = _two_instances(server_loop, simulator, tmp_path / "data")
+    _logout_revokes_everywhere(_two_instances(server_loop, simulator, tmp_path / "data"), shared=False)
+
+
+def test_logout_revokes_on_every_postgresql_replica(server_loop: ServerLoop, simulator: Simulator, tmp_path: Path,
+                                                    postgres_schema: str) -> None:
+    _logout_revokes_everywhere(_two_instances(server_loop, simulator, tmp_path, postgres_schema), shared=True)
+
+
+def _logout_revokes_everywhere(instances: list[Gateway], shared: bool) -> None:
+    """On a shared store the other replica sees the new epoch with its next settings
+    revision poll (REVISION_MAX_AGE, 250 ms): waited for, never assumed."""
+    from tests.conftest import wait_for
+
+    first, second = instances
     cookie = _login(first, ADMIN_TOKEN).cookies[COOKIE]
     other_cookie = _login(second, ADMIN_TOKEN).cookies[COOKIE]
     for gateway in (first, second):
@@ -146,12 +160,16 @@ def test_logout_revokes_the_cookie_on_every_instance_sharing_the_store(
             assert httpx.get(gateway.url + "/admin/api/settings", cookies={COOKIE: value}).status_code == 200
     out = httpx.post(first.url + "/admin/logout", json={}, cookies={COOKIE: cookie}, headers={"origin": first.url})
     assert out.status_code == 200 and out.json() == {"authenticated": False, "revoked": True}
+    if shared:
+        wait_for(lambda: httpx.get(second.url + "/admin/api/settings", cookies={COOKIE: cookie}).status_code == 401)
     for gateway in (first, second):  # every session, on every instance, is gone
         for value in (cookie, other_cookie):
             refused = httpx.get(gateway.url + "/admin/api/settings", cookies={COOKIE: value})
             assert refused.status_code == 401 and refused.json()["error"]["code"] == "admin_login_required"
         assert httpx.get(gateway.url + "/admin/session", cookies={COOKIE: cookie}).json()["authenticated"] is False
     fresh = _login(second, ADMIN_TOKEN).cookies[COOKIE]  # a new login works at once, everywhere
+    if shared:
+        wait_for(lambda: httpx.get(first.url + "/admin/api/settings", cookies={COOKIE: fresh}).status_code == 200)
     assert all(httpx.get(g.url + "/admin/api/settings", cookies={COOKIE: fresh}).status_code == 200 for g in (first, second))
     history = httpx.get(first.url + "/admin/api/settings/history", headers={"authorization": f"Bearer {ADMIN_TOKEN}"})
     assert history.status_code == 200 and "admin_session_epoch" in history.text  # the logout is on record
