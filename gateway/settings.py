@@ -15,12 +15,15 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ENV_PREFIX = "CODEBUDDY2API_"
 
 Source = Literal["cli", "env", "saved", "default"]
+
+#: The shortest admin token or client key accepted (start-up refuses shorter ones).
+MIN_OPERATOR_SECRET = 16
 
 
 class StreamMode(StrEnum):
@@ -44,6 +47,9 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
+    allow_upstream_host: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="hosts allowed as upstreams although link-local or cloud metadata"
+    )  # before upstream_url: its validator reads this one
     upstream_url: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Upstream base URLs ending in /v1"
     )
@@ -109,12 +115,22 @@ class Settings(BaseSettings):
     )
 
 
-    @field_validator("upstream_url", "api_key", mode="before")
+    @field_validator("upstream_url", "api_key", "allow_upstream_host", mode="before")
     @classmethod
     def _split_list(cls, value: Any) -> Any:
         """Env values are comma-separated; flags arrive as lists."""
         if isinstance(value, str):
             return [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
+    @field_validator("api_key", "admin_token")
+    @classmethod
+    def _long_enough(cls, value: Any) -> Any:
+        """Operator secrets shorter than :data:`MIN_OPERATOR_SECRET` are refused: they can
+        be guessed, and the redaction point would not mask them (docs/configuration.md)."""
+        for secret in value if isinstance(value, list) else [value]:
+            if secret is not None and len(secret.get_secret_value()) < MIN_OPERATOR_SECRET:
+                raise ValueError(f"must be at least {MIN_OPERATOR_SECRET} characters (e.g. openssl rand -hex 16)")
         return value
 
     @field_validator("public_url", mode="before")
@@ -133,10 +149,12 @@ class Settings(BaseSettings):
 
     @field_validator("upstream_url")
     @classmethod
-    def _upstream_urls(cls, value: list[str]) -> list[str]:
-        """Every URL checked at start-up, not at the first request."""
+    def _upstream_urls(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        """Every URL checked at start-up, not at the first request (gateway.upstream.urls)."""
+        from gateway.upstream.urls import check_upstream_url
+
         for url in value:
-            check_base_url(url)
+            check_upstream_url(url, info.data.get("allow_upstream_host") or ())
         return value
 
     @field_validator("database_url")
@@ -189,17 +207,11 @@ class Settings(BaseSettings):
 
 
 def check_base_url(url: str) -> str:
-    """Raise ValueError unless ``url`` is an http(s) URL with a host (the path is free)."""
-    from urllib.parse import urlsplit
+    """Raise ValueError unless ``url`` is an http(s) URL httpx can send (the path is free;
+    the host is not judged: see gateway.upstream.urls.check_upstream_url)."""
+    from gateway.upstream.urls import check_upstream_url
 
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018  (raises on a bad port)
-    except ValueError as exc:
-        raise ValueError(f"{url!r} is not a URL: {exc}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{url!r} is not an http:// or https:// URL with a host, e.g. http://my-vllm:8000/v1")
-    return url
+    return check_upstream_url(url, None)
 
 
 def base_url_hint(url: str) -> str | None:
@@ -218,6 +230,8 @@ CLI_FIELDS: dict[str, str] = {
     "host": "address to bind",
     "port": "port to bind",
     "upstream_url": "upstream base URL ending in /v1 (repeatable)",
+    "allow_upstream_host": "a host that may be an upstream although it is link-local or a cloud metadata service"
+                           " (refused by default: 169.254.0.0/16, fe80::/10, fd00:ec2::254, metadata.google.internal; repeatable)",
     "simulator": "serve the built-in upstream simulator instead of a real upstream (demo, tests)",
     "upstream_api_key": "API key(s) sent to the upstream as a Bearer token (comma-separated = several credentials)",
     "upstream_api_key_file": "file with upstream API keys, one per line",
@@ -286,7 +300,8 @@ def _describe_error(exc: ValidationError, cli_keys: set[str], saved: bool = Fals
     annotation = Settings.model_fields[field].annotation if field in Settings.model_fields else None
     if isinstance(annotation, type) and issubclass(annotation, StrEnum):
         allowed = " (allowed: " + ", ".join(m.value for m in annotation) + ")"
-    shown = "[redacted]" if field in ("database_url", "upstream_api_key", "admin_token", "api_key", "otlp_endpoint") else err.get("input")
+    shown = "[redacted]" if field in ("database_url", "upstream_api_key", "admin_token", "api_key", "otlp_endpoint",
+                                      "upstream_url") else err.get("input")  # a URL's userinfo is a secret
     return f"invalid value {shown!r} for {where}: {err['msg'].removeprefix('Value error, ')}{allowed}"
 
 

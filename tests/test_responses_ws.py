@@ -196,7 +196,7 @@ def test_mid_stream_failure_is_failed_then_a_clean_close(gateway: Gateway) -> No
 
 
 def test_client_key_comes_from_the_upgrade_request(server_loop: Any, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory) -> None:
-    gw = start_gateway(server_loop, simulator, tmp_path_factory, api_key=["sk-ws-client"])
+    gw = start_gateway(server_loop, simulator, tmp_path_factory, api_key=["sk-ws-client-key-of-24-ch"])
     request = {"type": "response.create", "model": "text", "input": "hi"}
     for frame in (request, {**request, "generate": False}):
         with open_ws(gw) as ws:
@@ -205,14 +205,14 @@ def test_client_key_comes_from_the_upgrade_request(server_loop: Any, simulator: 
     with open_ws(gw) as ws:  # a frame that is not even JSON: the key is checked first, as over HTTP
         error = _closing_error(ws, "{not json")
     assert error["status"] == 401 and error["error"]["code"] == "invalid_api_key"
-    with open_ws(gw, Authorization="Bearer sk-ws-client") as ws:  # with the key: what was wrong with the frame
+    with open_ws(gw, Authorization="Bearer sk-ws-client-key-of-24-ch") as ws:  # with the key: what was wrong with the frame
         assert _closing_error(ws, "{not json")["error"]["code"] == "invalid_json"
     rows = audit_rows(gw, 3)  # the generating request and the two unread frames (the prewarm leaves none)
     assert sorted((r["outcome"], r["error_code"], r["transport"]) for r in rows) == [
         ("invalid", "invalid_json", "websocket"),
         ("refused", "invalid_api_key", "websocket"), ("refused", "invalid_api_key", "websocket"),
     ]
-    with open_ws(gw, Authorization="Bearer sk-ws-client") as ws:
+    with open_ws(gw, Authorization="Bearer sk-ws-client-key-of-24-ch") as ws:
         events = exchange(ws, request)
         assert events[-1]["type"] == "response.completed"
         again = exchange(ws, {**request, "input": "again", "previous_response_id": events[0]["response"]["id"]})
