@@ -351,6 +351,16 @@ class LockedSetting(SettingsError):
         self.reason = reason
 
 
+def _usable_keys(saved: Any) -> list[str]:
+    """The saved client keys still long enough; when none is, one random key nobody holds,
+    so a bad saved value (a key shorter than the minimum, saved before it existed) locks
+    ``/v1`` (401 for everyone until an operator saves new keys) instead of opening it."""
+    import secrets
+
+    keys = [k for k in saved if isinstance(k, str) and len(k) >= MIN_OPERATOR_SECRET] if isinstance(saved, list) else []
+    return keys or [secrets.token_urlsafe(32)]
+
+
 class LiveSettings:
     """The settings in force now: flag/env/default values, plus the saved layer.
 
@@ -402,6 +412,8 @@ class LiveSettings:
                     Settings.model_validate(base | good | {key: value})
                     good[key] = value
                 except ValidationError:
+                    if key == "api_key":  # fail closed: never open /v1 because a saved key is bad
+                        good[key] = _usable_keys(value)
                     continue
             usable = good
             new = Settings.model_validate(base | usable)

@@ -194,3 +194,17 @@ def test_admin_token_login_cookie_and_origin(server_loop: ServerLoop, simulator:
     assert httpx.get(gateway.url + "/admin/api/settings/history", cookies=jar).json()["history"][0]["actor"] == "admin-session"
     forged = {"cb2a_admin": session.split(".")[0] + ".deadbeef"}
     assert httpx.get(api, cookies=forged).status_code == 401
+
+
+def test_a_saved_client_key_under_the_minimum_locks_v1_instead_of_opening_it(tmp_path: Path) -> None:
+    """Keys saved before the 16-character minimum existed: the long ones stay, and when
+    none is left one random key nobody holds keeps /v1 closed (401), never open."""
+    db = tmp_path / "s.sqlite3"
+    saved = SavedSettings(Database(db))
+    saved.write(0, {"api_key": ["short"]}, [], "test")
+    live = live_on(db)
+    assert len(live.current.api_key) == 1
+    assert live.current.api_key[0].get_secret_value() != "short"
+    saved.write(1, {"api_key": ["short", "a-client-key-long-enough-0001"]}, [], "test")
+    live = live_on(db)
+    assert [k.get_secret_value() for k in live.current.api_key] == ["a-client-key-long-enough-0001"]
