@@ -26,6 +26,7 @@ from gateway.admin.auth import AdminAccess, login_base_url
 from gateway.admin.common import admin_error
 from gateway.admin.surface import AdminSurface
 from gateway.body_limit import BodyLimit
+from gateway.cross_site import CrossSiteGuard
 from gateway.errors import GatewayError
 from gateway.redact import SECRETS, RedactingSend
 from gateway.observability.observer import Observability, metrics_endpoint
@@ -256,6 +257,8 @@ def create_app(
     ]
     middleware = [  # outermost first; all inside Starlette's error middleware
         Middleware(RedactingSend),
+        Middleware(CrossSiteGuard, keys=lambda: bool(live.current.api_key), public_urls=settings.public_url,
+                   bind_host=settings.host, allow_origins=settings.cors_allow_origin),
         Middleware(AdminSurface, public_urls=settings.public_url, bind_host=settings.host),
         Middleware(BodyLimit, limit=settings.max_body_bytes, render=error_for_path),
     ]

@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
             serve.add_argument(flag, dest=name, choices=["auto", "always", "never"], help=help_text)
         elif name == "log_level":
             serve.add_argument(flag, dest=name, choices=["debug", "info", "warning", "error"], help=help_text)
-        elif name in ("upstream_url", "api_key", "public_url"):
+        elif name in ("upstream_url", "api_key", "public_url", "cors_allow_origin"):
             serve.add_argument(flag, dest=name, action="append", default=None, help=help_text)
         elif name in ("allow_open", "simulator"):
             serve.add_argument(flag, dest=name, action="store_true", default=None, help=help_text)
