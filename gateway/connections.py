@@ -22,6 +22,7 @@ processes load it too, each configuring its own limits from its settings).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, ClassVar
 
@@ -181,9 +182,22 @@ GuardedProtocol = protocol_class(PROCESS_LIMITS)
 PROCESS_PROTOCOL = "gateway.connections:GuardedProtocol"
 
 
+class RefusedUpgradeFilter(logging.Filter):
+    """Drops uvicorn's "ASGI callable returned without completing handshake." error: its
+    WebSocket protocol logs it after every upgrade the app refused with a
+    ``websocket.http.response`` (401, 403, 503 here), which is a complete answer, not a bug;
+    kept, every hostile socket would cost an ERROR line (the gateway logs its own warning)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "ASGI callable returned without completing handshake."
+
+
 def configure_process(settings: Any) -> None:
     """Apply ``--header-timeout`` and ``--max-connections-per-ip`` to this process's server."""
     PROCESS_LIMITS.configure(settings.header_timeout, settings.max_connections_per_ip)
+    error_log = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, RefusedUpgradeFilter) for f in error_log.filters):
+        error_log.addFilter(RefusedUpgradeFilter())
 
 
 def server_options(settings: Any) -> dict[str, Any]:

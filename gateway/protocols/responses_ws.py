@@ -82,6 +82,31 @@ CLOSE_TRY_AGAIN_LATER = 1013
 REFUSED_RETRY_AFTER = 5
 
 
+#: A frame at least this big is followed by :func:`release_freed_memory`.
+TRIM_AFTER_BYTES = 4 * 1024 * 1024
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the system (glibc ``malloc_trim``; ctypes releases the
+    GIL meanwhile, so run it in a thread). A big frame parses into ~20 times its size in
+    small objects; freed, glibc keeps most of those pages, so the process would look as big
+    after the frame as during it."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 @dataclass(frozen=True, slots=True)
 class Refusal:
     """Why the connection stops reading: the wrapped error to send and the close code."""
@@ -316,6 +341,9 @@ class ResponsesConnection:
                 if frame is None:
                     break
                 keep_open = await self._handle(*frame)
+                if frame[1] >= TRIM_AFTER_BYTES:  # its parsed objects are gone: give their pages back
+                    await asyncio.to_thread(release_freed_memory)
+                frame = None  # not held while waiting for the next one (a frame may be 32 MiB)
                 if keep_open is not None:  # an ignored frame does not extend --ws-idle-timeout
                     self.active_at = asyncio.get_running_loop().time()
                 if self.stopped:
@@ -368,6 +396,7 @@ class ResponsesConnection:
                 if message["type"] != "websocket.receive":
                     continue
                 refusal = self.inbox.offer(message)
+                del message  # the inbox holds it now; this frame must not keep it while waiting
                 if refusal is not None:
                     log.warning("responses_ws_refused", code=refusal.error.code, close_code=refusal.close_code)
                     self.refused = refusal
