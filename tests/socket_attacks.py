@@ -140,7 +140,8 @@ async def slow_headers(host: str, port: int, sockets: int, interval: float, seco
     await asyncio.gather(*(one() for _ in range(sockets)))
     closed_after.sort()
     median = closed_after[len(closed_after) // 2] if closed_after else None
-    return {"sockets": sockets, "closed": len(closed_after), "median_closed_after_s": median and round(median, 2)}
+    return {"sockets": sockets, "closed": len(closed_after), "median_closed_after_s": median and round(median, 2),
+            "last_closed_after_s": closed_after and round(closed_after[-1], 2) or None}
 
 
 async def ignored_frames(url: str, seconds: float, headers: dict[str, str] | None = None) -> float | None:
