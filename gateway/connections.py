@@ -118,8 +118,8 @@ class ConnectionGuard:
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # type: ignore[misc]
-        if not self.transport.is_closing():
-            self._arm()  # the next request's headers, from now
+        if not self.transport.is_closing() and not self._answering():
+            self._arm()  # the next request's headers, from now (a pipelined one already has them)
 
     def handle_websocket_upgrade(self, *args: Any) -> None:
         """The transport goes to the WebSocket protocol, which gets our ``connection_lost``
@@ -138,6 +138,10 @@ class ConnectionGuard:
                 self._release()
 
         protocol.connection_lost = connection_lost  # type: ignore[method-assign]
+
+    def _answering(self) -> bool:
+        """A request whose headers arrived is being answered (never cut by the timer)."""
+        return self.cycle is not None and not self.cycle.response_complete
 
     def _release(self) -> None:
         if self._counted:
@@ -159,7 +163,7 @@ class ConnectionGuard:
         self._header_timer = None
         if self.transport.is_closing() or self.transport.get_protocol() is not self:
             return
-        if self.cycle is not self._waiting_for:
+        if self.cycle is not self._waiting_for or self._answering():
             return  # a request's headers arrived meanwhile
         self.limits.timed_out_one()
         self.transport.close()

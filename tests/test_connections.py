@@ -113,6 +113,23 @@ def test_headers_in_time_are_answered_and_a_long_answer_is_not_cut(guarded: tupl
     assert final.choices[0].finish_reason == "stop" and len(final.choices[0].message.content or "") > 20
 
 
+def test_a_pipelined_request_is_not_cut_by_the_timer(guarded: tuple[Gateway, ConnectionLimits]) -> None:
+    """Two requests in one write: the second (its headers already in) takes 1.5 s to answer,
+    three header timeouts; it is answered whole."""
+    gw, limits = guarded
+    body = json.dumps({"model": "text;first_chunk_delay=1.5", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    sock = _connect(gw)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+                 b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                 + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+    answer = _closed_by_server(sock, 20)
+    _, _, rest = answer.partition(b"HTTP/1.1 200 OK\r\n")[2].partition(b"HTTP/1.1 ")
+    assert rest.startswith(b"200"), answer[:300]
+    completion = json.loads(rest.partition(b"\r\n\r\n")[2])
+    assert completion["choices"][0]["finish_reason"] == "stop" and completion["choices"][0]["message"]["content"]
+    assert limits.timed_out == 0
+
+
 def test_connections_per_address_are_capped_and_websockets_count_until_closed(guarded: tuple[Gateway, ConnectionLimits]) -> None:
     from websockets.sync.client import connect
 
