@@ -20,12 +20,16 @@ wrapped 413 ``request_too_large`` and close 1009; while one request is answered 
 :data:`MAX_QUEUED_FRAMES` frames (and ``--max-body-bytes`` bytes in all) may wait, past
 that the wrapped 400 ``too_many_queued_frames``, the answer in flight is cut, and close
 1008; the socket is not read past either. A connection with nothing in flight and no
-frame for ``--ws-idle-timeout`` seconds is closed (1000). Codex sends one ``response.create``
+frame that asked for something for ``--ws-idle-timeout`` seconds is closed (1000): ignored
+frames (``response.processed``) do not extend it. What a connection remembers between turns
+(:class:`ConnectionMemory`) is packed and bounded by its real size. Codex sends one ``response.create``
 and waits for its terminal event (then at most a ``response.processed``), so it never
 comes near the queue bound; it reconnects after any close.
 
-Connections themselves are bounded too (:class:`ConnectionSlots`): past
-``--ws-max-connections`` open in this process an upgrade is refused before it is accepted,
+Connections themselves are bounded too (:class:`ConnectionSlots`): the client key is checked
+on the upgrade request first (without it: a 401 with the OpenAI error body, before accept and
+before a slot is taken); past ``--ws-max-connections`` open in this process, or
+``--ws-max-connections-per-ip`` from one address, an upgrade is refused before it is accepted,
 with an HTTP 503 and the OpenAI error body ``too_many_websockets`` (ASGI's
 ``websocket.http.response`` extension; without it: accepted, then closed 1013); a
 connection older than ``--ws-max-lifetime`` is closed 1001 once nothing is in flight (an
