@@ -257,7 +257,7 @@ def create_app(
     ]
     middleware = [  # outermost first; all inside Starlette's error middleware
         Middleware(RedactingSend),
-        Middleware(CrossSiteGuard, keys=lambda: bool(live.current.api_key), public_urls=settings.public_url,
+        Middleware(CrossSiteGuard, live=live, public_urls=settings.public_url,
                    bind_host=settings.host, allow_origins=settings.cors_allow_origin),
         Middleware(AdminSurface, public_urls=settings.public_url, bind_host=settings.host),
         Middleware(BodyLimit, limit=settings.max_body_bytes, render=error_for_path),

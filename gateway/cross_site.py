@@ -28,7 +28,7 @@ missing key.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -41,6 +41,7 @@ from gateway.admin.surface import LOOPBACK_NAMES, WILDCARD_BINDS, host_name, ori
 from gateway.errors import GatewayError
 from gateway.protocols.messages import error_json as anthropic_error
 from gateway.protocols.openai_shapes import error_json as openai_error
+from gateway.settings import LiveSettings, Settings
 
 #: Where a refusal for a generation request waits for the relay (see :func:`raise_refusal`).
 SCOPE_KEY = "codebuddy2api.cross_site_refusal"
@@ -89,18 +90,21 @@ def raise_refusal(scope: Scope) -> None:
 class CrossSiteGuard:
     """Refuses foreign origins (and, keyless, foreign hosts) on ``/v1``; CORS for listed origins.
 
-    ``keys()`` says whether client keys are configured now (settings are live)."""
+    Whether client keys are configured follows the live settings through their listener
+    (told of each new value when a request reads them), so no request pays a settings read
+    here; a key added or removed at run time applies from the next request on."""
 
     def __init__(
         self,
         app: ASGIApp,
-        keys: Callable[[], bool],
+        live: LiveSettings,
         public_urls: Iterable[str] = (),
         bind_host: str = "",
         allow_origins: Iterable[str] = (),
     ) -> None:
         self.app = app
-        self.keys = keys
+        self.keyed = bool(live.current.api_key)
+        live.listeners.append(self._settings_changed)
         urls = list(public_urls)
         self.hosts = set(LOOPBACK_NAMES) | {name for u in urls if (name := urlsplit(u).hostname)}
         if bind_host not in WILDCARD_BINDS:
@@ -111,6 +115,9 @@ class CrossSiteGuard:
             app, allow_origins=sorted(self.allow_origins), allow_methods=["GET", "POST"],
             allow_headers=["*"], expose_headers=list(EXPOSED_HEADERS), max_age=600,
         )
+
+    def _settings_changed(self, current: Settings) -> None:
+        self.keyed = bool(current.api_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or not is_api_path(scope.get("path", "")):
@@ -133,7 +140,7 @@ class CrossSiteGuard:
     def refusal(self, scope: Scope, headers: dict[str, str], listed: bool) -> GatewayError | None:
         """Why the request is refused, or None."""
         host = headers.get("host", "")
-        if not self.keys() and host_name(host) not in self.hosts:
+        if not self.keyed and host_name(host) not in self.hosts:
             return forbidden_host(host)
         if listed:
             return None

@@ -269,3 +269,16 @@ def test_a_cross_site_page_in_chromium_gets_nothing_and_reaches_no_upstream(
     rows = audit_rows(gw, 5)  # the control's two chat completions and socket answer; each evil page's two chat POSTs
     refused = [r for r in rows if r["outcome"] == "refused"]
     assert len(refused) == 4 and {r["error_code"] for r in refused} == {"cross_origin"}
+
+
+def test_a_key_saved_at_run_time_moves_the_fence_from_the_host_to_the_key(
+    server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    gw = start_gateway(server_loop, simulator, tmp_path_factory)
+    host = {"host": "gateway.internal.example"}
+    assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT, headers=host).json()["error"]["code"] == "forbidden_host"
+    gw.live.update({"api_key": [KEY]})  # what the admin API's settings write does
+    served = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, headers={**host, "authorization": f"Bearer {KEY}"})
+    assert served.status_code == 200 and served.json()["object"] == "chat.completion"
+    gw.live.update({}, unset=("api_key",))
+    assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT, headers=host).json()["error"]["code"] == "forbidden_host"
