@@ -160,7 +160,7 @@ async def ignored_frames(url: str, seconds: float, headers: dict[str, str] | Non
 
 
 async def keep_attacking(url: str, seconds: float, key: str | None = None) -> dict[str, Any]:
-    """The cheap attacks, over and over, for ``seconds``: keyless upgrades 16 at a time,
+    """The cheap attacks, over and over, for ``seconds``: keyless upgrades 8 at a time,
     cross-origin upgrades one at a time, 200 slow-header sockets, one ignored-frames socket (``key``: the client key the
     ignored-frames socket presents, when the gateway has one)."""
     host, port = url.removeprefix("http://").split(":")
@@ -171,9 +171,10 @@ async def keep_attacking(url: str, seconds: float, key: str | None = None) -> di
         while time.monotonic() < deadline:
             await attack()
             rounds[name] += 1
+            await asyncio.sleep(0.05)
 
     _, _, slow, ignored = await asyncio.gather(
-        loop("keyless", lambda: keyless_upgrades(url, 64, at_once=16)),
+        loop("keyless", lambda: keyless_upgrades(url, 32, at_once=8)),
         loop("cross_origin", lambda: cross_origin_upgrades(url, 16)),
         slow_headers(host, int(port), 200, 1.0, seconds),
         ignored_frames(url, seconds, {"authorization": f"Bearer {key}"} if key else None),
@@ -182,5 +183,8 @@ async def keep_attacking(url: str, seconds: float, key: str | None = None) -> di
 
 
 if __name__ == "__main__":  # URL SECONDS [KEY [SOURCE]]
+    import os
+
+    os.nice(10)  # a real attacker has CPUs of its own: here it must not take the gateway's share of two
     SOURCE = sys.argv[4] if len(sys.argv) > 4 else None
     print(json.dumps(asyncio.run(keep_attacking(sys.argv[1], float(sys.argv[2]), *sys.argv[3:4]))))

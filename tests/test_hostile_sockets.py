@@ -60,7 +60,7 @@ def test_three_big_frames_leave_the_gateway_under_150_mib_more(tmp_path: Path) -
 
 
 def test_healthz_p99_under_100_ms_while_the_socket_attacks_run(tmp_path: Path) -> None:
-    """For 10 s, from 127.0.0.2: keyless upgrades 16 at a time, cross-origin upgrades, 200
+    """For 10 s, from 127.0.0.2 (a niced process): keyless upgrades 8 at a time, cross-origin upgrades, 200
     slow-header sockets (one line a second) and a socket of ignored frames; from 127.0.0.1,
     400 /healthz probes on fresh connections."""
     proc = GatewayProcess("--simulator", "--api-key", KEY, "--data-dir", str(tmp_path / "data"),
