@@ -28,6 +28,7 @@ from gateway.admin.sessions import SessionEpoch
 from gateway.admin.surface import AdminSurface
 from gateway.admin.throttle import AttemptThrottle
 from gateway.body_limit import BodyLimit
+from gateway.cross_site import CrossSiteGuard
 from gateway.errors import GatewayError
 from gateway.redact import SECRETS, RedactingSend
 from gateway.observability.observer import Observability, metrics_endpoint
@@ -273,6 +274,8 @@ def create_app(
     ]
     middleware = [  # outermost first; all inside Starlette's error middleware
         Middleware(RedactingSend),
+        Middleware(CrossSiteGuard, live=live, public_urls=settings.public_url,
+                   bind_host=settings.host, allow_origins=settings.cors_allow_origin),
         Middleware(AdminSurface, public_urls=settings.public_url, bind_host=settings.host),
         Middleware(BodyLimit, limit=settings.max_body_bytes, render=error_for_path),
     ]

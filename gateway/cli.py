@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from gateway.admin.auth import AdminAccess, is_loopback, login_base_url
+from gateway.connections import server_options as connection_options
 from gateway.settings import CLI_FIELDS, ENV_PREFIX, Settings, SettingsError, StreamMode, load_settings
 
 
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
             serve.add_argument(flag, dest=name, choices=["auto", "always", "never"], help=help_text)
         elif name == "log_level":
             serve.add_argument(flag, dest=name, choices=["debug", "info", "warning", "error"], help=help_text)
-        elif name in ("upstream_url", "api_key", "public_url", "allow_upstream_host"):
+        elif name in ("upstream_url", "api_key", "public_url", "allow_upstream_host", "cors_allow_origin"):
             serve.add_argument(flag, dest=name, action="append", default=None, help=help_text)
         elif name in ("allow_open", "simulator"):
             serve.add_argument(flag, dest=name, action="store_true", default=None, help=help_text)
@@ -281,6 +282,7 @@ def serve(settings: Settings, sources: dict, cli_values: dict[str, Any] | None =
         timeout_graceful_shutdown=settings.shutdown_timeout + SHUTDOWN_GRACE,
     )
     common.update(websocket_options(settings))
+    common.update(connection_options(settings))  # --header-timeout, --max-connections-per-ip
     access = AdminAccess.from_settings(settings.admin_token)  # one token for every worker
     try:
         if settings.workers > 1:
@@ -379,6 +381,7 @@ def worker_app() -> Any:
     cli_values = json.loads(os.environ.get(CLI_VALUES_ENV) or "{}")
     settings, sources = load_settings(cli_values)
     configure_logging(settings.log_level)
+    connection_options(settings)  # this worker's connection limits
     return create_app(settings, sources, admin_login_token=os.environ.get(ADMIN_LOGIN_TOKEN_ENV))
 
 

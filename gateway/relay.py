@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.body_limit import BodyTooLarge
 from gateway.capture import CaptureWriter
+from gateway.cross_site import raise_refusal
 from gateway.errors import ErrorCode, GatewayError
 from gateway.generation import GenerationRun, RunningGenerations, capture_record, note_run
 from gateway.outcome import RequestOutcome, internal_error
@@ -83,6 +84,7 @@ class GenerationService:
         run: GenerationRun | None = None
         outcome = RequestOutcome(record, lambda: self._report(record, run))
         try:  # from the headers, before a byte of the body is read
+            raise_refusal(request.scope)  # a web page's request (gateway/cross_site.py)
             record.client_key_fingerprint = check_client_key(request, settings.api_key)
             body = await request.body()
         except GatewayError as err:

@@ -90,6 +90,18 @@ class Settings(BaseSettings):
     ws_max_lifetime: float = Field(
         3600.0, gt=0, description="seconds a Responses WebSocket may live; closed after that once nothing is in flight"
     )
+    ws_max_connections_per_ip: int = Field(
+        32, ge=1, description="Responses WebSockets open at once from one client address (loopback included)"
+    )
+    max_connections_per_ip: int = Field(
+        256, ge=1, description="TCP connections open at once from one client address (HTTP and WebSocket; loopback included)"
+    )
+    header_timeout: float = Field(
+        10.0, gt=0, description="seconds a connection may take to send a request's headers (from connect, or from the last answer)"
+    )
+    cors_allow_origin: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="web origins allowed to call /v1 (real CORS); every other Origin is refused"
+    )
     data_dir: Path = Path("data")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     audit_retention_days: float = Field(30, ge=0, description="0 = keep audit rows forever")
@@ -146,6 +158,20 @@ class Settings(BaseSettings):
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError(f"{url!r} is not an http(s) URL with a host name")
         return urls
+
+    @field_validator("cors_allow_origin", mode="before")
+    @classmethod
+    def _origins(cls, value: Any) -> Any:
+        """Repeatable and comma-separated alike; each an exact ``scheme://host[:port]``."""
+        from urllib.parse import urlsplit
+
+        items = [value] if isinstance(value, str) else list(value or [])
+        origins = [v.strip().rstrip("/").lower() for item in items for v in str(item).split(",") if v.strip()]
+        for origin in origins:
+            parts = urlsplit(origin)
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query:
+                raise ValueError(f"{origin!r} is not an origin (scheme://host[:port], e.g. https://app.example.com)")
+        return origins
 
     @field_validator("upstream_url")
     @classmethod
@@ -264,6 +290,14 @@ CLI_FIELDS: dict[str, str] = {
                           " inbox and remembered conversations)",
     "ws_max_lifetime": "seconds a Responses WebSocket may stay open; after that it is closed (1001) as soon as nothing"
                        " is in flight, never mid-answer (default 3600, OpenAI's own 60-minute limit; Codex reconnects)",
+    "ws_max_connections_per_ip": "Responses WebSockets open at once from one client address, loopback included"
+                                 " (past it: 503 too_many_websockets before the upgrade is accepted)",
+    "max_connections_per_ip": "TCP connections (HTTP and WebSocket) open at once from one peer address, loopback"
+                              " included; past it a new connection is answered 503 and closed",
+    "header_timeout": "seconds a connection may take to send a request's headers, from connect or from the"
+                      " previous answer (slow-header sockets are closed)",
+    "cors_allow_origin": "a web origin (scheme://host[:port]) allowed to call /v1 from a browser, with real CORS"
+                         " headers (repeatable or comma list); every other Origin is refused with 403 cross_origin",
     "data_dir": "directory for the SQLite store and other state",
     "log_level": "debug, info, warning or error",
     "audit_retention_days": "days to keep audit records (0 = forever)",
