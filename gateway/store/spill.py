@@ -57,6 +57,8 @@ REPLAY_BATCH = 500
 #: PostgreSQL, a write-locked SQLite file). The write may still land later: the replay's
 #: upsert makes that harmless. Short: the end of a Responses answer waits on it.
 STORE_WRITE_TIMEOUT = 0.5
+#: ... and the most a write may wait behind others while the store does make progress.
+STORE_WRITE_MAX = 5.0
 #: Seconds a store read on the request path (``previous_response_id``) may take before it
 #: is answered 503 ``store_unavailable``.
 STORE_READ_TIMEOUT = 2.0
@@ -303,6 +305,7 @@ class DurableWriter:
         #: (kind, id) -> (offset, length) of its line in the journal, while spilled
         self._index: dict[tuple[str, str], tuple[int, int]] = {}
         self._replayed_to = 0  # journal offset the current replay has stored (until a clear)
+        self._last_progress = time.monotonic()  # when a store write last completed
 
     @property
     def spill_entries(self) -> int:
@@ -385,17 +388,38 @@ class DurableWriter:
             def insert(conn: Any) -> None:  # returns nothing: no cursor outlives the store's lock
                 conn.executemany(sql, rows)
 
-            write = asyncio.ensure_future(self._in(self._store_threads, self.db.run_tx, insert))
+            write = asyncio.ensure_future(self._in(self._store_threads, self._timed_tx, insert))
             try:
-                # shielded: a cancelled caller (shutdown) must not lose a batch half-way to disk
-                await asyncio.wait_for(asyncio.shield(write), self.write_timeout)
+                await self._bounded(write)
                 return "stored"
             except self.db.errors as exc:
                 self._store_failed(exc)
-            except TimeoutError:  # still running in its thread; spilled too, replay upserts
+            except TimeoutError as exc:  # still running in its thread; spilled too, replay upserts
                 write.add_done_callback(_consume)
-                self._store_failed(TimeoutError(f"no answer in {self.write_timeout} s"))
+                self._store_failed(exc)
         return await self.spill(kind, rows)
+
+    def _timed_tx(self, fn: Callable[[Any], T]) -> T:
+        result = self.db.run_tx(fn)
+        self._last_progress = time.monotonic()  # the store answers: queued writes may wait on
+        return result
+
+    async def _bounded(self, write: asyncio.Future[Any]) -> None:
+        """Wait for ``write`` while the store makes progress: TimeoutError once no write has
+        completed for ``write_timeout`` (a stall), or after :data:`STORE_WRITE_MAX` in all
+        (a queue that never drains). Never cancels it: a cancelled caller (shutdown) must
+        not lose a batch half-way to disk."""
+        start = time.monotonic()
+        while True:
+            done, _ = await asyncio.wait({write}, timeout=self.write_timeout)
+            if done:
+                write.result()
+                return
+            now = time.monotonic()
+            if now - self._last_progress >= self.write_timeout:
+                raise TimeoutError(f"no store write completed in {self.write_timeout} s")
+            if now - start >= STORE_WRITE_MAX:
+                raise TimeoutError(f"no answer in {STORE_WRITE_MAX} s")
 
     async def spill(self, kind: str, rows: Sequence[Sequence[Any]]) -> str:
         """Straight to the journal (no store in the way): "spilled" or "lost". For rows
@@ -568,6 +592,7 @@ class DurableWriter:
                 conn.execute(self.statements[kind], row)
 
         self.db.run_tx(run)
+        self._last_progress = time.monotonic()
         self.store_writable = True  # new rows may go to the store again while the rest replays
         for kind, _ in batch:
             counts[kind] = counts.get(kind, 0) + 1
