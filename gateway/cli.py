@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
             serve.add_argument(flag, dest=name, choices=["debug", "info", "warning", "error"], help=help_text)
         elif name in ("upstream_url", "api_key", "public_url"):
             serve.add_argument(flag, dest=name, action="append", default=None, help=help_text)
-        elif name in ("allow_open", "simulator"):
+        elif name in ("allow_open", "simulator", "serve_unrecorded"):
             serve.add_argument(flag, dest=name, action="store_true", default=None, help=help_text)
         elif name == "audit_bodies":
             serve.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
