@@ -212,16 +212,25 @@ def test_a_worker_replaced_after_a_locked_start_and_its_gauges_go(simulator: Sim
                  "--log-level", "info")
     try:
         gw.wait_healthy(60)
-        wait_for(lambda: len(children(gw.proc.pid)) == 2, timeout=60)
+        wait_for(lambda: gw.log().count("Application startup complete") == 2, timeout=60)  # both serve
         first = children(gw.proc.pid)
-        victim = min(first)
+        assert len(first) == 2
         metrics_dir = data / "prometheus-multiproc"
-        assert any(p.name.endswith(f"_{victim}.db") and p.name.startswith("gauge_") for p in metrics_dir.iterdir())
+
+        def gauged() -> set[int]:  # workers with live gauge files (written once a request ran there)
+            return {pid for pid in first if any(p.name.startswith("gauge_") and p.name.endswith(f"_{pid}.db")
+                                                for p in metrics_dir.iterdir())}
+
+        warm = openai_client(gw)
+        wait_for(lambda: chat_stream(warm, "warm") == "You said: warm" and bool(gauged()), timeout=30)
+        victim = min(gauged())
         with write_locked(data):
             os.kill(victim, signal.SIGKILL)
             wait_for(lambda: "failed to start" in gw.log(), timeout=60)  # its replacement's start-up write
             assert gw.proc.poll() is None  # the gateway goes on
-        wait_for(lambda: len(children(gw.proc.pid) - first) == 1 and len(children(gw.proc.pid)) == 2, timeout=90)
+        wait_for(lambda: gw.log().count("Application startup complete") == 3, timeout=90)  # the replacement
+        now = children(gw.proc.pid)
+        assert len(now) == 2 and victim not in now and len(now & first) == 1
         assert not [p.name for p in metrics_dir.iterdir() if p.name.startswith("gauge_") and p.name.endswith(f"_{victim}.db")]
         client = openai_client(gw)
         wait_for(lambda: httpx.get(gw.url + "/readyz").status_code == 200, timeout=30)

@@ -301,6 +301,8 @@ class DurableWriter:
         self._store_threads = ThreadPoolExecutor(2, thread_name_prefix="store-write")
         self._read_threads = ThreadPoolExecutor(STORE_READERS, thread_name_prefix="store-read")
         self._reads_in_flight = 0
+        self._reader: Any = None
+        self._reader_lock = threading.Lock()
         self._replay_lock = threading.Lock()
         #: (kind, id) -> (offset, length) of its line in the journal, while spilled
         self._index: dict[tuple[str, str], tuple[int, int]] = {}
@@ -361,7 +363,7 @@ class DurableWriter:
         if self._reads_in_flight >= STORE_READERS:
             raise StoreUnavailable("every store reader is waiting on the store")
         self._reads_in_flight += 1
-        call = asyncio.ensure_future(self._in(self._read_threads, self.db.run, fn))
+        call = asyncio.ensure_future(self._in(self._read_threads, self._read, fn))
 
         def done(future: asyncio.Future[Any]) -> None:
             self._reads_in_flight -= 1
@@ -374,6 +376,14 @@ class DurableWriter:
             raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from None
         except TimeoutError:
             raise StoreUnavailable(f"the store did not answer in {self.read_timeout} s") from None
+
+    def _read(self, fn: Callable[[Any], T]) -> T:
+        """On a reader of its own (SQLite: its own connection, so a write stuck on the file's
+        lock holds no read up: WAL readers do not wait for writers)."""
+        with self._reader_lock:
+            if self._reader is None:
+                self._reader = self.db if self.db.shared or not hasattr(self.db, "open_own") else self.db.open_own()
+        return self._reader.run(fn)
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -521,6 +531,9 @@ class DurableWriter:
                 log.warning("spill_kept_for_next_start", spill_entries=self.spill_entries)
         for pool in (self._journal_thread, self._store_threads, self._read_threads):
             pool.shutdown(wait=False)
+        if self._reader is not None and self._reader is not self.db:
+            with contextlib.suppress(Exception):
+                self._reader.close()
 
     async def _recovery_loop(self) -> None:
         while True:
