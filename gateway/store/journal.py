@@ -59,12 +59,15 @@ class SpillJournal:
 
     def _reserve(self, quiet: bool = False) -> bool:
         """Claim the journal's whole bound on disk now (False: the disk had no room)."""
-        if os.fstat(self._fd).st_size >= self.max_bytes:
+        size = os.fstat(self._fd).st_size
+        if size >= self.max_bytes:
             return True
         try:
             os.posix_fallocate(self._fd, 0, self.max_bytes)
             return True
         except OSError as exc:
+            # a partial allocation (ext4 keeps what it got) would take the store's last bytes
+            os.ftruncate(self._fd, size)
             self.reserve_error = os.strerror(exc.errno or 0)
             if not quiet:
                 log.warning("spill_not_reserved", path=str(self.path), bytes=self.max_bytes, error=self.reserve_error)
