@@ -319,3 +319,51 @@ def test_postgresql_unreachable_at_start_waits_then_exits_2_in_one_line(tmp_path
     assert len(waiting) >= 2 and "(attempt 1, next in 1 s)" in waiting[0] and f"127.0.0.1:{port}/gateway" in waiting[0]
     assert lines[-1].startswith("codebuddy2api: error: database 127.0.0.1:") and "unreachable after 4 s" in lines[-1]
     assert "Traceback" not in result.stderr and "pg-password-not-shown" not in result.stderr
+
+
+def test_a_stopped_postgresql_holds_no_responses_answer_and_lookups_are_503(
+    server_loop: object, postgres_schema: str, tmp_path: Path
+) -> None:
+    """SIGSTOP every PostgreSQL process: Responses ``store: true`` still end within 1 s of
+    normal, a response only the journal has is found by ``previous_response_id``, one only
+    the store has is 503 ``store_unavailable`` (not a 500, not a wait); after SIGCONT every
+    row is in the store."""
+    from gateway.app import create_app
+    from gateway.settings import Settings
+    from gateway.upstream.simulator import create_simulator_app
+    from tests.conftest import Gateway
+    from tests.conftest import Simulator as Sim
+    from tests.test_durability import postgres_processes
+
+    sim = Sim(server_loop.serve(create_simulator_app()))  # type: ignore[attr-defined]
+    settings = Settings(upstream_url=[sim.url + "/v1"], data_dir=tmp_path, database_url=postgres_schema,
+                        api_key=[CLIENT_KEY], spill_max_bytes=1 << 20)
+    app = create_app(settings, {n: "default" for n in Settings.model_fields})  # type: ignore[arg-type]
+    gw = Gateway(server_loop.serve(app), app)  # type: ignore[attr-defined]
+    client = openai.OpenAI(base_url=gw.base_url, api_key=CLIENT_KEY, max_retries=0, timeout=30,
+                           _strict_response_validation=True)
+    normal = [streamed_response(client, f"normal {i}")[2] for i in range(6)]
+    stored_id = streamed_response(client, "in the store")[0]
+    pids = postgres_processes(postgres_schema)
+    try:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        during = [streamed_response(client, f"stopped {i}") for i in range(6)]
+        assert [text for _, text, _ in during] == [f"You said: stopped {i}" for i in range(6)]
+        assert p99([s for _, _, s in during]) <= p99(normal) + 1.0, (normal, [s for _, _, s in during])
+        follow = streamed_response(client, "and then?", previous_response_id=during[-1][0])
+        assert follow[1] == "You said: and then?"
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as unavailable:
+            client.responses.create(model="echo", input="next", previous_response_id=stored_id)
+        assert unavailable.value.status_code == 503 and unavailable.value.body["code"] == "store_unavailable"  # type: ignore[index]
+        assert time.monotonic() - started < 5.0
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    wait_for(lambda: app.state.observability.durable.spill_entries == 0, timeout=60)
+    for response_id, text, _ in during:
+        assert client.responses.retrieve(response_id).output_text == text
+    assert client.responses.create(model="echo", input="next", previous_response_id=stored_id).output_text == "You said: next"
