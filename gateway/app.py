@@ -45,6 +45,7 @@ from gateway.store.responses import ResponseStore
 from gateway.store.saved_settings import SavedSettings
 from gateway.settings import LiveSettings, Settings, Source, load_settings
 from gateway.store.credentials import CredentialState, CredentialStateWriter
+from gateway.recording import RecordingGate, with_spill_hint
 from gateway.store.spill import SpillJournal
 from gateway.readiness import readyz
 from gateway.upstream.prober import CredentialProber
@@ -160,6 +161,10 @@ def create_app(
     journal = SpillJournal(settings.spill_dir or settings.data_dir / "spill", settings.spill_max_bytes)
     observability = Observability(live, db, journal=journal)
     relay = GenerationService(live, upstream, observability.observer)
+    relay.recording = RecordingGate(  # refuse, rather than serve unrecorded (unless --serve-unrecorded)
+        observability.durable.unrecordable, lambda: live.current.serve_unrecorded,
+        lambda action: observability.metrics.unrecordable_requests.labels(action).inc(),
+    )
     credential_state = CredentialState(db)
     # several processes on one store (PostgreSQL replicas, --workers): shared cap and health
     replication = Replication(db, settings.replica_id, lambda: relay.in_flight) if db.shared or settings.workers > 1 else None
@@ -196,7 +201,8 @@ def create_app(
 
             upstreams = [c.upstream for c in relay.pool.credentials]
             login_url = getattr(app.state, "admin_login_url", None)
-            announce(live.current, upstreams, simulator_url, bool(webui), login_url, live.sources, settings.data_dir)
+            announce(live.current, upstreams, simulator_url, bool(webui), login_url, live.sources, settings.data_dir,
+                     lambda facts: with_spill_hint(facts, journal, live.current.serve_unrecorded))
         if replication is not None:
             await replication.start(relay.pool)
             relay.capacity = replication.capacity

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
@@ -224,8 +224,11 @@ def print_banner(
 def announce(
     settings: Settings, upstreams: Iterable[Upstream], simulator_url: str | None, webui: bool,
     login_url: str | None, sources: dict[str, str] | None, data_dir: Path,
+    amend: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> None:
     """The banner at start-up: a generated token's login URL first written to its 0600
-    file in ``data_dir`` (the banner names it), then the banner itself."""
+    file in ``data_dir`` (the banner names it), then the banner itself. ``amend``: what
+    the app adds to the facts (the spill journal's reservation, gateway/recording.py)."""
     path = write_login_file(data_dir, login_url) if login_url else None
-    print_banner(startup_facts(settings, upstreams, simulator_url, webui, login_url, sources, path), login_url=login_url)
+    facts = startup_facts(settings, upstreams, simulator_url, webui, login_url, sources, path)
+    print_banner(amend(facts) if amend is not None else facts, login_url=login_url)

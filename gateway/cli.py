@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
             serve.add_argument(flag, dest=name, choices=["debug", "info", "warning", "error"], help=help_text)
         elif name in ("upstream_url", "api_key", "public_url", "allow_upstream_host", "cors_allow_origin"):
             serve.add_argument(flag, dest=name, action="append", default=None, help=help_text)
-        elif name in ("allow_open", "simulator"):
+        elif name in ("allow_open", "simulator", "serve_unrecorded"):
             serve.add_argument(flag, dest=name, action="store_true", default=None, help=help_text)
         elif name == "audit_bodies":
             serve.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
@@ -277,6 +277,10 @@ def serve(settings: Settings, sources: dict, cli_values: dict[str, Any] | None =
         if problem:
             print(f"codebuddy2api: error: {problem}", file=sys.stderr)
             return 2
+    problem = wait_for_postgres(settings)
+    if problem:
+        print(f"codebuddy2api: error: {problem}", file=sys.stderr)
+        return 2
     common: dict[str, Any] = dict(
         host=settings.host, port=settings.port, log_level=settings.log_level, log_config=None, access_log=True,
         timeout_graceful_shutdown=settings.shutdown_timeout + SHUTDOWN_GRACE,
@@ -288,18 +292,65 @@ def serve(settings: Settings, sources: dict, cli_values: dict[str, Any] | None =
         if settings.workers > 1:
             prepare_workers(settings, cli_values or {}, access)
             _banner_before_workers(settings, sources, admin_login_url(settings, access))
-            uvicorn.run(WORKER_APP, factory=True, workers=settings.workers, **common)
-            return 0
+            return run_workers(settings, common)
         from gateway.app import create_app
 
         app = create_app(settings, sources, admin_login_token=access.token if access.generated else None)
         app.state.print_banner = True  # printed by the lifespan once the upstreams are known
+    except postgres_errors() as exc:  # PostgreSQL went away again after the wait
+        from gateway.store.wait import describe
+
+        print(f"codebuddy2api: error: cannot open the database: {describe(exc, settings)}", file=sys.stderr)
+        return 2
     except (OSError, sqlite3.Error) as exc:  # the store or the spill journal cannot be opened
         where = settings.spill_dir if isinstance(exc, OSError) and settings.spill_dir else settings.data_dir
         print(f"codebuddy2api: error: cannot open the gateway's state in {where}: "
               f"{getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
         return 2
     uvicorn.run(app, **common)
+    return 0
+
+
+def wait_for_postgres(settings: Settings) -> str | None:
+    """With a PostgreSQL URL: wait up to ``--database-wait`` for it (gateway.store.wait);
+    the one line to exit 2 with when it never came, else None."""
+    from gateway.store.db import is_postgres_url
+
+    url = settings.database_url.get_secret_value() if settings.database_url is not None else ""
+    if not is_postgres_url(url):
+        return None
+    from gateway.store.wait import DatabaseUnreachable, wait_for_database
+
+    try:
+        wait_for_database(url, settings.database_wait)
+    except DatabaseUnreachable as exc:
+        return f"{exc} (--database-wait {settings.database_wait:g})"
+    return None
+
+
+def postgres_errors() -> tuple[type[BaseException], ...]:
+    """psycopg's base error when it is installed (a database that went away again)."""
+    try:
+        import psycopg
+    except ImportError:  # pragma: no cover
+        return ()
+    return (psycopg.Error,)
+
+
+def run_workers(settings: Settings, common: dict[str, Any]) -> int:
+    """``--workers N`` under :class:`gateway.workers.WorkerSupervisor`: 0 after a normal
+    stop, 1 (with one line) when a worker's replacement kept failing to start."""
+    import uvicorn
+
+    from gateway.workers import WorkerSupervisor
+
+    config = uvicorn.Config(WORKER_APP, factory=True, workers=settings.workers, **common)
+    supervisor = WorkerSupervisor(config, [config.bind_socket()], settings.worker_restart_attempts)
+    supervisor.run()
+    if supervisor.gave_up:
+        print(f"codebuddy2api: error: {supervisor.gave_up} (--worker-restart-attempts"
+              f" {settings.worker_restart_attempts})", file=sys.stderr)
+        return 1
     return 0
 
 

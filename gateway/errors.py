@@ -31,7 +31,9 @@ upstream           502     upstream_error, upstream_unreachable, upstream_discon
 timeout            504     upstream_timeout, upstream_idle_timeout
 overloaded         503     capacity_exceeded, upstream_unavailable, upstream_capacity,
                            server_shutting_down, too_many_websockets (a WebSocket
-                           upgrade past --ws-max-connections: no request, no record)
+                           upgrade past --ws-max-connections: no request, no record),
+                           store_unavailable (a stored response cannot be read now),
+                           recording_unavailable (no record could be kept: refused)
 internal           500     internal_error
 (no status)        499     client_disconnected (audit only: the client went away)
 =================  ======  ==========================================================

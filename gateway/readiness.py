@@ -2,8 +2,8 @@
 
 ``/healthz`` answers whether the process is alive (an orchestrator restarts it when not);
 ``/readyz`` whether a load balancer should send it requests. It is 503 with every reason
-while the store cannot write, rows wait in the spill journal, the audit queue is near its
-bound, no upstream credential is usable, or the gateway is starting or shutting down.
+while the store cannot write, rows wait in the spill journal, the journal's space is not
+reserved or no record can be kept, the audit queue is near its bound, no upstream credential is usable, or the gateway is starting or shutting down.
 """
 
 from __future__ import annotations
@@ -35,6 +35,13 @@ def reasons(state: Any) -> list[dict[str, Any]]:
     if durable.spill_entries:
         out.append({"code": "spill_in_use", "message": f"{durable.spill_entries} row(s) wait in the spill journal",
                     "spill_entries": durable.spill_entries})
+    journal = durable.journal
+    if journal is not None and not journal.reserved:
+        out.append({"code": "spill_not_reserved",
+                    "message": f"the spill journal could not reserve its {journal.max_bytes} bytes"
+                               f" ({journal.reserve_error or 'no space'})"})
+    elif (why := durable.unrecordable()) is not None:
+        out.append({"code": "recording_unavailable", "message": why})
     audit = obs.audit
     if audit.depth >= audit.max_queue * QUEUE_NEAR_BOUND:
         out.append({"code": "audit_queue_near_bound",

@@ -57,6 +57,8 @@ class GenerationService:
         self.capacity: CapacityPolicy | None = None
         #: the generations holding a capacity slot now; ``running.abort_all(err)`` ends them
         self.running = RunningGenerations()
+        #: raises 503 recording_unavailable while no record can be kept (gateway/recording.py)
+        self.recording: Callable[[], None] | None = None
 
     @property
     def in_flight(self) -> int:
@@ -86,6 +88,8 @@ class GenerationService:
         try:  # from the headers, before a byte of the body is read
             raise_refusal(request.scope)  # a web page's request (gateway/cross_site.py)
             record.client_key_fingerprint = check_client_key(request, settings.api_key)
+            if self.recording is not None:
+                self.recording()
             body = await request.body()
         except GatewayError as err:
             outcome.refused(err)
@@ -105,8 +109,8 @@ class GenerationService:
             record.upstream_model = str(parsed.upstream_body.get("model", parsed.model))
             record.streamed = parsed.stream
             parsed = await room.resolve(parsed)
-        except GatewayError as err:
-            outcome.invalid(err)
+        except GatewayError as err:  # a 503 (stored state unreadable now) is no fault of the request
+            (outcome.refused if err.kind == "overloaded" else outcome.invalid)(err)
             return error_response(room, err, headers)
         except Exception as exc:  # a bug of ours (parser, tokenizer, store): a 500, not a traceback
             err = internal_error(exc, record.request_id, "parse")

@@ -38,7 +38,11 @@ def retrieve_response_endpoint(store: ResponseStorage) -> Endpoint:
 
     async def retrieve(request: Request) -> Response:
         response_id = request.path_params["response_id"]
-        record = await store.load(response_id)
+        try:
+            record = await store.load(response_id)
+        except GatewayError as err:  # the store cannot be read now: 503 store_unavailable
+            headers = {"retry-after": str(err.retry_after)} if err.retry_after is not None else None
+            return JSONResponse(openai_error(err), status_code=err.status, headers=headers)
         if record is None or not isinstance(record.get("response"), dict):
             err = GatewayError(
                 "not_found", "response_not_found", f"No response found with id '{response_id}'.", param="response_id"

@@ -125,6 +125,13 @@ class Settings(BaseSettings):
     otlp_endpoint: str | None = Field(
         None, description="OTLP/HTTP collector URL for OpenTelemetry traces, e.g. http://127.0.0.1:4318; none = no tracing"
     )
+    serve_unrecorded: bool = Field(
+        False, description="serve generation requests even when neither the store nor the spill journal can record them"
+    )
+    database_wait: float = Field(60.0, ge=0, description="seconds to wait for an unreachable PostgreSQL at start-up")
+    worker_restart_attempts: int = Field(
+        8, ge=0, le=1000, description="--workers: failed replacements of one worker (with backoff) before the gateway exits 1"
+    )
 
 
     @field_validator("upstream_url", "api_key", "allow_upstream_host", mode="before")
@@ -314,6 +321,11 @@ CLI_FIELDS: dict[str, str] = {
     "shutdown_timeout": "on SIGTERM, seconds open requests may finish before they are ended with an error event",
     "credential_probe_interval": "seconds before re-probing a credential disabled by a 401/403 (doubles up to 300)",
     "otlp_endpoint": "send OpenTelemetry traces (GenAI conventions) to this OTLP/HTTP collector, e.g. http://127.0.0.1:4318",
+    "serve_unrecorded": "keep serving when neither the store nor the spill journal can keep a request's record (e.g. the"
+                        " journal's reservation failed on a full disk); default: refuse with 503 recording_unavailable",
+    "database_wait": "seconds to wait for PostgreSQL at start-up (retried with backoff) before exit code 2 (default 60)",
+    "worker_restart_attempts": "with --workers: times a dead worker's replacement may fail (backoff 1 s doubling"
+                               " up to 30 s) before the gateway gives up with exit code 1 (default 8)",
 }
 
 
@@ -418,9 +430,18 @@ class LiveSettings:
 
     @property
     def current(self) -> Settings:
-        if self.saved is not None and self.saved.revision() != self.revision:
-            with self._lock:
-                self._apply(*self.saved.load())
+        """From memory: a newer saved revision the store's poller read is applied here
+        (no store read on the request path; see gateway.store.saved_settings)."""
+        if self.saved is not None:
+            latest = self.saved.latest()
+            if latest is None:  # no poller: read now
+                if self.saved.revision() != self.revision:
+                    with self._lock:
+                        self._apply(*self.saved.load())
+            elif latest[0] > self.revision:
+                with self._lock:
+                    if latest[0] > self.revision:
+                        self._apply(*latest)
         return self._current
 
     def locked_reason(self, name: str) -> str | None:

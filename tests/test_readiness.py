@@ -11,7 +11,8 @@ from gateway.upstream.pool import ANY_MODEL, Credential, Upstream, UpstreamPool
 
 def state(**overrides: Any) -> SimpleNamespace:
     credential = Credential(Upstream("u", "http://127.0.0.1:1/v1"), "sk-x")
-    durable = SimpleNamespace(store_writable=True, store_error=None, failing_since=None, spill_entries=0)
+    durable = SimpleNamespace(store_writable=True, store_error=None, failing_since=None, spill_entries=0,
+                              journal=None, unrecordable=lambda: None)
     audit = SimpleNamespace(depth=0, max_queue=10_000)
     values: dict[str, Any] = dict(
         ready=True, shutting_down=False,

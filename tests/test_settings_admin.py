@@ -17,7 +17,8 @@ from gateway.app import create_app
 from gateway.settings import LiveSettings, LockedSetting, Settings, Source, load_settings
 from gateway.store.db import Database
 from gateway.store.saved_settings import SavedSettings, StaleRevision
-from tests.conftest import Gateway, ServerLoop, Simulator
+from gateway.store.saved_settings import LOCAL_REVISION_MAX_AGE
+from tests.conftest import Gateway, ServerLoop, Simulator, wait_for
 
 
 def live_on(path: Path, cli: dict[str, Any] | None = None) -> LiveSettings:
@@ -69,11 +70,14 @@ def test_revisions_are_optimistic_and_every_reader_sees_the_new_one(tmp_path: Pa
     a, b = live_on(db_path), live_on(db_path)  # two processes on one store
     assert a.revision == b.revision == 0
     a.update({"max_collect_bytes": 1000}, revision=0, actor="alice")
-    assert b.current.max_collect_bytes == 1000 and b.revision == 1 and b.sources["max_collect_bytes"] == "saved"
+    # the other reader applies it from memory once its poller read it (no store read per request)
+    assert wait_for(lambda: b.current.max_collect_bytes == 1000, timeout=3.0) <= LOCAL_REVISION_MAX_AGE + 0.5
+    assert b.revision == 1 and b.sources["max_collect_bytes"] == "saved"
     with pytest.raises(StaleRevision) as stale:
         b.update({"max_collect_bytes": 5}, revision=0)
     assert stale.value.current == 1
     b.update({"keepalive_interval": 2.5}, revision=1, actor="bob")
+    wait_for(lambda: a.current.keepalive_interval == 2.5, timeout=3.0)
     assert a.current.keepalive_interval == 2.5 and a.current.max_collect_bytes == 1000
     history = a.saved.history()
     assert [(h["revision"], h["actor"]) for h in history] == [(2, "bob"), (1, "alice")]
@@ -123,9 +127,13 @@ def test_settings_api_toggle_lock_conflict_and_secret(server_loop: ServerLoop, s
     changed = put(gateway, {"revision": 0, "changes": {"stream_mode": "realtime"}})
     assert changed.status_code == 200 and changed.json()["revision"] == 1
     assert changed.json()["settings"]["stream_mode"]["source"] == "saved"
-    for gw in (gateway, other):  # the next request, on either worker, runs realtime
+    def mode(gw: Gateway) -> str:
         r = httpx.post(gw.base_url + "/chat/completions", json={"model": "text", "messages": [{"role": "user", "content": "x"}], "stream": True})
-        assert r.headers["x-codebuddy2api-stream-mode"] == "realtime"
+        return str(r.headers["x-codebuddy2api-stream-mode"])
+
+    assert mode(gateway) == "realtime"  # the next request on the worker that saved it
+    # the other worker within its poll interval (saved settings are read from memory)
+    assert wait_for(lambda: mode(other) == "realtime", timeout=3.0) <= LOCAL_REVISION_MAX_AGE + 0.5
 
     stale = put(other, {"revision": 0, "changes": {"stream_mode": "compatible"}})
     assert stale.status_code == 409 and stale.json()["error"]["code"] == "stale_revision"
@@ -142,8 +150,9 @@ def test_settings_api_toggle_lock_conflict_and_secret(server_loop: ServerLoop, s
     assert "ck-saved-secret-1" not in keyed.text
     history = httpx.get(gateway.url + "/admin/api/settings/history", headers=gateway.admin).text
     assert "ck-saved-secret-1" not in history and "[redacted]" in history
-    denied = httpx.post(other.base_url + "/chat/completions", json={"model": "text", "messages": [{"role": "user", "content": "x"}]})
-    assert denied.status_code == 401
+    wait_for(lambda: httpx.post(other.base_url + "/chat/completions",
+                                json={"model": "text", "messages": [{"role": "user", "content": "x"}]}).status_code == 401,
+             timeout=3.0)
     allowed = httpx.post(other.base_url + "/chat/completions", headers={"authorization": "Bearer ck-saved-secret-1"},
                          json={"model": "text", "messages": [{"role": "user", "content": "x"}]})
     assert allowed.status_code == 200
@@ -159,7 +168,8 @@ def test_offline_key_removal_bumps_the_revision_and_keeps_the_store_sound(server
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report == {"removed": "api_key", "revision": 2, "integrity_check": "ok"}
-    # the running gateway picks the new revision up on its next request; other values stay
+    # the running gateway picks the new revision up within its poll interval; other values stay
+    wait_for(lambda: httpx.post(gateway.base_url + "/chat/completions", json=body).status_code == 200, timeout=3.0)
     assert httpx.post(gateway.base_url + "/chat/completions", json=body).status_code == 200
     view = httpx.get(gateway.url + "/admin/api/settings", headers=gateway.admin).json()
     assert view["revision"] == 2 and view["settings"]["max_collect_bytes"]["value"] == 4096

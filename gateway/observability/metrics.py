@@ -302,6 +302,17 @@ class Metrics:
             p + "spill_entries", "Rows in the spill journal waiting for the store", registry=r,
             multiprocess_mode="livesum",
         )
+        self.unrecordable_requests = Counter(
+            p + "unrecordable_requests", "Generation requests that came while no record could be kept"
+            " (gateway/recording.py): refused (503 recording_unavailable) or served (--serve-unrecorded)",
+            ["action"], registry=r,
+        )
+        for action in ("refused", "served"):
+            self.unrecordable_requests.labels(action)
+        self.spill_reserved = Gauge(
+            p + "spill_reserved", "1 while the spill journal's space is reserved on disk", registry=r,
+            multiprocess_mode="livemin",
+        )
         self.capture_records = Counter(
             p + "capture_records", "Model-call capture records (--capture-dir) by outcome: written, dropped"
             " (the queue was full), lost (the disk failed longer than the in-memory hold lasted)", ["outcome"],

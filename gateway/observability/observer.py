@@ -150,6 +150,7 @@ class Observability:
     def exposition(self) -> tuple[bytes, str]:
         self.metrics.refresh(self.live, self.audit.depth)
         self.metrics.store_writable.set(1 if self.durable.store_writable else 0)
+        self.metrics.spill_reserved.set(1 if self.journal is not None and self.journal.reserved else 0)
         self.metrics.spill_entries.set(self.durable.spill_entries)
         return self.metrics.render()
 

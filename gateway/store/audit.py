@@ -363,7 +363,7 @@ class AuditWriter:
             return out
 
         try:
-            return await persist("audit", await asyncio.shield(asyncio.to_thread(rows)))
+            return await persist("audit", await self.durable.offload(rows))  # not the shared executor
         except (ValueError, TypeError) as exc:  # a record that cannot be serialized
             log.error("audit_write_failed", rows=len(batch), error=type(exc).__name__)
             return "lost"

@@ -13,9 +13,13 @@ import time
 from typing import Any
 
 import orjson
+import structlog
 
+from gateway.errors import GatewayError
 from gateway.store.db import Store, upsert
-from gateway.store.spill import DurableWriter
+from gateway.store.spill import DurableWriter, StoreUnavailable
+
+log = structlog.get_logger("gateway.responses")
 
 #: The stored-response upsert, keyed by response id (a replayed spill never duplicates it).
 RESPONSE_UPSERT = _SAVE = upsert("responses", ("id", "created_at", "body"), "id")
@@ -29,14 +33,15 @@ class ResponseStore:
     """Reads and writes stored responses through the shared store.
 
     With a :class:`~gateway.store.spill.DurableWriter`, a response the store cannot take
-    goes to the spill journal and is also kept in memory until the journal is replayed,
-    so ``GET /v1/responses/{id}`` and ``previous_response_id`` keep working meanwhile.
+    goes to the spill journal, where it is found by id until the journal is replayed
+    (also after a restart), so ``GET /v1/responses/{id}`` and ``previous_response_id``
+    keep working meanwhile; a store read that fails or does not answer in time is a
+    retryable 503 ``store_unavailable``, never a wait or a 500.
     """
 
     def __init__(self, db: Store, durable: DurableWriter | None = None) -> None:
         self.db = db
         self.durable = durable
-        self._spilled: dict[str, dict[str, Any]] = {}
 
     async def save(self, response_id: str, record: dict[str, Any]) -> None:
         row = (response_id, time.time(), orjson.dumps(record).decode())
@@ -44,19 +49,33 @@ class ResponseStore:
             await self.db.aexecute(_SAVE, row)
             return
         outcome = await self.durable.write("response", [row])
-        if outcome == "spilled":
-            self._spilled[response_id] = record
-        elif outcome == "lost":
+        if outcome == "lost":
             raise ResponseNotSaved(f"response {response_id} could not be stored")
 
     async def load(self, response_id: str) -> dict[str, Any] | None:
-        if self._spilled:
-            if self.durable is not None and not self.durable.spill_entries:
-                self._spilled.clear()  # replayed: the store has them now
-            elif response_id in self._spilled:
-                return self._spilled[response_id]
-        rows = await self.db.aexecute("SELECT body FROM responses WHERE id = ?", (response_id,))
+        if self.durable is None:
+            rows = await self.db.aexecute("SELECT body FROM responses WHERE id = ?", (response_id,))
+        else:
+            spilled = await self.durable.spilled_row("response", response_id)
+            if spilled is not None:
+                rows = [(spilled[2],)]
+            else:
+                try:
+                    rows = await self.durable.read(
+                        lambda conn: conn.execute("SELECT body FROM responses WHERE id = ?", (response_id,)).fetchall()
+                    )
+                except StoreUnavailable as exc:
+                    log.warning("response_read_failed", response_id=response_id, error=str(exc))
+                    raise store_unavailable() from None
         if not rows:
             return None
         value = orjson.loads(rows[0][0])
         return value if isinstance(value, dict) else None
+
+
+def store_unavailable() -> GatewayError:
+    """The retryable 503 of a stored response that cannot be read now (the route's shape;
+    what went wrong is logged, not sent: a database error may name internal hosts)."""
+    return GatewayError(
+        "overloaded", "store_unavailable", "stored responses cannot be read right now; retry shortly", retry_after=1,
+    )

@@ -7,11 +7,12 @@ transaction. The revision bump is a conditional ``UPDATE ... WHERE revision = ex
 which serializes writers on both backends (SQLite: the IMMEDIATE transaction; PostgreSQL:
 the row lock, re-checked after the wait).
 
-Readers poll the revision on their own connection, so every process, every replica,
-applies a new revision to its next request. SQLite: one indexed read per request (local,
-microseconds). PostgreSQL: a background thread reads it every :data:`REVISION_MAX_AGE`
-seconds and requests read the cached number, so no request waits on the network and a
-change made on another replica is in force there at most ~250 ms (+ one query) later.
+Readers never read the store on the request path: a background thread polls the
+revision on its own connection every :data:`REVISION_MAX_AGE` seconds (SQLite:
+:data:`LOCAL_REVISION_MAX_AGE`) and, when it moved, loads the values there too; requests
+take that snapshot from memory. So every process, every replica, applies a new revision
+within ~250 ms (+ one query), and a store that cannot be read (its file locked, PostgreSQL
+gone) costs requests nothing: the last values read stay in force.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from gateway.store.db import Store, upsert
 SECRET_SETTINGS = frozenset({"api_key", "upstream_api_key", "admin_token", "database_url"})
 #: How stale a shared store's revision may be when a request reads it (seconds).
 REVISION_MAX_AGE = 0.25
+#: ... and a local (SQLite) one's: other workers and the offline ``settings`` command.
+LOCAL_REVISION_MAX_AGE = 0.1
 
 _SET = upsert("saved_settings", ("key", "value"), "key")
 
@@ -57,25 +60,33 @@ class SavedSettings:
     def __init__(self, db: Store, max_age: float | None = None) -> None:
         self.path: Path | None = getattr(db, "path", None)
         self._db = db.open_own()
-        self.max_age = (REVISION_MAX_AGE if db.shared else 0.0) if max_age is None else max_age
+        self.max_age = (REVISION_MAX_AGE if db.shared else LOCAL_REVISION_MAX_AGE) if max_age is None else max_age
         self._lock = threading.Lock()
         self._known = 0
+        self._latest: tuple[int, dict[str, Any]] | None = None
         self._poller: Any = None
         if self.max_age > 0:
             from gateway.store.replicas import Poller
 
-            self._known = self._db.run(_revision)
+            self.load()
             self._poller = Poller("settings-revision", self.max_age, self._poll).start()
 
     def _poll(self) -> None:
         # max(): a poll that started before this process's own write must not step back
-        self._known = max(self._known, self._db.run(_revision))
+        revision = self._db.run(_revision)
+        if self._latest is None or revision > self._latest[0]:
+            self.load()
+        self._known = max(self._known, revision)
 
     def revision(self) -> int:
-        """The store's revision: read now (SQLite) or at most ``max_age`` old (shared)."""
+        """The store's revision: at most ``max_age`` old (polled), or read now (no poller)."""
         if self._poller is not None:
             return self._known
         return self._db.run(_revision)
+
+    def latest(self) -> tuple[int, dict[str, Any]] | None:
+        """The last (revision, values) read (by the poller), from memory (None: no poller)."""
+        return self._latest if self._poller is not None else None
 
     def load(self) -> tuple[int, dict[str, Any]]:
         def read(conn: Any) -> tuple[int, dict[str, Any]]:
@@ -83,8 +94,10 @@ class SavedSettings:
             return _revision(conn), values
 
         revision, values = self._db.run_tx(read, write=False)
-        if self._poller is not None and revision > self._known:
+        if revision > self._known:
             self._known = revision
+        if self._latest is None or revision >= self._latest[0]:
+            self._latest = (revision, values)
         return revision, values
 
     def write(self, expected_revision: int, changes: dict[str, Any], unset: list[str], actor: str) -> int:
@@ -116,7 +129,7 @@ class SavedSettings:
 
         with self._lock:
             new = self._db.run_tx(apply)
-        if self._poller is not None and new > self._known:
+        if new > self._known:
             self._known = new
         return new
 

@@ -10,160 +10,67 @@ spilled. Past its bound the journal refuses, and only then is a row counted lost
 
 :class:`DurableWriter` is the one way rows reach the store: ``write(kind, rows)`` tries
 the store (in a worker thread) and falls back to the journal; while anything is spilled,
-new rows go straight to the journal (the store is known bad, and order is kept), and a
-background task replays the journal every ``retry_interval`` seconds. Replay is an upsert
-keyed by the row's id (the audit ``request_id``, the response ``id``), so a replay cut
-short and retried still leaves exactly one row per id; the journal is cleared only after
-the whole of it is in the store.
+while the store is known bad, new rows go straight to the journal, and a background task
+replays the journal every ``retry_interval`` seconds. Replay is an upsert keyed by the
+row's id (the audit ``request_id``, the response ``id``), so a replay cut short and
+retried still leaves exactly one row per id (order between ids does not matter); the
+journal is cleared only after the whole of it is in the store.
+
+Nothing here waits on a slow store while holding what a spill needs: a store write that
+has not answered within ``write_timeout`` (0.5 s) spills; journal appends run on their own
+thread (never queued behind blocked store calls in asyncio's shared executor), store
+writes on theirs; the replay reads the journal under its lock but writes to the store
+without it, so appends go on while a replay is stuck on the store. Spilled responses are
+indexed (id -> the line's place in the journal), so ``previous_response_id`` finds one that
+has not reached the store yet, also after a restart.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
-import os
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import orjson
 import structlog
 
 from gateway.store.db import Store
+from gateway.store.journal import MAX_JOURNALS, SPILL_PATTERN, SpillFull, SpillJournal
+
+__all__ = ["MAX_JOURNALS", "SPILL_PATTERN", "DurableWriter", "SpillFull", "SpillJournal", "StoreUnavailable"]
 
 log = structlog.get_logger("gateway.spill")
+T = TypeVar("T")
 
-#: Journal files ``spill-<n>.jsonl``: each process (``--workers``) claims the first one no
-#: other process holds (an exclusive ``flock``), so a restarted worker replays its own.
-SPILL_PATTERN = "spill-{}.jsonl"
-MAX_JOURNALS = 256
 #: Rows per transaction when replaying the journal into the store.
 REPLAY_BATCH = 500
 #: Seconds a store write may take before its rows are spilled instead (a stalled
-#: PostgreSQL). The write may still land later: the replay's upsert makes that harmless.
-STORE_WRITE_TIMEOUT = 5.0
+#: PostgreSQL, a write-locked SQLite file). The write may still land later: the replay's
+#: upsert makes that harmless. Short: the end of a Responses answer waits on it.
+STORE_WRITE_TIMEOUT = 0.5
+#: ... and the most a write may wait behind others while the store does make progress.
+STORE_WRITE_MAX = 5.0
+#: Seconds a store read on the request path (``previous_response_id``) may take before it
+#: is answered 503 ``store_unavailable``.
+STORE_READ_TIMEOUT = 2.0
+#: Store reads in flight at once (their own threads); past it a read fails at once.
+STORE_READERS = 4
+#: Passes one replay makes to catch up with rows spilled while it ran.
+REPLAY_PASSES = 8
 #: During an outage every write spills: one WARNING line per this many seconds (with what
 #: was spilled since the last one), not one per write -- at a few hundred requests a second
 #: the log would otherwise flood the very disk that may be the one filling up.
 SPILL_LOG_INTERVAL = 10.0
-_ZEROS = bytes(1 << 20)
 
 
 def no_report(*_: Any) -> None:
     """The default of a writer's ``on_*`` count callbacks (a metric's ``inc`` when wired):
     nothing to report to, so every count site can call its callback unconditionally."""
-
-
-class SpillFull(OSError):
-    """The journal is at its bound: the row cannot be kept anywhere."""
-
-
-class SpillJournal:
-    """A bounded, preallocated, append-only JSONL journal (thread-safe; blocking I/O)."""
-
-    def __init__(self, directory: Path, max_bytes: int) -> None:
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.max_bytes = max_bytes
-        self.lock = threading.RLock()
-        self.path, self._fd = self._claim(directory)
-        self.reserved = self._reserve()
-        self._end = self._find_end()
-        self.entries = self._count()
-
-    @staticmethod
-    def _claim(directory: Path) -> tuple[Path, int]:
-        for n in range(MAX_JOURNALS):
-            path = directory / SPILL_PATTERN.format(n)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            os.chmod(path, 0o600)
-            return path, fd
-        raise OSError(f"every spill journal in {directory} is held by another process")
-
-    def _reserve(self) -> bool:
-        """Claim the journal's whole bound on disk now (False: the disk had no room)."""
-        if os.fstat(self._fd).st_size >= self.max_bytes:
-            return True
-        try:
-            os.posix_fallocate(self._fd, 0, self.max_bytes)
-            return True
-        except OSError as exc:
-            log.warning("spill_not_reserved", path=str(self.path), bytes=self.max_bytes, error=os.strerror(exc.errno or 0))
-            return False
-
-    def _find_end(self) -> int:
-        """Offset after the last complete line; a torn tail (crash mid-write) is zeroed."""
-        chunks: list[bytes] = []
-        offset = 0
-        while True:
-            chunk = os.pread(self._fd, 1 << 20, offset)
-            nul = chunk.find(b"\0")
-            chunks.append(chunk if nul < 0 else chunk[:nul])
-            offset += len(chunks[-1])
-            if nul >= 0 or not chunk:
-                break
-        data = b"".join(chunks)
-        end = data.rfind(b"\n") + 1
-        if end < offset:
-            os.pwrite(self._fd, bytes(offset - end), end)
-            os.fsync(self._fd)
-        self._initial_entries = data.count(b"\n", 0, end)
-        return end
-
-    def _count(self) -> int:
-        return self._initial_entries
-
-    @property
-    def used_bytes(self) -> int:
-        return self._end
-
-    def append(self, lines: Sequence[bytes]) -> None:
-        """Append one batch and fsync it. Raises :class:`SpillFull` past the bound, or
-        the OSError of a failed write (the batch then counts as not spilled)."""
-        data = b"".join(line + b"\n" for line in lines)
-        with self.lock:
-            if self._end + len(data) > self.max_bytes:
-                raise SpillFull(f"spill journal full ({self._end} of {self.max_bytes} bytes used)")
-            written = os.pwrite(self._fd, data, self._end)
-            if written != len(data):
-                os.pwrite(self._fd, bytes(written), self._end)  # undo a short write
-                raise OSError(f"short write to the spill journal ({written} of {len(data)} bytes)")
-            os.fsync(self._fd)
-            self._end += len(data)
-            self.entries += len(lines)
-
-    def read(self) -> bytes:
-        """The journal's complete lines, as written."""
-        with self.lock:
-            return os.pread(self._fd, self._end, 0) if self._end else b""
-
-    def clear(self) -> None:
-        """Zero what was written (the reserved space stays claimed) and start over."""
-        with self.lock:
-            offset = 0
-            while offset < self._end:
-                n = min(len(_ZEROS), self._end - offset)
-                os.pwrite(self._fd, _ZEROS[:n], offset)
-                offset += n
-            os.fsync(self._fd)
-            self._end = 0
-            self.entries = 0
-
-    def close(self) -> None:
-        """Close the file (skipped while a replay stalled on the store holds it: the
-        process is exiting, and the journal on disk is complete either way)."""
-        if self.lock.acquire(timeout=1.0):
-            try:
-                os.close(self._fd)
-            finally:
-                self.lock.release()
 
 
 class SpillTally:
@@ -188,12 +95,17 @@ class SpillTally:
             return due
 
 
+class StoreUnavailable(Exception):
+    """A store read on the request path failed or did not answer in time."""
+
+
 class DurableWriter:
     """Store first, spill journal second, lost last (see the module docstring).
 
     ``statements`` maps a row kind ("audit", "response") to its upsert SQL; a row is the
-    tuple of that statement's parameters (JSON-serializable). ``on_spilled``/``on_lost``/
-    ``on_replayed`` receive (kind, count) for metrics.
+    tuple of that statement's parameters (JSON-serializable), its first value the row's
+    id. ``indexed`` kinds are kept findable by id while spilled (:meth:`spilled_row`).
+    ``on_spilled``/``on_lost``/``on_replayed`` receive (kind, count) for metrics.
     """
 
     def __init__(
@@ -204,6 +116,8 @@ class DurableWriter:
         *,
         retry_interval: float = 1.0,
         write_timeout: float = STORE_WRITE_TIMEOUT,
+        read_timeout: float = STORE_READ_TIMEOUT,
+        indexed: frozenset[str] = frozenset({"response"}),
         on_spilled: Callable[[str, int], None] | None = None,
         on_lost: Callable[[str, int], None] | None = None,
         on_replayed: Callable[[str, int], None] | None = None,
@@ -215,59 +129,155 @@ class DurableWriter:
         self.statements = statements
         self.retry_interval = retry_interval
         self.write_timeout = write_timeout
+        self.read_timeout = read_timeout
+        self.indexed = indexed
         self.on_spilled = on_spilled or no_report
         self.on_lost = on_lost or no_report
         self.on_replayed = on_replayed or no_report
         self.store_writable = True
         self.store_error: str | None = None
         self.failing_since: float | None = None
+        #: the last journal append failed (disk full past the reservation): nothing keeps rows
+        self.journal_failing = False
         self.spilled = 0
         self.lost = 0
         self.replayed = 0
         self._task: asyncio.Task[None] | None = None
+        # own threads: a store stuck in every thread of asyncio's shared executor must not
+        # hold up a spill (the journal's one thread), and writes must not starve reads
+        self._journal_thread = ThreadPoolExecutor(1, thread_name_prefix="spill-journal")
+        self._store_threads = ThreadPoolExecutor(2, thread_name_prefix="store-write")
+        self._read_threads = ThreadPoolExecutor(STORE_READERS, thread_name_prefix="store-read")
+        self._reads_in_flight = 0
+        self._reader: Any = None
+        self._reader_lock = threading.Lock()
+        self._replay_lock = threading.Lock()
+        #: (kind, id) -> (offset, length) of its line in the journal, while spilled
+        self._index: dict[tuple[str, str], tuple[int, int]] = {}
+        self._replayed_to = 0  # journal offset the current replay has stored (until a clear)
+        self._last_progress = time.monotonic()  # when a store write last completed
 
     @property
     def spill_entries(self) -> int:
         return self.journal.entries if self.journal is not None else 0
 
+    def unrecordable(self) -> str | None:
+        """Why a finished request's record could not be kept now, or None when it can.
+        An unreserved journal is no safety net (the disk it would need may be gone the
+        moment the store fails), so it counts as unrecordable on its own."""
+        journal = self.journal
+        if journal is None:
+            return None if self.store_writable else "the store cannot write and there is no spill journal"
+        if not journal.reserved:
+            return (f"the spill journal could not reserve its {journal.max_bytes} bytes in {journal.path.parent}"
+                    f" ({journal.reserve_error or 'no space'})")
+        if not self.store_writable and (self.journal_failing or journal.used_bytes >= journal.max_bytes * 0.98):
+            return "the store cannot write and the spill journal is full"
+        return None
+
     def status(self) -> dict[str, Any]:
         """For readiness and the status API: is the store writable, what is spilled."""
+        journal = self.journal
         return {
             "store_writable": self.store_writable,
             "store_error": self.store_error,
             "failing_since": self.failing_since,
             "spill_entries": self.spill_entries,
-            "spill_bytes": self.journal.used_bytes if self.journal is not None else 0,
-            "spill_max_bytes": self.journal.max_bytes if self.journal is not None else 0,
-            "spill_path": str(self.journal.path) if self.journal is not None else None,
+            "spill_bytes": journal.used_bytes if journal is not None else 0,
+            "spill_max_bytes": journal.max_bytes if journal is not None else 0,
+            "spill_path": str(journal.path) if journal is not None else None,
+            "spill_reserved": journal.reserved if journal is not None else False,
+            "spill_reserve_error": journal.reserve_error if journal is not None else None,
+            "journal_failing": self.journal_failing,
+            "unrecordable": self.unrecordable(),
             "spilled": self.spilled,
             "replayed": self.replayed,
             "lost": self.lost,
         }
 
+    # -- threads ---------------------------------------------------------------------------
+
+    async def _in(self, pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+
+    async def offload(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (CPU work on the way to the journal, e.g. building rows) on the
+        journal's thread: never queued behind store calls stuck in the shared executor."""
+        return await asyncio.shield(self._in(self._journal_thread, fn))
+
+    async def read(self, fn: Callable[[Any], T]) -> T:
+        """A store read for the request path: bounded (``read_timeout``, and at most
+        :data:`STORE_READERS` at once), else :class:`StoreUnavailable`."""
+        if self._reads_in_flight >= STORE_READERS:
+            raise StoreUnavailable("every store reader is waiting on the store")
+        self._reads_in_flight += 1
+        call = asyncio.ensure_future(self._in(self._read_threads, self._read, fn))
+
+        def done(future: asyncio.Future[Any]) -> None:
+            self._reads_in_flight -= 1
+            _consume(future)
+
+        call.add_done_callback(done)
+        try:
+            return await asyncio.wait_for(asyncio.shield(call), self.read_timeout)
+        except self.db.errors as exc:
+            raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from None
+        except TimeoutError:
+            raise StoreUnavailable(f"the store did not answer in {self.read_timeout} s") from None
+
+    def _read(self, fn: Callable[[Any], T]) -> T:
+        """On a reader of its own (SQLite: its own connection, so a write stuck on the file's
+        lock holds no read up: WAL readers do not wait for writers)."""
+        with self._reader_lock:
+            if self._reader is None:
+                self._reader = self.db if self.db.shared or not hasattr(self.db, "open_own") else self.db.open_own()
+        return self._reader.run(fn)
+
     # -- writing ---------------------------------------------------------------------------
 
     async def write(self, kind: str, rows: Sequence[Sequence[Any]]) -> str:
-        """Persist ``rows``: "stored", "spilled" or "lost" (the last logged at ERROR)."""
+        """Persist ``rows``: "stored", "spilled" or "lost" (the last logged at ERROR).
+        Never waits on the store past ``write_timeout``."""
         if not rows:
             return "stored"
-        if (self.store_writable or self.journal is None) and not self.spill_entries:
+        if self.store_writable or self.journal is None:
             sql = self.statements[kind]
 
             def insert(conn: Any) -> None:  # returns nothing: no cursor outlives the store's lock
                 conn.executemany(sql, rows)
 
-            write = asyncio.ensure_future(asyncio.to_thread(self.db.run_tx, insert))
+            write = asyncio.ensure_future(self._in(self._store_threads, self._timed_tx, insert))
             try:
-                # shielded: a cancelled caller (shutdown) must not lose a batch half-way to disk
-                await asyncio.wait_for(asyncio.shield(write), self.write_timeout)
+                await self._bounded(write)
                 return "stored"
             except self.db.errors as exc:
                 self._store_failed(exc)
-            except TimeoutError:  # still running in its thread; spilled too, replay upserts
+            except TimeoutError as exc:  # still running in its thread; spilled too, replay upserts
                 write.add_done_callback(_consume)
-                self._store_failed(TimeoutError(f"no answer in {self.write_timeout} s"))
+                self._store_failed(exc)
         return await self.spill(kind, rows)
+
+    def _timed_tx(self, fn: Callable[[Any], T]) -> T:
+        result = self.db.run_tx(fn)
+        self._last_progress = time.monotonic()  # the store answers: queued writes may wait on
+        return result
+
+    async def _bounded(self, write: asyncio.Future[Any]) -> None:
+        """Wait for ``write`` while the store makes progress: TimeoutError once no write has
+        completed for ``write_timeout`` (a stall), or after :data:`STORE_WRITE_MAX` in all
+        (a queue that never drains). Never cancels it: a cancelled caller (shutdown) must
+        not lose a batch half-way to disk."""
+        start = time.monotonic()
+        while True:
+            done, _ = await asyncio.wait({write}, timeout=self.write_timeout)
+            if done:
+                write.result()
+                return
+            now = time.monotonic()
+            if now - self._last_progress >= self.write_timeout:
+                raise TimeoutError(f"no store write completed in {self.write_timeout} s")
+            if now - start >= STORE_WRITE_MAX:
+                raise TimeoutError(f"no answer in {STORE_WRITE_MAX} s")
 
     async def spill(self, kind: str, rows: Sequence[Sequence[Any]]) -> str:
         """Straight to the journal (no store in the way): "spilled" or "lost". For rows
@@ -275,7 +285,7 @@ class DurableWriter:
         every spill, so they reach the store in the end."""
         if not rows:
             return "spilled"
-        return await asyncio.shield(asyncio.to_thread(self._spill, kind, rows))
+        return await asyncio.shield(self._in(self._journal_thread, self._spill, kind, rows))
 
     def _store_failed(self, exc: BaseException) -> None:
         if self.store_writable:
@@ -287,15 +297,22 @@ class DurableWriter:
 
     def _spill(self, kind: str, rows: Sequence[Sequence[Any]]) -> str:
         count = len(rows)
+        lines = [orjson.dumps({"kind": kind, "row": list(r)}, default=str) for r in rows]
         try:
             if self.journal is None:
                 raise OSError("no spill journal configured")
-            self.journal.append([orjson.dumps({"kind": kind, "row": list(r)}, default=str) for r in rows])
+            start = self.journal.append(lines)
         except OSError as exc:
+            self.journal_failing = True
             self.lost += count
             self.on_lost(kind, count)
             log.error("store_records_lost", kind=kind, rows=count, error=f"{type(exc).__name__}: {exc}")
             return "lost"
+        self.journal_failing = False
+        if kind in self.indexed:
+            for r, line in zip(rows, lines, strict=True):
+                self._index[(kind, str(r[0]))] = (start, len(line))
+                start += len(line) + 1
         self.spilled += count
         self.on_spilled(kind, count)
         due = self._spill_tally.add(kind, count)
@@ -304,10 +321,47 @@ class DurableWriter:
                         spill_entries=self.spill_entries, next_line_in_s=SPILL_LOG_INTERVAL)
         return "spilled"
 
+    # -- spilled rows, found by id ---------------------------------------------------------
+
+    async def spilled_row(self, kind: str, row_id: str) -> list[Any] | None:
+        """The row ``row_id`` of ``kind`` while it is in the journal (None: not spilled)."""
+        if (kind, row_id) not in self._index:  # the common case: a dict look-up, no thread
+            return None
+        return await self._in(self._journal_thread, self._read_spilled, kind, row_id)
+
+    def _read_spilled(self, kind: str, row_id: str) -> list[Any] | None:
+        place = self._index.get((kind, row_id))
+        if place is None or self.journal is None:
+            return None
+        line = self.journal.read_at(*place)
+        try:
+            entry = orjson.loads(line)
+        except orjson.JSONDecodeError:  # cleared meanwhile: the store has it now
+            return None
+        row = entry.get("row") if isinstance(entry, dict) else None
+        if entry.get("kind") != kind or not isinstance(row, list) or not row or str(row[0]) != row_id:
+            return None
+        return row
+
+    def _build_index(self) -> None:
+        """Blocking: index the journal a previous run left (its spilled responses)."""
+        if self.journal is None or not self.indexed:
+            return
+        data, _ = self.journal.read_from(0)
+        offset = 0
+        for line in data.split(b"\n"):
+            if line:
+                with contextlib.suppress(orjson.JSONDecodeError, TypeError, AttributeError, IndexError):
+                    entry = orjson.loads(line)
+                    if entry.get("kind") in self.indexed:
+                        self._index[(entry["kind"], str(entry["row"][0]))] = (offset, len(line))
+            offset += len(line) + 1
+
     # -- replaying -------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Replay what a previous run spilled, then keep retrying in the background."""
+        await self._in(self._journal_thread, self._build_index)
         await self.recover()
         self._task = asyncio.create_task(self._recovery_loop(), name="spill-recovery")
 
@@ -320,24 +374,32 @@ class DurableWriter:
             self._task = None
         if self.spill_entries or not self.store_writable:
             try:  # bounded: a stalled store must not hold the exit (the journal stays for next time)
-                await asyncio.wait_for(self.recover(), self.write_timeout)
+                await asyncio.wait_for(self.recover(), max(self.write_timeout, 2.0))
             except TimeoutError:
                 log.warning("spill_kept_for_next_start", spill_entries=self.spill_entries)
+        for pool in (self._journal_thread, self._store_threads, self._read_threads):
+            pool.shutdown(wait=False)
+        if self._reader is not None and self._reader is not self.db:
+            with contextlib.suppress(Exception):
+                self._reader.close()
 
     async def _recovery_loop(self) -> None:
         while True:
             await asyncio.sleep(self.retry_interval)
+            if self.journal is not None and not self.journal.reserved:
+                await self._in(self._journal_thread, self.journal.retry_reserve)
             if self.spill_entries or not self.store_writable:
                 await self.recover()
 
     async def recover(self) -> bool:
         """Replay the journal into the store; True when the store took everything."""
+        was_writable = self.store_writable
         try:
-            replayed = await asyncio.shield(asyncio.to_thread(self._replay))
+            replayed = await asyncio.shield(self._in(self._store_threads, self._replay))
         except (*self.db.errors, OSError) as exc:
             self._store_failed(exc)
             return False
-        if not self.store_writable:
+        if not was_writable:
             log.info("store_recovered", replayed=sum(replayed.values()),
                      outage_s=round(time.time() - (self.failing_since or time.time()), 1))
         self.store_writable, self.store_error, self.failing_since = True, None, None
@@ -348,26 +410,39 @@ class DurableWriter:
 
     def _replay(self) -> dict[str, int]:
         """Blocking: every journal row into the store (in order, in batches), then clear.
-        With nothing spilled, one cheap write proves the store takes writes again."""
+        With nothing spilled, one cheap write proves the store takes writes again. The
+        journal's lock is held only to read it and to clear it, never while the store
+        works: appends go on meanwhile (and are caught up with, or replayed next time)."""
         counts: dict[str, int] = {}
-        if self.journal is None or not self.journal.entries:
-            if not self.store_writable:
-                self.db.run_tx(_probe)
-            return counts
-        with self.journal.lock:  # appends wait (in their worker threads) until cleared
-            batch: list[tuple[str, list[Any]]] = []
-            for line in self.journal.read().splitlines():
-                entry = orjson.loads(line)
-                if entry.get("kind") not in self.statements:
-                    log.error("spill_entry_unknown", kind=entry.get("kind"))
-                    continue
-                batch.append((entry["kind"], entry["row"]))
-                if len(batch) >= REPLAY_BATCH:
-                    self._apply(batch, counts)
-                    batch = []
-            self._apply(batch, counts)
-            self.journal.clear()
-        return counts
+        with self._replay_lock:
+            journal = self.journal
+            if journal is None or not journal.entries:
+                if not self.store_writable:
+                    self.db.run_tx(_probe)
+                return counts
+            for _ in range(REPLAY_PASSES):
+                data, end = journal.read_from(self._replayed_to)
+                batch: list[tuple[str, list[Any]]] = []
+                for line in data.splitlines():
+                    entry = orjson.loads(line)
+                    if entry.get("kind") not in self.statements:
+                        log.error("spill_entry_unknown", kind=entry.get("kind"))
+                        continue
+                    batch.append((entry["kind"], entry["row"]))
+                    if len(batch) >= REPLAY_BATCH:
+                        self._apply(batch, counts)
+                        batch = []
+                self._apply(batch, counts)
+                self._replayed_to = end
+                if journal.clear_if(end, self._cleared):
+                    return counts
+            return counts  # still catching up: the rest next time (nothing is lost meanwhile)
+
+    def _cleared(self) -> None:
+        """Under the journal's lock, as it is cleared: its lines are all in the store."""
+        self._index.clear()
+        self._replayed_to = 0
+        self.journal_failing = False
 
     def _apply(self, batch: list[tuple[str, list[Any]]], counts: dict[str, int]) -> None:
         if not batch:
@@ -378,6 +453,8 @@ class DurableWriter:
                 conn.execute(self.statements[kind], row)
 
         self.db.run_tx(run)
+        self._last_progress = time.monotonic()
+        self.store_writable = True  # new rows may go to the store again while the rest replays
         for kind, _ in batch:
             counts[kind] = counts.get(kind, 0) + 1
 
