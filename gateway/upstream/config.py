@@ -185,5 +185,5 @@ def build_pool(settings: Settings, state: CredentialState | None, simulator_url:
         by_name = {c.upstream.name: c.upstream for c in credentials}
         for credential_id, name, base_url, key in state.added_credentials():
             upstream = by_name.get(name) or Upstream(name, base_url)
-            credentials.append(Credential(upstream, key, id=credential_id))
+            credentials.append(Credential(upstream, key, id=credential_id, added_by_admin=True))
     return UpstreamPool(credentials, state, settings.max_in_flight_per_credential)
