@@ -250,3 +250,59 @@ def test_a_credential_deleted_on_another_replica_leaves_this_pool() -> None:
         pool.remove(configured.id)
     with pytest.raises(KeyError):
         pool.remove("nope")
+
+
+# -- the store's part, on SQLite and PostgreSQL ----------------------------------------------
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request: pytest.FixtureRequest, tmp_path: Path):  # type: ignore[no-untyped-def]
+    from gateway.store.db import open_database
+
+    url = request.getfixturevalue("postgres_schema") if request.param == "postgres" else None
+    db = open_database(url, tmp_path)
+    yield db
+    db.close()
+
+
+async def test_audit_filters_by_upstream_exactly_on_the_record(store: Any) -> None:
+    """``?upstream=`` matches any attempt's upstream name, exactly: LIKE's wildcards in a
+    name are literal, and a name that is a prefix of another does not match it."""
+    import time
+
+    from gateway.record import RequestRecord
+    from gateway.store import audit
+    from gateway.store.audit import AuditWriter
+
+    writer = AuditWriter(store, flush_interval=0.01)
+    await writer.start()
+    names = {"r1": ["a"], "r2": ["a_b"], "r3": ["a%b"], "r4": ["x", "a"], "r5": [], "r6": ['q"uote']}
+    for request_id, upstreams in names.items():
+        writer.submit(RequestRecord(request_id=request_id, protocol="chat", started_at=time.time(), model="m",
+                                    upstream_attempts=[{"upstream": u, "status": 200} for u in upstreams]))
+    await writer.aclose()
+    assert writer.written == len(names)
+
+    async def ids(name: str) -> set[str]:
+        rows, total = await audit.query(store, upstream=name)
+        assert total == len(rows)
+        return {r["request_id"] for r in rows}
+
+    assert await ids("a") == {"r1", "r4"}
+    assert await ids("a_b") == {"r2"}
+    assert await ids("a%b") == {"r3"}
+    assert await ids("x") == {"r4"}
+    assert await ids('q"uote') == {"r6"}
+    assert await ids("nobody") == set()
+
+
+def test_a_deleted_credential_is_gone_from_the_store(store: Any) -> None:
+    from gateway.store.credentials import CredentialState
+
+    state = CredentialState(store)
+    state.add_credential("fp_1@added", "added", "http://127.0.0.1:9/v1", "sk-stored-key-0123456789")
+    state.add_credential("fp_2@kept", "kept", "http://127.0.0.1:9/v1", None)
+    state.save("fp_1@added", {"disabled": True})
+    state.delete_credential("fp_1@added")
+    assert [row[0] for row in state.added_credentials()] == ["fp_2@kept"]
+    assert "fp_1@added" not in state.load()
