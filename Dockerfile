@@ -10,7 +10,11 @@ COPY webui ./webui
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 FROM python:3.11-slim
-RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/codebuddy2api --create-home codebuddy2api
+# The data directory exists in the image, owned by the gateway's user: Docker initialises an
+# empty named volume mounted there (deploy/compose.yaml) from it, so the volume is writable
+# by uid 10001 rather than root-owned.
+RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/codebuddy2api --create-home codebuddy2api \
+    && install -d -m 0700 -o 10001 -g 10001 /var/lib/codebuddy2api/data
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir --no-index --find-links /wheels /wheels/codebuddy2api-*.whl && rm -rf /wheels
 USER 10001:10001

@@ -35,8 +35,7 @@ from gateway.observability.observer import Observability, metrics_endpoint
 from gateway.models_api import keyed, list_models, retrieve_model, route_error_handlers
 from gateway.protocols.openai_shapes import error_json as openai_error
 from gateway.protocols.messages import error_json as anthropic_error
-from gateway.relay import GenerationService
-from gateway.relayed import CompletionsRoute, EmbeddingsRoute
+from gateway.relay import ATTEMPTS_SCOPE_KEY, GenerationService
 from gateway.routes import count_tokens_endpoint, generation_endpoint, retrieve_response_endpoint
 from gateway.servers import bind_loopback, on_server_exit, start_embedded, stop_embedded
 from gateway.shutdown import GracefulShutdown
@@ -92,9 +91,21 @@ def uses_simulator(settings: Settings, added_credentials: int = 0) -> bool:
     return settings.simulator or (not settings.upstream_url and not settings.config and not added_credentials)
 
 
+def answering_upstream(scope: Scope) -> str:
+    """The upstream a generation answer comes from: the attempt that answered 200, else the
+    one under way when the status line goes (a keepalive may commit it first); ``simulator``
+    when none was made (a refusal, a non-generation route)."""
+    attempts = scope.get(ATTEMPTS_SCOPE_KEY)
+    log = getattr(attempts, "log", None) or []
+    answered = [a for a in log if a.get("status") == 200]
+    chosen = (answered or log)[-1:] if log else []
+    return str(chosen[0]["upstream"]) if chosen else "simulator"
+
+
 class SimulatorHeader:
-    """Marks every response ``x-codebuddy2api-upstream: simulator`` while the built-in
-    simulator is the upstream, so no client mistakes its answers for a model's."""
+    """Marks every response with ``x-codebuddy2api-upstream`` while the built-in simulator
+    is in the pool, so no client mistakes its answers for a model's: ``simulator``, or the
+    name of the real upstream (added at run time) that answered."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -105,7 +116,8 @@ class SimulatorHeader:
 
         async def send_marked(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), (UPSTREAM_HEADER.encode(), b"simulator")]}
+                name = answering_upstream(scope).encode("latin-1", "replace")
+                message = {**message, "headers": [*message.get("headers", []), (UPSTREAM_HEADER.encode(), name)]}
             await send(message)
 
         await self.app(scope, receive, send_marked)

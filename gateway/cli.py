@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 from gateway.admin.auth import AdminAccess, is_loopback, login_base_url
 from gateway.connections import server_options as connection_options
 from gateway.settings import CLI_FIELDS, ENV_PREFIX, Settings, SettingsError, StreamMode, load_settings
+from gateway.startup_checks import operator_mistake
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -111,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     cli_values = {name: getattr(args, name) for name in CLI_FIELDS}
     try:
         settings, sources = load_settings(cli_values)
+        problem = operator_mistake(settings, sources, os.environ)
+        if problem:
+            raise SettingsError(problem)
         check_startup(settings)
     except SettingsError as exc:
         print(f"codebuddy2api: error: {exc}", file=sys.stderr)

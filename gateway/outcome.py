@@ -24,6 +24,9 @@ from gateway.record import RequestRecord
 
 log = structlog.get_logger("gateway.outcome")
 
+#: The audit keeps this much of an error's message (the WebUI shows it beside the code).
+ERROR_MESSAGE_MAX = 500
+
 
 def internal_error(exc: BaseException, request_id: str, where: str) -> GatewayError:
     """An unexpected exception as the client-safe 500, logged with its traceback."""
@@ -47,6 +50,7 @@ class RequestOutcome:
         record.outcome = outcome
         if error is not None:
             record.error_code = str(error.code)
+            record.error_message = error.message[:ERROR_MESSAGE_MAX]
             if error.code == ErrorCode.RESPONSE_TOO_LARGE:
                 record.budget_exceeded = True
         if http_status is not None:

@@ -26,6 +26,7 @@ class RequestRecord:
     upstream_model: str = ""  # as sent upstream
     outcome: str = "error"  # success | error | cancelled | invalid | refused
     error_code: str | None = None
+    error_message: str | None = None  # the error's one line, as the client was told (masked in the audit)
     http_status: int = 200
     finish_reason: str | None = None
     ttfb_ms: float | None = None  # first byte sent to the client

@@ -32,6 +32,10 @@ from gateway.upstream.attempts import UpstreamAttempts
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.pool import UpstreamPool, fingerprint
 
+#: The scope key under which a generation request keeps its upstream attempts, for the
+#: ``x-codebuddy2api-upstream`` header (app.SimulatorHeader reads it at the status line).
+ATTEMPTS_SCOPE_KEY = "codebuddy2api.attempts"
+
 if TYPE_CHECKING:
     from gateway.store.replicas import CapacityPolicy
 
@@ -134,6 +138,7 @@ class GenerationService:
             outcome.failed(err)
             return error_response(room, err, headers)
         run.rollout_id = request.headers.get(settings.rollout_header)
+        request.scope[ATTEMPTS_SCOPE_KEY] = run.attempts  # the x-codebuddy2api-upstream header (app.SimulatorHeader)
         self.running.add(run)
         if parsed.stream:
             return GenerationResponse(run, headers, lambda complete: _stream_outcome(outcome, run, complete))

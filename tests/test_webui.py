@@ -267,7 +267,10 @@ def test_the_dashboard_moves_after_a_burst(page: Any, ui: Gateway, shots: Path) 
     assert int(rows.nth(1).text_content()) >= 3
     assert page.locator("#credential-health tbody .pill.ok").count() == 1
     assert page.text_content("#dash-ready .pill") == "ready"  # the same reasons as /readyz
-    assert page.locator(".chart canvas").count() == 10  # every chart drew
+    assert page.locator(".chart canvas").count() == 12  # every chart drew
+    # the per-upstream charts name this gateway's one upstream
+    page.wait_for_function("(document.querySelector('#chart-upstream-requests').dataset.series || '') === 'upstream'")
+    assert page.get_attribute("#chart-upstream-errors", "data-series") == "upstream"
     page.wait_for_timeout(300)  # let the charts settle before the picture
     shot(page, shots, "dashboard")
 
@@ -291,7 +294,8 @@ def test_the_range_picker_drives_every_chart_and_the_new_panels_show_ttft_tokens
     page.wait_for_selector("#chart-tokens[data-series]")
     charts = page.locator(".charts .chart")
     ids = [charts.nth(i).get_attribute("id") for i in range(charts.count())]
-    for panel in ("chart-ttft", "chart-tokens", "chart-error-codes", "chart-duration"):
+    for panel in ("chart-ttft", "chart-tokens", "chart-error-codes", "chart-duration", "chart-upstream-requests",
+                  "chart-upstream-errors"):
         assert panel in ids
     for seconds, (label, bucket) in RANGES.items():
         page.click(f"#range-picker button[data-range='{seconds}']")
@@ -310,7 +314,7 @@ def test_the_range_picker_drives_every_chart_and_the_new_panels_show_ttft_tokens
         if seconds == "300":
             page.wait_for_timeout(300)
             shot(page, shots, "dashboard-5min", full_page=True)
-    assert page.locator(".chart canvas").count() == 10
+    assert page.locator(".chart canvas").count() == 12
     ttft_p95 = float(page.get_attribute("#stat-ttft-p95", "data-value"))
     series = httpx.get(ui.url + "/admin/api/audit/timeseries?window=604800&bucket=1800", headers=AUTH).json()
     assert ttft_p95 == series["total"]["summary"]["ttft_ms_p95"]
@@ -348,7 +352,10 @@ def test_audit_filters_by_code_model_protocol_mode_and_request_id_and_fits_1280(
         return rows()
 
     found = apply(**{"f-error-code": "upstream_error"})
-    assert set(page.locator("#audit-rows td[data-col=error]").all_text_contents()) == {"upstream_error"}
+    assert set(page.locator("#audit-rows td[data-col=error] .mono").all_text_contents()) == {"upstream_error"}
+    # the message beside the code: what the client was told
+    messages = set(page.locator("#audit-rows td[data-col=error] .error-message").all_text_contents())
+    assert messages and all(m.startswith("the upstream failed with HTTP 500") for m in messages), messages
     shot(page, shots, "audit-filtered")
     expected = httpx.get(ui.url + "/admin/api/audit?error_code=upstream_error&limit=50", headers=AUTH).json()
     assert found == [r["request_id"] for r in expected["data"]] and failed.headers["x-request-id"] in found
@@ -479,7 +486,10 @@ def test_credentials_add_disable_enable_reset(page: Any, ui: Gateway, shots: Pat
     page.fill("#cred-api-key", secret)
     page.fill("#cred-upstream", "spare")
     page.click("#add-credential-button")
-    page.wait_for_selector(".notice.ok:has-text('Added spare')")
+    # probed at once: nothing listens on port 9, and the page says so
+    page.wait_for_selector(".notice.warn:has-text('Added spare')")
+    assert page.get_attribute("#probe-result", "data-ok") == "false"
+    assert "could not be reached" in page.text_content("#probe-result")
     row = page.locator("#credential-rows tr", has_text="spare")
     row.wait_for()
     assert secret not in page.content()
@@ -513,8 +523,9 @@ def test_credentials_add_disable_enable_reset(page: Any, ui: Gateway, shots: Pat
 
 def test_credentials_show_each_ones_success_rate_and_last_error(page: Any, ui: Gateway, shots: Path) -> None:
     failed = chat(ui, model="server_error", stream=False)
-    chat(ui)
+    ok = chat(ui)
     wait_audited(ui, failed.headers["x-request-id"])
+    wait_audited(ui, ok.headers["x-request-id"])  # both in the store before it is counted twice
     rows = httpx.get(ui.url + "/admin/api/audit?limit=1000", headers=AUTH).json()["data"]
     [main] = [c for c in httpx.get(ui.url + "/admin/api/credentials", headers=AUTH).json()["credentials"]
               if c["upstream"] == "upstream"]
@@ -673,3 +684,125 @@ def check_status_and_timeseries(ui: Gateway) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "bucket"
     assert httpx.get(ui.url + "/admin/api/status?window=0", headers=AUTH).json()["error"]["param"] == "window"
     assert httpx.get(ui.url + "/admin/api/status").status_code == 401
+
+
+# -- any screen: 390 px phones, 1280 px laptops ----------------------------------------------
+
+PHONE = {"width": 390, "height": 844}
+PAGES = {"dashboard": "Dashboard", "settings": "Settings", "audit": "Audit log", "credentials": "Credentials"}
+
+
+def _fits(page: Any) -> dict[str, int]:
+    return page.evaluate("() => ({scroll: document.documentElement.scrollWidth, inner: window.innerWidth,"
+                         " body: document.body.scrollWidth})")
+
+
+def test_every_page_fits_a_phone_and_is_reached_from_the_nav(browser: Any, ui: Gateway, shots: Path) -> None:
+    failed = chat(ui, model="server_error", stream=False)
+    wait_audited(ui, failed.headers["x-request-id"])
+    context = browser.new_context(viewport=PHONE, bypass_csp=True)
+    page = context.new_page()
+    page.set_default_timeout(10_000)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        login(page, ui, "#/dashboard")
+        for name, title in PAGES.items():
+            link = page.locator(f"#nav a[data-page={name}]")
+            box = link.bounding_box()
+            assert box and box["x"] >= 0 and box["x"] + box["width"] <= PHONE["width"], (name, box)  # on screen
+            link.click()  # a real tap on the link: it must be visible and not covered
+            page.wait_for_selector(f"h1:text('{title}')")
+            page.wait_for_timeout(600 if name == "dashboard" else 300)  # charts and tables drawn
+            sizes = _fits(page)
+            assert sizes["scroll"] <= sizes["inner"] and sizes["body"] <= sizes["inner"], (name, sizes)
+            shot(page, shots, f"phone-{name}", full_page=True)
+        # one record's page too (reached from the list, as on a phone)
+        page.locator(f"#nav a[data-page=audit]").click()
+        page.locator(f"tr[data-request-id='{failed.headers['x-request-id']}']").click()
+        page.wait_for_selector("#detail-error")
+        sizes = _fits(page)
+        assert sizes["scroll"] <= sizes["inner"], ("audit detail", sizes)
+        shot(page, shots, "phone-audit-detail", full_page=True)
+    finally:
+        context.close()
+    assert not errors, errors
+
+
+def test_at_1280_the_tiles_stay_in_one_row_and_no_label_is_cut(page: Any, ui: Gateway, shots: Path) -> None:
+    login(page, ui, "#/dashboard")
+    page.wait_for_function("document.querySelector('#stat-requests').dataset.value !== ''")
+    tiles = page.evaluate("""() => [...document.querySelectorAll('.stats .stat')].map(s => ({
+        top: s.getBoundingClientRect().top,
+        cut: [...s.querySelectorAll('.stat-label, .stat-value, .stat-sub')].some(e => e.scrollWidth > e.clientWidth + 1)}))""")
+    assert len(tiles) == 10
+    assert len({round(t["top"]) for t in tiles}) == 1, tiles  # one row: no tile wrapped under the others
+    assert not any(t["cut"] for t in tiles), tiles
+    for name, title in PAGES.items():
+        page.locator(f"#nav a[data-page={name}]").click()
+        page.wait_for_selector(f"h1:text('{title}')")
+        page.wait_for_timeout(300)
+        sizes = _fits(page)
+        assert sizes["scroll"] <= VIEWPORT["width"], (name, sizes)
+        heads = page.evaluate("() => [...document.querySelectorAll('th, label.filter, .stat-label')]"
+                              ".filter(e => e.offsetParent && e.scrollWidth > e.clientWidth + 1).map(e => e.textContent)")
+        assert heads == [], (name, heads)  # no header or label cut short
+
+
+def test_audit_shows_and_filters_by_upstream_with_local_times(page: Any, ui: Gateway) -> None:
+    ok = chat(ui, model="echo", stream=True)
+    record = wait_audited(ui, ok.headers["x-request-id"])
+    assert record["upstream_attempts"][-1]["upstream"] == "upstream"
+    login(page, ui, "#/audit")
+    row = page.locator(f"tr[data-request-id='{ok.headers['x-request-id']}']")
+    row.wait_for()
+    assert row.locator("td[data-col=upstream]").text_content() == "upstream"
+
+    def apply(value: str) -> list[str]:
+        page.fill("#f-upstream", value)
+        loads = int(page.get_attribute("#audit-rows", "data-loads") or 0)
+        page.click("#apply-filters")
+        page.wait_for_function(f"Number(document.querySelector('#audit-rows').dataset.loads) > {loads}")
+        return page.eval_on_selector_all("#audit-rows tr[data-request-id]", "els => els.map(e => e.dataset.requestId)")
+
+    assert apply("no-such-upstream") == []
+    found = apply("upstream")
+    api = httpx.get(ui.url + "/admin/api/audit?upstream=upstream&limit=50&since=" + str(time.time() - 3600),
+                    headers=AUTH).json()["data"]
+    assert ok.headers["x-request-id"] in found and found == [r["request_id"] for r in api]
+    assert all(a["upstream"] == "upstream" for r in api for a in r["upstream_attempts"])
+    apply("")
+    row.click()
+    page.wait_for_selector("#detail-attempts")
+    assert page.text_content("#detail-upstream") == "upstream"
+    started = page.locator("#detail-attempts tbody td").all_text_contents()
+    raw = str(record["upstream_attempts"][0]["started_at"])
+    assert raw not in started  # not Unix seconds
+    local = page.evaluate(f"""() => new Date({record['upstream_attempts'][0]['started_at']} * 1000)
+        .toLocaleString(undefined, {{year: 'numeric', month: '2-digit', day: '2-digit', hour: '2-digit',
+                                     minute: '2-digit', second: '2-digit'}})""")
+    assert local in started
+
+
+def test_credentials_delete_button_and_probe_result(page: Any, ui: Gateway, simulator: Simulator, shots: Path) -> None:
+    login(page, ui, "#/credentials")
+    page.wait_for_selector("#credential-rows tr[data-credential-id]")
+    configured = page.locator("#credential-rows tr", has_text="upstream").first
+    assert configured.locator("button[data-action=delete]").count() == 0  # from the flag: not deletable here
+    page.fill("#cred-base-url", simulator.url + "/v1")
+    page.fill("#cred-api-key", "sk-webui-probed-key-0123456789")
+    page.fill("#cred-upstream", "second-webui")
+    page.click("#add-credential-button")
+    page.wait_for_selector(".notice.ok:has-text('Added second-webui')")
+    assert page.get_attribute("#probe-result", "data-ok") == "true"
+    assert page.text_content("#probe-result") == "probe: HTTP 200"
+    row = page.locator("#credential-rows tr", has_text="second-webui")
+    row.locator(".cred-probe").wait_for()
+    assert "HTTP 200" in row.locator(".cred-probe").text_content()
+    shot(page, shots, "credentials-probed")
+    page.once("dialog", lambda dialog: dialog.accept())
+    row.locator("button[data-action=delete]").click()
+    page.wait_for_selector(".notice.ok:has-text('Deleted second-webui')")
+    row.wait_for(state="detached")
+    listed = httpx.get(ui.url + "/admin/api/credentials", headers=AUTH).json()["credentials"]
+    assert "second-webui" not in {c["upstream"] for c in listed}

@@ -10,6 +10,8 @@ import time
 from datetime import datetime
 from typing import Any
 
+import orjson
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
@@ -72,6 +74,7 @@ async def list_audit(request: Request) -> Response:
     except BadParam as err:
         return _bad(err)
     filters = {c: request.query_params.get(c) or None for c in audit.FILTER_COLUMNS}
+    filters["upstream"] = request.query_params.get("upstream") or None  # any attempt's upstream name
     rows, total = await audit.query(_db(request), since=since, until=until, limit=limit, offset=offset, **filters)
     return JSONResponse({
         "object": "list", "data": rows, "total": total, "limit": limit, "offset": offset,
@@ -203,6 +206,27 @@ def _by_error_code(rows: list[tuple[Any, ...]], start: float, bucket: float, cou
     return {code: {"requests": slots, "total": sum(slots)} for code, slots in sorted(series.items())}
 
 
+def _by_upstream(rows: list[tuple[Any, ...]], start: float, bucket: float, count: int) -> dict[str, Any]:
+    """Upstream attempts per bucket for each upstream, and those that failed (every attempt
+    counts, failed-over ones included: that is the upstream's own health)."""
+    series: dict[str, dict[str, list[int]]] = {}
+    for row in rows:
+        attempts = row[10]
+        if isinstance(attempts, (str, bytes)):
+            attempts = orjson.loads(attempts)
+        for attempt in attempts or ():
+            name = str(attempt.get("upstream") or "?")
+            at = float(attempt.get("started_at") or row[0])
+            slot = min(count - 1, max(0, int((at - start) // bucket)))
+            entry = series.setdefault(name, {"requests": [0] * count, "errors": [0] * count})
+            entry["requests"][slot] += 1
+            entry["errors"][slot] += bool(attempt.get("error"))
+    return {
+        name: entry | {"total": sum(entry["requests"]), "total_errors": sum(entry["errors"])}
+        for name, entry in sorted(series.items())
+    }
+
+
 async def timeseries_audit(request: Request) -> Response:
     """Counts, errors, TTFB/TTFT/duration percentiles per time bucket, overall, by protocol
     and by mode, plus output tokens/s by model and errors by code (the WebUI dashboard's
@@ -222,7 +246,7 @@ async def timeseries_audit(request: Request) -> Response:
         return conn.execute(
             "SELECT started_at, protocol, mode, outcome, json_extract(record, '$.ttfb_ms'),"
             " json_extract(record, '$.ttft_ms'), json_extract(record, '$.duration_ms'), error_code, model,"
-            " json_extract(record, '$.usage.completion_tokens')"
+            " json_extract(record, '$.usage.completion_tokens'), json_extract(record, '$.upstream_attempts')"
             " FROM audit WHERE started_at >= ? AND started_at < ?",
             (start, end),
         ).fetchall()
@@ -239,6 +263,7 @@ async def timeseries_audit(request: Request) -> Response:
         "by_mode": _bucketed(rows, start, bucket, count, 2),
         "by_model": _by_model(rows, start, bucket, count),
         "by_error_code": _by_error_code(rows, start, bucket, count),
+        "by_upstream": _by_upstream(rows, start, bucket, count),
     })
 
 

@@ -1,5 +1,6 @@
 """Admin JSON routes over the upstream pool: list credentials (fingerprints only), add
-one, disable, re-enable, reset cooldowns. Keys go in, never come out."""
+one (probed at once: its result is in the answer), delete one added here, disable,
+re-enable, reset cooldowns. Keys go in, never come out."""
 
 from __future__ import annotations
 
@@ -13,8 +14,12 @@ from starlette.routing import BaseRoute, Route
 from gateway.admin.common import BAD_BODY, NotAnObject, admin_error, json_object
 from gateway.store import audit
 
+from gateway.errors import GatewayError
 from gateway.upstream.pool import Credential, Upstream, UpstreamPool
 from gateway.upstream.urls import UpstreamURLError, check_upstream_url
+
+#: Seconds the probe of a newly added credential may take (the admin's request waits on it).
+ADD_PROBE_TIMEOUT = 5.0
 
 
 def _pool(request: Request) -> UpstreamPool:
@@ -56,12 +61,55 @@ async def add_credential(request: Request) -> Response:
     credential = Credential(upstream or Upstream(str(name), base_url), api_key)
     if any(c.id == credential.id for c in pool.credentials):
         return admin_error(409, "credential_exists", "this credential is already configured")
+    credential.added_by_admin, credential.added_at = True, pool.clock()
+    probe = await probe_new(request, credential)
     state = request.app.state.credential_state
     # off the event loop: a slow store must not stall the streams this process serves
     await asyncio.to_thread(state.add_credential, credential.id, credential.upstream.name, base_url, api_key)
     pool.add(credential)
+    if probe["status"] in (401, 403):  # the key is refused: out of rotation, probed again later
+        refused = GatewayError("upstream", "upstream_auth_failed", probe["result"])
+        refused.upstream_status = probe["status"]
+        pool.report_failure(credential, "*", refused)
     request.app.state.observability.metrics.declare_configuration(pool)  # its upstream's series, at zero
-    return JSONResponse(credential.public(), status_code=201)
+    return JSONResponse(credential.public() | {"probe": probe}, status_code=201)
+
+
+async def probe_new(request: Request, credential: Credential) -> dict[str, object]:
+    """``GET {base_url}/models`` with the new key, before it serves anything: whether the
+    URL and key work, shown to the admin (and kept as the credential's last probe)."""
+    client = request.app.state.relay.upstream
+    try:
+        ok, result = await asyncio.wait_for(client.probe(credential, timeout=ADD_PROBE_TIMEOUT), ADD_PROBE_TIMEOUT + 1)
+    except TimeoutError:
+        ok, result = False, "timed out"
+    credential.last_probe_at, credential.last_probe_result = time.time(), result
+    status = int(result[5:]) if result.startswith("HTTP ") and result[5:].isdigit() else None
+    hint = None
+    if status == 404:
+        hint = "the upstream has no /models under this URL: an OpenAI-compatible base URL ends in /v1"
+    elif status in (401, 403):
+        hint = "the upstream refused this key; the credential is disabled until a probe succeeds"
+    elif not ok and status is None:
+        hint = "the upstream could not be reached from the gateway"
+    return {"ok": ok, "result": result, "status": status, "hint": hint}
+
+
+async def delete_credential(request: Request) -> Response:
+    """Forget a credential added through this API (and its key, in the store). Configured
+    ones (flag, environment, --config) are refused: they would come back at the next start."""
+    pool = _pool(request)
+    credential_id = request.path_params["credential_id"]
+    try:
+        credential = pool.get(credential_id)
+    except KeyError:
+        return admin_error(404, "credential_not_found", f"no credential {credential_id!r}", "credential_id")
+    if not credential.added_by_admin:
+        return admin_error(409, "credential_configured", "this credential comes from --upstream-url/--config; "
+                           "remove it there and restart", "credential_id")
+    await asyncio.to_thread(request.app.state.credential_state.delete_credential, credential_id)
+    pool.remove(credential_id)
+    return JSONResponse({"deleted": credential_id, "credential": credential.public()})
 
 
 def _action(name: str):  # type: ignore[no-untyped-def]
@@ -81,6 +129,7 @@ def credential_routes() -> list[BaseRoute]:
     return [
         Route("/credentials", list_credentials, methods=["GET"]),
         Route("/credentials", add_credential, methods=["POST"]),
+        Route("/credentials/{credential_id}", delete_credential, methods=["DELETE"]),
         Route("/credentials/{credential_id}/enable", _action("enable"), methods=["POST"]),
         Route("/credentials/{credential_id}/disable", _action("disable"), methods=["POST"]),
         Route("/credentials/{credential_id}/reset", _action("reset_cooldowns"), methods=["POST"]),

@@ -383,6 +383,13 @@ class AuditWriter:
 FILTER_COLUMNS = ("outcome", "protocol", "mode", "model", "error_code", "request_id", "transport")
 
 
+def upstream_pattern(name: str) -> str:
+    """A LIKE pattern for ``"upstream":"<name>"`` in a record (orjson writes it compact):
+    the name JSON-escaped, then LIKE's own wildcards escaped with ``!``."""
+    literal = '"upstream":' + orjson.dumps(name).decode()
+    return "%" + literal.replace("!", "!!").replace("%", "!%").replace("_", "!_") + "%"
+
+
 def _where(since: float | None, until: float | None, filters: dict[str, str | None]) -> tuple[str, list[Any]]:
     clauses: list[str] = []
     params: list[Any] = []
@@ -397,6 +404,10 @@ def _where(since: float | None, until: float | None, filters: dict[str, str | No
         if value is not None:
             clauses.append(f"{column} = ?")
             params.append(value)
+    upstream = filters.get("upstream")
+    if upstream is not None:  # no column (no migration): any attempt's upstream, read in the record's JSON
+        clauses.append("record LIKE ? ESCAPE '!'")
+        params.append(upstream_pattern(upstream))
     return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
 
 

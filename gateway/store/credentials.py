@@ -61,6 +61,11 @@ class CredentialState:
     def add_credential(self, credential_id: str, upstream: str, base_url: str, api_key: str | None) -> None:
         self.db.execute(_ADD, (credential_id, upstream, base_url, api_key, time.time()))
 
+    def delete_credential(self, credential_id: str) -> None:
+        """Forget an admin-added credential (its key) and its learned state."""
+        self.db.execute("DELETE FROM credentials WHERE credential_id = ?", (credential_id,))
+        self.db.execute("DELETE FROM credential_state WHERE credential_id = ?", (credential_id,))
+
 
 class CredentialStateWriter:
     """Credential state saves off the request path: ``submit`` (on the event loop, no I/O)

@@ -86,8 +86,10 @@ def _upstream_message(body: bytes) -> str:
 
 def status_error(status: int, body: bytes, retry_after: int | None) -> GatewayError:
     """An upstream HTTP error status as the error the client should see."""
-    error = _status_error(status, SECRETS.mask(_upstream_message(body)), retry_after)
+    detail = SECRETS.mask(_upstream_message(body))
+    error = _status_error(status, detail, retry_after)
     error.upstream_status = status
+    error.upstream_detail = detail  # type: ignore[attr-defined]  # the pool reads a 401/403's reason
     return error
 
 

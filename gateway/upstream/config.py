@@ -198,5 +198,5 @@ def build_pool(settings: Settings, state: CredentialState | None, simulator_url:
                 log.warning("stored_credential_skipped", credential_id=credential_id, upstream=name, reason=str(exc))
                 continue
             upstream = by_name.get(name) or Upstream(name, base_url)
-            credentials.append(Credential(upstream, key, id=credential_id))
+            credentials.append(Credential(upstream, key, id=credential_id, added_by_admin=True))
     return UpstreamPool(credentials, state, settings.max_in_flight_per_credential)

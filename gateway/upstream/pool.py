@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -42,6 +43,28 @@ STICKY_MAX_SESSIONS = 10_000
 STICKY_TTL_SECONDS = 3600.0
 #: Cooldown after a 429 that carried no Retry-After (seconds).
 DEFAULT_RATE_LIMIT_COOLDOWN = 30.0
+#: How long a credential is passed over for a model its upstream answered 404 for, or
+#: refused (401/403) naming that model: other credentials serve the model meanwhile.
+MODEL_UNAVAILABLE_FOR = 300.0  # passed over, not refused: with no other credential it is asked again
+#: A 401/403 whose message is about the model (access, permission, entitlement), not the key:
+#: the credential is kept for every other model.
+_MODEL_SCOPED_REFUSAL = re.compile(
+    r"\bmodels?\b.{0,80}\b(access|permi\w*|allow\w*|entitle\w*|authori[sz]\w*|not available|forbidden)"
+    r"|\b(access|permi\w*|allow\w*|entitle\w*|authori[sz]\w*)\b.{0,80}\bmodels?\b",
+    re.IGNORECASE | re.DOTALL,
+)
+#: Seconds a credential added on this replica is safe from a shared-state poll that read the
+#: store before its row was written (replicas poll every few seconds).
+ADDED_GRACE = 30.0
+
+
+def model_scoped_refusal(detail: str | None, model: str, upstream_model: str) -> bool:
+    """Does a 401/403's message say the key may not use *this model* (rather than that
+    the key is bad)? Only then the refusal is scoped to the model."""
+    if not detail:
+        return False
+    names = {m for m in (model, upstream_model) if m}
+    return bool(_MODEL_SCOPED_REFUSAL.search(detail)) or any(f"'{m}'" in detail or f'"{m}"' in detail for m in names)
 
 
 def fingerprint(secret: str | None) -> str:
@@ -93,6 +116,10 @@ class Credential:
     cooldowns: dict[str, float] = field(default_factory=dict)  # model or ANY_MODEL -> until (epoch)
     penalty_until: float = 0.0  # after a 5xx or connect error: tried last, not refused
     in_flight: int = 0
+    #: model -> (until, why): a 404 for that model, or a 401/403 that named it (memory only)
+    unavailable: dict[str, tuple[float, str]] = field(default_factory=dict)
+    added_by_admin: bool = False  # through the admin API (kept in the store; may be deleted)
+    added_at: float | None = None  # when this process added it (admin API or a replica's row)
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -101,6 +128,10 @@ class Credential:
     @property
     def fingerprint(self) -> str:
         return fingerprint(self.api_key)
+
+    def unavailable_for(self, model: str, now: float) -> bool:
+        entry = self.unavailable.get(model)
+        return entry is not None and entry[0] > now
 
     def cooling_until(self, model: str, now: float) -> float:
         until = max(self.cooldowns.get(model, 0.0), self.cooldowns.get(ANY_MODEL, 0.0))
@@ -124,6 +155,10 @@ class Credential:
             "probe_failures": self.probe_failures,
             "cooldowns": {m: round(u - now, 1) for m, u in self.cooldowns.items() if u > now},
             "in_flight": self.in_flight,
+            "unavailable_models": {
+                m: {"for_s": round(u - now, 1), "reason": why} for m, (u, why) in self.unavailable.items() if u > now
+            },
+            "added_by_admin": self.added_by_admin,
         }
 
 
@@ -191,6 +226,7 @@ class UpstreamPool:
         self.clock = clock
         self._turn = itertools.count()
         self._sticky = StickySessions(clock)
+        self._deleted: set[str] = set()  # ids deleted through this process's admin API
         self.on_change: Callable[[], None] | None = None  # called when a credential is added
         #: the learned state's way to and from the store (its ``writer``: the background one)
         self.state = CredentialStateSync(store, clock)
@@ -199,25 +235,46 @@ class UpstreamPool:
     def apply_shared(
         self,
         states: dict[str, tuple[int, dict[str, Any]]],
-        added: list[tuple[str, str, str, str | None]] = (),  # type: ignore[assignment]
+        added: list[tuple[str, str, str, str | None]] | None = None,
     ) -> None:
         """Adopt stored state newer than what this pool last wrote or read: ``states``
         maps credential id -> (version, state); ``added`` lists admin-added credentials
         (id, upstream name, base_url, key), added here when unknown. Runs on the event loop."""
         known = {c.id for c in self.credentials}
-        for credential_id, name, base_url, key in added:
+        for credential_id, name, base_url, key in added or ():
             if credential_id not in known and _sendable(base_url):
                 upstream = next((c.upstream for c in self.credentials if c.upstream.name == name
                                  and c.upstream.base_url == base_url), None) or Upstream(name, base_url)
-                self.credentials.append(Credential(upstream, key, id=credential_id))
+                if credential_id in self._deleted:
+                    continue  # deleted here; this poll read the store before the delete
+                self.credentials.append(Credential(upstream, key, id=credential_id, added_by_admin=True, added_at=self.clock()))
                 known.add(credential_id)
                 self._changed()
+        if added is not None:  # deleted on another replica: its row is gone
+            stored = {row[0] for row in added}
+            now = self.clock()
+            self.credentials[:] = [
+                c for c in self.credentials
+                if not c.added_by_admin or c.id in stored or now - (c.added_at or 0.0) < ADDED_GRACE
+            ]
         self.state.adopt(self.credentials, states)
 
     def add(self, credential: Credential) -> None:
         self.credentials.append(credential)
+        self._deleted.discard(credential.id)
         self.state.persist(credential)
         self._changed()
+
+    def remove(self, credential_id: str) -> Credential:
+        """Take an admin-added credential out (KeyError: unknown; ValueError: configured by
+        flag or file, so it would come back at the next start). Leases held stay valid; its
+        key stays masked (gateway.redact) for the life of the process."""
+        credential = self.get(credential_id)
+        if not credential.added_by_admin:
+            raise ValueError(credential_id)
+        self.credentials[:] = [c for c in self.credentials if c.id != credential_id]
+        self._deleted.add(credential_id)
+        return credential
 
     def _changed(self) -> None:
         """The set of credentials changed (their keys feed gateway.redact)."""
@@ -245,6 +302,9 @@ class UpstreamPool:
         ]
         if not usable:
             raise self._exhausted(allowed, model, now, exclude)
+        # passed over for a model its upstream said it lacks, unless nothing else is left
+        # (then the upstream is asked again: it may have loaded the model since)
+        usable = [c for c in usable if not c.unavailable_for(model, now)] or usable
         healthy = [c for c in usable if c.penalty_until <= now] or usable
         chosen = None
         if session is not None:
@@ -282,6 +342,13 @@ class UpstreamPool:
         may be tried (failover), False when the error is the client's to see as is."""
         now = self.clock()
         status = error.upstream_status
+        detail = getattr(error, "upstream_detail", None)
+        if status == 404 or (status in (401, 403) and model_scoped_refusal(detail, model, credential.upstream.upstream_model(model))):
+            # about this model on this upstream (unknown there, or the key may not use it):
+            # another credential that serves it is tried; this one keeps its other models
+            credential.unavailable[model] = (now + MODEL_UNAVAILABLE_FOR, f"upstream answered {status}")
+            log.warning("credential_model_unavailable", credential=credential.id, model=model, status=status)
+            return True
         if status in (401, 403):
             if not credential.disabled:
                 credential.disabled_at, credential.next_probe_at, credential.probe_failures = now, None, 0

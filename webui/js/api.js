@@ -48,6 +48,8 @@ export async function api(method, path, body) {
 export const get = (path) => api("GET", path);
 export const post = (path, body) => api("POST", path, body === undefined ? {} : body);
 export const put = (path, body) => api("PUT", path, body);
+// a JSON body: the admin surface wants application/json on every state-changing request
+export const del = (path) => api("DELETE", path, {});
 
 export function query(params) {
   const q = new URLSearchParams();

@@ -17,7 +17,7 @@ const MODES = ["compatible", "realtime"];
 const TRANSPORTS = ["http", "websocket"];
 
 // Kept across visits so "back to the list" keeps the filters and page.
-const state = { outcome: "", protocol: "", transport: "", mode: "", model: "", error_code: "", request_id: "", range: "3600",
+const state = { outcome: "", protocol: "", transport: "", mode: "", model: "", upstream: "", error_code: "", request_id: "", range: "3600",
                 from: "", to: "", offset: 0 };
 
 function select(id, label, options, value) {
@@ -38,6 +38,19 @@ function shortTime(seconds) {
   return today ? d.toLocaleTimeString() : fmtTime(seconds);
 }
 
+/** The upstream that answered (the last attempt: the one that got 200, or the last tried). */
+export function upstreamOf(record) {
+  const attempts = record.upstream_attempts || [];
+  const answered = attempts.filter((a) => a.status === 200);
+  const last = (answered.length ? answered : attempts).at(-1);
+  return last ? last.upstream : "";
+}
+
+/** Attempts with their wall-clock start in local time rather than Unix seconds. */
+function localAttempts(attempts) {
+  return (attempts || []).map((a) => ({ ...a, started_at: a.started_at ? fmtTime(a.started_at) : a.started_at }));
+}
+
 function toEpoch(local) {
   return local ? new Date(local).getTime() / 1000 : "";
 }
@@ -52,6 +65,7 @@ export function mount(main) {
     h("label.filter", null, "From", from), h("label.filter", null, "To", to));
   rangeSelect.addEventListener("change", () => { custom.hidden = rangeSelect.value !== "custom"; });
   const model = h("input#f-model.narrow", { type: "text", value: state.model, placeholder: "exact model name" });
+  const upstream = h("input#f-upstream.narrow", { type: "text", value: state.upstream, placeholder: "upstream name" });
   const errorCode = h("input#f-error-code.narrow", { type: "text", value: state.error_code, placeholder: "e.g. upstream_error",
                                                      list: "known-error-codes" });
   const requestId = h("input#f-request-id", { type: "text", value: state.request_id, placeholder: "req_…" });
@@ -66,6 +80,7 @@ export function mount(main) {
   select("f-transport", "Transport", TRANSPORTS, state.transport),
   select("f-mode", "Mode", MODES, state.mode),
   h("label.filter", null, "Model", model),
+  h("label.filter", null, "Upstream", upstream),
   h("label.filter", null, "Error code", errorCode, knownCodes),
   h("label.filter", null, "Request id", requestId),
   h("label.filter", null, "Time", rangeSelect),
@@ -77,14 +92,14 @@ export function mount(main) {
   const tbody = h("tbody#audit-rows");
   const prev = h("button#audit-prev", { type: "button", onclick: () => { state.offset = Math.max(0, state.offset - PAGE); load(); } }, "← Newer");
   const next = h("button#audit-next", { type: "button", onclick: () => { state.offset += PAGE; load(); } }, "Older →");
-  const columns = ["Started", "Request", "Protocol", "Mode", "Model", "Outcome", "Status", "Error",
+  const columns = ["Started", "Request", "Protocol", "Mode", "Model", "Upstream", "Outcome", "Status", "Error",
     "TTFB", "TTFT", "Duration", "Tokens"];
   replace(main,
     h("div.page-head", null, h("h1", null, "Audit log"), summary),
     form, status,
     h("section.card.table-card", null,
       h("table.grid.clickable.fixed#audit-table", null,
-        h("colgroup", null, ["c-time", "c-id", "c-proto", "c-mode", "c-model", "c-outcome", "c-status", "c-error",
+        h("colgroup", null, ["c-time", "c-id", "c-proto", "c-mode", "c-model", "c-upstream", "c-outcome", "c-status", "c-error",
           "c-ms", "c-ms", "c-ms", "c-tokens"].map((c) => h(`col.${c}`))),
         h("thead", null, h("tr", null, columns.map((c) => h("th", null, c)))), tbody)),
     h("div.pager", null, prev, next));
@@ -95,6 +110,7 @@ export function mount(main) {
     state.transport = form.querySelector("#f-transport").value;
     state.mode = form.querySelector("#f-mode").value;
     state.model = model.value.trim();
+    state.upstream = upstream.value.trim();
     state.error_code = errorCode.value.trim();
     state.request_id = requestId.value.trim();
     state.range = rangeSelect.value;
@@ -104,6 +120,7 @@ export function mount(main) {
 
   function params() {
     const p = { outcome: state.outcome, protocol: state.protocol, transport: state.transport, mode: state.mode, model: state.model,
+                upstream: state.upstream,
                 error_code: state.error_code, request_id: state.request_id, limit: PAGE, offset: state.offset };
     if (state.range === "custom") {
       p.since = toEpoch(state.from);
@@ -146,9 +163,12 @@ export function mount(main) {
         r.transport === "websocket" ? h("span.muted", null, " (ws)") : ""),
       h("td", { "data-col": "mode" }, r.mode),
       h("td.mono.cut", { title: r.model }, r.model),
+      h("td.mono.cut", { title: upstreamOf(r), "data-col": "upstream" }, upstreamOf(r)),
       h("td", null, outcomePill(r.outcome)),
       h("td.num", null, String(r.http_status)),
-      h("td.mono.cut", { title: r.error_code || "", "data-col": "error" }, r.error_code || ""),
+      h("td.cut", { title: [r.error_code, r.error_message].filter(Boolean).join(": "), "data-col": "error" },
+        r.error_code ? h("span.mono", null, r.error_code) : "",
+        r.error_message ? h("span.muted.error-message", null, r.error_message) : ""),
       h("td.num", null, fmtMs(r.ttfb_ms)),
       h("td.num", null, fmtMs(r.ttft_ms)),
       h("td.num", null, fmtMs(r.duration_ms)),
@@ -236,7 +256,10 @@ export function mountDetail(main, requestId) {
         h("section.card#detail-summary", null, h("h2", null, "Summary"), kv([
           ["Outcome", outcomePill(r.outcome)],
           ["HTTP status", String(r.http_status)],
-          ["Error code", r.error_code || "–"],
+          ["Error", r.error_code
+            ? h("span#detail-error", null, h("span.mono", null, r.error_code), r.error_message ? ` — ${r.error_message}` : "")
+            : "–"],
+          ["Upstream", h("span.mono#detail-upstream", null, upstreamOf(r) || "–")],
           ["Protocol", r.protocol],
           ["Transport", h("span#detail-transport", null, r.transport || "–")],
           ["Mode", h("span#detail-mode", null, r.mode)],
@@ -263,8 +286,8 @@ export function mountDetail(main, requestId) {
             : `${fmtNumber(usage.reasoning_tokens || 0)} / ${fmtNumber(usage.cached_tokens || 0)}`],
         ]))),
       bodiesSection(r.bodies),
-      h("section.card", null, h("h2", null, "Upstream attempts"), genericTable(r.upstream_attempts, "detail-attempts")),
-      h("section.card", null, h("h2", null, "Tool-call repairs"), genericTable(r.repairs, "detail-repairs")),
+      h("section.card", null, h("h2", null, "Upstream attempts"), genericTable(localAttempts(r.upstream_attempts), "detail-attempts")),
+      h("section.card", null, h("h2", null, "Tool-call repairs"), genericTable(localAttempts(r.repairs), "detail-repairs")),
       h("details.card", null, h("summary", null, "Raw record (JSON)"),
         h("pre.body", null, JSON.stringify(r, null, 2))));
   })();

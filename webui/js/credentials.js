@@ -1,7 +1,8 @@
-// Upstream credentials: list (fingerprints only: keys go in, never come out), add, disable,
-// re-enable and reset cooldowns, over /admin/api/credentials.
+// Upstream credentials: list (fingerprints only: keys go in, never come out), add (the
+// gateway probes it at once; the result is shown), delete one added here, disable, re-enable
+// and reset cooldowns, over /admin/api/credentials.
 
-import { get, post } from "./api.js";
+import { del, get, post } from "./api.js";
 import { fmtNumber, fmtPercent, fmtTime, h, notice, replace } from "./dom.js";
 
 export function mount(main) {
@@ -66,11 +67,16 @@ export function mount(main) {
              h("br"), h("span.muted", null, fmtTime(c.stats.last_error.at))]
           : "–"),
         h("td", null, cooldowns.length
-          ? cooldowns.map(([m, s]) => `${m === "*" ? "all models" : m}: ${Math.ceil(s)} s`).join(", ") : "–"),
+          ? cooldowns.map(([m, s]) => `${m === "*" ? "all models" : m}: ${Math.ceil(s)} s`).join(", ") : "–",
+          Object.entries(c.unavailable_models || {}).map(([m, u]) =>
+            h("div.muted.cred-unavailable", null, `${m}: passed over ${Math.ceil(u.for_s)} s (${u.reason})`))),
         h("td.num", null, String(c.in_flight)),
         h("td.actions", null,
           c.disabled ? act("Enable", "enable") : act("Disable", "disable", "danger"),
-          act("Reset cooldown", "reset")));
+          act("Reset cooldown", "reset"),
+          c.added_by_admin ? h("button.small.danger", {
+            type: "button", "data-action": "delete", onclick: () => remove(c),
+          }, "Delete") : null));
     }));
   }
 
@@ -88,7 +94,7 @@ export function mount(main) {
         ? `last probe ${at(c.last_probe_at)} (${c.last_probe_result}), ${c.probe_failures} failed; ${next}`
         : next));
     } else if (c.last_probe_at) {
-      lines.push(h("div.muted.cred-probe", null, `healed by a probe at ${at(c.last_probe_at)}`));
+      lines.push(h("div.muted.cred-probe", null, `last probe ${at(c.last_probe_at)}: ${c.last_probe_result}`));
     }
     return lines;
   }
@@ -103,6 +109,17 @@ export function mount(main) {
     load();
   }
 
+  async function remove(credential) {
+    if (!window.confirm(`Delete ${credential.upstream} ${credential.fingerprint}? Its key is removed from the store.`)) return;
+    try {
+      await del(`/admin/api/credentials/${encodeURIComponent(credential.id)}`);
+      status.show(`Deleted ${credential.upstream} (${credential.fingerprint}).`, "ok");
+    } catch (exc) {
+      status.show(`Delete failed: ${exc.message}`, "error");
+    }
+    load();
+  }
+
   async function add() {
     const body = { base_url: baseUrl.value.trim() };
     if (apiKey.value) body.api_key = apiKey.value;
@@ -110,7 +127,10 @@ export function mount(main) {
     try {
       const created = await post("/admin/api/credentials", body);
       apiKey.value = "";
-      status.show(`Added ${created.upstream} (${created.fingerprint}).`, "ok");
+      const probe = created.probe || {};
+      const said = `probe: ${probe.result || "not run"}${probe.hint ? ` — ${probe.hint}` : ""}`;
+      status.show(`Added ${created.upstream} (${created.fingerprint}); `, probe.ok ? "ok" : "warn",
+        h("span#probe-result", { "data-ok": String(Boolean(probe.ok)) }, said));
       load();
     } catch (exc) {
       status.show(`Not added: ${exc.message}`, "error");

@@ -1,6 +1,7 @@
 // The metrics dashboard over a chosen time range (5 min … 7 days) from
 // GET /admin/api/audit/timeseries (per-bucket counts, errors, TTFB/TTFT/duration
-// percentiles by protocol and by mode, output tokens/s by model, errors by code) and live
+// percentiles by protocol and by mode, output tokens/s by model, errors by code, upstream
+// attempts and their errors by upstream) and live
 // state from GET /admin/api/status (in-flight, credential health, repairs, budget
 // overflows). Polls every POLL_MS (less often for long ranges) while the page is open and the tab visible. Charts: uPlot.
 
@@ -157,8 +158,11 @@ export function mount(main) {
   const chartTokens = new Chart(charts, "chart-tokens", "Output tokens/s by model", [], "tokens/s");
   const chartInflight = new Chart(charts, "chart-inflight", "Requests in flight by protocol (mean per bucket)",
     PROTOCOLS, "requests");
+  const chartUpstreams = new Chart(charts, "chart-upstream-requests", "Upstream requests/s by upstream", [], "req/s");
+  const chartUpstreamErrors = new Chart(charts, "chart-upstream-errors", "Upstream errors by upstream (per bucket)", [],
+    "errors", { points: true });
   const all = [chartRps, chartModes, chartErrors, chartCodes, chartTtft, chartTtfb, chartTtftModes, chartDuration,
-    chartTokens, chartInflight];
+    chartTokens, chartInflight, chartUpstreams, chartUpstreamErrors];
   let timer = null;
   let stopped = false;
   let generation = 0; // a poll answered after the range changed is dropped
@@ -225,6 +229,11 @@ export function mount(main) {
 
     chartInflight.update([times, ...PROTOCOLS.map((p) => series(ts.by_protocol, p, "in_flight_mean") || zeros)],
       null, xRange);
+    // every attempt counts (failed-over ones too): each upstream's own load and health
+    const upstreams = Object.keys(ts.by_upstream || {});
+    chartUpstreams.update([times, ...upstreams.map((u) => rate(ts.by_upstream[u].requests))], upstreams, xRange);
+    chartUpstreamErrors.update([times, ...upstreams.map((u) => ts.by_upstream[u].errors.map((n) => n || null))],
+      upstreams, xRange);
 
     renderBreakdown(ts, st, span);
     renderHealth(st);

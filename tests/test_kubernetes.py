@@ -1,0 +1,183 @@
+"""deploy/kubernetes/: every manifest validates against a pinned Kubernetes version's schemas
+(kubernetes-validate ships them: no cluster, no network), and the manifests agree with the
+gateway: probe paths that exist, a grace period above --shutdown-timeout, every writable
+path on a volume, every referenced Secret/ConfigMap key present, a config.toml that loads."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gateway.cli import build_parser
+from gateway.settings import ENV_PREFIX, Settings
+from gateway.upstream.config import load_config_file
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+REPO = Path(__file__).resolve().parent.parent
+KUBE = REPO / "deploy" / "kubernetes"
+#: The Kubernetes version the manifests are checked against (the oldest still supported
+#: upstream when this was written; the manifests use nothing newer).
+KUBERNETES_VERSION = "1.33.0"
+#: Kinds the built-in schemas do not cover (a CRD; kustomize's own file), checked by hand below.
+NOT_IN_SCHEMAS = {"ServiceMonitor", "Kustomization"}
+
+
+def _manifests() -> dict[str, dict[str, Any]]:
+    """kind -> the one document of that kind."""
+    found: dict[str, dict[str, Any]] = {}
+    for path in sorted(KUBE.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            assert doc["kind"] not in found, f"two {doc['kind']} documents"
+            found[doc["kind"]] = doc | {"_file": path.name}
+    return found
+
+
+MANIFESTS = _manifests()
+
+
+def _strip(doc: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in doc.items() if k != "_file"}
+
+
+@pytest.mark.parametrize("kind", sorted(set(MANIFESTS) - NOT_IN_SCHEMAS))
+def test_manifest_validates_strictly(kind: str) -> None:
+    """Strict: an unknown or misplaced field (a typo) fails, not only a wrong type."""
+    doc = _strip(MANIFESTS[kind])
+    kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_validator_catches_a_typo() -> None:
+    """The check above can fail: a misspelt field and a wrong type are both refused."""
+    deployment = _strip(MANIFESTS["Deployment"])
+    typo = yaml.safe_load(yaml.safe_dump(deployment))
+    typo["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(typo, KUBERNETES_VERSION, strict=True)
+    wrong = yaml.safe_load(yaml.safe_dump(deployment))
+    wrong["spec"]["replicas"] = "three"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(wrong, KUBERNETES_VERSION, strict=True)
+
+
+def test_kustomization_lists_every_manifest_but_the_optional_servicemonitor() -> None:
+    listed = MANIFESTS["Kustomization"]["resources"]
+    files = {doc["_file"] for doc in MANIFESTS.values()} - {"kustomization.yaml"}
+    assert set(listed) == files - {"servicemonitor.yaml"}
+    assert "servicemonitor.yaml" in (KUBE / "kustomization.yaml").read_text()  # named, commented out
+
+
+def _container() -> dict[str, Any]:
+    (container,) = MANIFESTS["Deployment"]["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _env() -> dict[str, Any]:
+    return {e["name"]: e for e in _container()["env"]}
+
+
+def test_probes_and_grace_period_fit_the_gateway(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.test_packaging import _app_paths
+
+    pod = MANIFESTS["Deployment"]["spec"]["template"]["spec"]
+    container = _container()
+    paths = _app_paths()
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz" in paths
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz" in paths
+    port = container["ports"][0]
+    assert port["containerPort"] == 8080 and _env()["CODEBUDDY2API_PORT"]["value"] == "8080"
+    shutdown = float(MANIFESTS["ConfigMap"]["data"]["CODEBUDDY2API_SHUTDOWN_TIMEOUT"])
+    pause = shlex.split(" ".join(container["lifecycle"]["preStop"]["exec"]["command"]))
+    pause_seconds = float(pause[-1].rsplit("(", 1)[1].rstrip(")"))
+    assert pause_seconds > 0
+    assert pod["terminationGracePeriodSeconds"] > pause_seconds + shutdown
+    strategy = MANIFESTS["Deployment"]["spec"]["strategy"]["rollingUpdate"]
+    assert strategy["maxUnavailable"] == 0  # a rolling update never drops below the replica count
+    assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"]
+
+
+def test_non_root_read_only_and_every_written_path_on_a_volume() -> None:
+    pod = MANIFESTS["Deployment"]["spec"]["template"]["spec"]
+    container = _container()
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert f"--uid {pod['securityContext']['runAsUser']}" in dockerfile  # the image's user
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
+    data_dir = _env()["CODEBUDDY2API_DATA_DIR"]["value"]
+    settings = Settings(data_dir=Path(data_dir))
+    spill = settings.spill_dir or settings.data_dir / "spill"
+    for path in (data_dir, str(spill), "/tmp"):
+        assert any(path == w or path.startswith(w + "/") for w in writable), path
+    volumes = {v["name"] for v in pod["volumes"]}
+    assert {m["name"] for m in container["volumeMounts"]} <= volumes
+
+
+def test_every_key_referenced_exists_and_every_variable_is_a_setting(tmp_path: Path) -> None:
+    secret = MANIFESTS["Secret"]["stringData"]
+    config_map = MANIFESTS["ConfigMap"]["data"]
+    settings_vars = {f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields}
+    for name, entry in _env().items():
+        source = entry.get("valueFrom", {})
+        if "secretKeyRef" in source:
+            assert source["secretKeyRef"]["name"] == MANIFESTS["Secret"]["metadata"]["name"]
+            assert source["secretKeyRef"]["key"] in secret, name
+        if "configMapKeyRef" in source:
+            assert source["configMapKeyRef"]["key"] in config_map, name
+        if name.startswith(ENV_PREFIX):
+            assert name in settings_vars, name  # a misspelt one is refused at start-up
+    for name in config_map:
+        if name.startswith(ENV_PREFIX):
+            assert name in settings_vars, name
+    assert "postgresql://" in secret["database-url"]  # PostgreSQL by URL: every replica shares it
+    # the args parse, and the --config they name is the ConfigMap's config.toml, which loads
+    args = build_parser().parse_args(_container()["args"])
+    config_path = Path(args.config)
+    mount = next(m for m in _container()["volumeMounts"] if m["name"] == "config")
+    assert config_path.parent == Path(mount["mountPath"])
+    config_volume = next(v for v in MANIFESTS["Deployment"]["spec"]["template"]["spec"]["volumes"] if v["name"] == "config")
+    assert config_volume["configMap"]["items"] == [{"key": config_path.name, "path": config_path.name}]
+    (tmp_path / config_path.name).write_text(config_map[config_path.name])
+    loaded = load_config_file(tmp_path / config_path.name)
+    for upstream in loaded.upstreams:
+        assert upstream.base_url.endswith("/v1")
+        for env_name in upstream.api_key_env:
+            assert env_name in _env(), env_name  # the key the TOML reads is put there
+
+
+def test_service_pdb_hpa_and_servicemonitor_select_the_pods() -> None:
+    labels = MANIFESTS["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert MANIFESTS["Deployment"]["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    service = MANIFESTS["Service"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert service["spec"]["ports"][0]["targetPort"] == _container()["ports"][0]["name"]
+    assert MANIFESTS["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    hpa = MANIFESTS["HorizontalPodAutoscaler"]["spec"]
+    assert hpa["scaleTargetRef"]["name"] == MANIFESTS["Deployment"]["metadata"]["name"]
+    assert hpa["minReplicas"] == MANIFESTS["Deployment"]["spec"]["replicas"] == 3
+    monitor = MANIFESTS["ServiceMonitor"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
+    assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+
+
+def test_validation_needs_no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The schemas are in the package: with every socket connect refused, validation still runs."""
+    import socket
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("kubernetes-validate opened a network connection")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    kubernetes_validate.validate(_strip(MANIFESTS["Service"]), KUBERNETES_VERSION, strict=True)
+    bad = _strip(MANIFESTS["Service"]) | {"spek": {}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, KUBERNETES_VERSION, strict=True)
