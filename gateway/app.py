@@ -36,6 +36,7 @@ from gateway.models_api import keyed, list_models, retrieve_model, route_error_h
 from gateway.protocols.openai_shapes import error_json as openai_error
 from gateway.protocols.messages import error_json as anthropic_error
 from gateway.relay import ATTEMPTS_SCOPE_KEY, GenerationService
+from gateway.relayed import CompletionsRoute, EmbeddingsRoute
 from gateway.routes import count_tokens_endpoint, generation_endpoint, retrieve_response_endpoint
 from gateway.servers import bind_loopback, on_server_exit, start_embedded, stop_embedded
 from gateway.shutdown import GracefulShutdown
