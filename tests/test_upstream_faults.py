@@ -65,7 +65,7 @@ def _one_error(client: openai.OpenAI, stream: bool) -> None:
 
 
 @pytest.mark.parametrize("mode", ["compatible", "realtime"])
-def test_mid_stream_upstream_errors_leave_no_open_fd(
+def test_mid_stream_upstream_errors_and_disconnects_leave_no_open_fd(
     mode: str, scripted: ScriptedUpstream, tmp_path: Path
 ) -> None:
     gateway = GatewayProcess(
@@ -82,12 +82,21 @@ def test_mid_stream_upstream_errors_leave_no_open_fd(
         for stream in (True, False):
             for _ in range(200):
                 _one_error(client, stream)
+        headers = {"authorization": f"Bearer {CLIENT_KEY}"}
+        with httpx.Client(timeout=30, headers=headers) as raw:
+            for _ in range(50):  # clients that leave mid-stream, the upstream still sending
+                with raw.stream("POST", gateway.base_url + "/chat/completions", json={
+                        "model": "slow", "stream": True, "messages": [{"role": "user", "content": "hi"}]}) as response:
+                    assert response.status_code == 200
+                    next(response.iter_bytes())
         # idle keep-alive connections may linger for their expiry; none may stay checked out
         wait_for(lambda: open_fds(gateway.proc.pid) <= baseline + 5, timeout=15)
         assert abs(open_fds(gateway.proc.pid) - baseline) <= 5
         admin = {"authorization": f"Bearer {ADMIN_TOKEN}"}
         wait_for(lambda: audit_total(gateway.url, admin, error_code="upstream_error") >= 402, timeout=30)
         assert audit_total(gateway.url, admin, error_code="upstream_error") == 402  # one record each
+        wait_for(lambda: audit_total(gateway.url, admin, model="slow") >= 50, timeout=30)
+        assert audit_total(gateway.url, admin, model="slow", outcome="cancelled") == 50
         assert httpx.get(gateway.url + "/readyz").json() == {"status": "ready"}
     finally:
         gateway.stop()

@@ -11,9 +11,10 @@ never ended at all (issue #31). This state class says, from the events the read 
 - **empty**: ``max_empty_events`` consecutive events that carry nothing (no content,
   reasoning, tool delta, usage, finish or error).
 
-Pure: the caller passes the clock (``anyio.current_time()``) and puts :attr:`deadline`
-on the cancel scope around each read; each bound ends in a ``timeout`` error (504 before
-the client's status is committed, the in-stream error event after).
+Pure: the caller passes the clock (``time.monotonic()``) and checks :attr:`deadline` as
+each network read arrives (a read that never comes is httpx's read timeout, the same
+``idle_timeout``); each bound ends in a ``timeout`` error (504 before the client's status
+is committed, the in-stream error event after).
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ class UpstreamClient:
     Every response is closed on every path (the ``finally`` of :meth:`_request`), and
     every wait is bounded: for a pool connection (``pool_timeout``), the headers
     (``first_byte_timeout``), each data-bearing event and the whole attempt
-    (:class:`~gateway.upstream.bounds.AttemptBounds`). Those bounds are anyio cancel
+    (:class:`~gateway.upstream.bounds.AttemptBounds`). The waits that cancel are anyio
     scopes, not ``asyncio.timeout``: httpcore releases a connection inside an anyio
     shield, which a native cancel goes through, leaving the connection checked out."""
 
@@ -243,7 +243,7 @@ class UpstreamClient:
             "POST", upstream.base_url.rstrip("/") + "/chat/completions",
             content=orjson.dumps(payload), headers=headers, timeout=timeout,
         )
-        bounds = AttemptBounds(policy.idle_timeout, policy.attempt_timeout, policy.max_empty_events, anyio.current_time())
+        bounds = AttemptBounds(policy.idle_timeout, policy.attempt_timeout, policy.max_empty_events, time.monotonic())
         try:
             with anyio.fail_after(min(policy.first_byte_timeout, policy.attempt_timeout)):
                 response = await self._send(request)
@@ -256,7 +256,7 @@ class UpstreamClient:
         except httpx.HTTPError as exc:
             raise GatewayError("upstream", "upstream_unreachable", f"cannot reach the upstream: {type(exc).__name__}") from None
         self.open_responses += 1
-        bounds.answered(anyio.current_time())
+        bounds.answered(time.monotonic())
         try:
             if response.status_code != 200:
                 content = await response.aread()
@@ -278,18 +278,17 @@ class UpstreamClient:
                     yield chunk
                 yield DONE
                 return
-            reads = response.aiter_bytes().__aiter__()
+            reads = response.aiter_bytes()
             parser = SSEDataParser()
             got_data = False
-            while True:
-                # the scope covers the read alone, never a yield (the consumer's awaits
-                # must not run inside it); its deadline moves on data-bearing events only
-                with anyio.CancelScope(deadline=bounds.deadline) as scope:
-                    read = await anext(reads, None)
-                if scope.cancelled_caught:
-                    raise bounds.expired(anyio.current_time())
-                if read is None:
-                    break
+            async for read in reads:
+                # the bounds are checked as each read arrives (a clock read, no cancel
+                # scope per read: that cost more than the parse); a read that never comes
+                # is httpx's read timeout, --idle-timeout, so a bound is late by at most
+                # the gap between two reads
+                now = time.monotonic()
+                if now >= bounds.deadline:
+                    raise bounds.expired(now)
                 for data in parser.feed(read):
                     if not data:
                         continue
@@ -299,7 +298,7 @@ class UpstreamClient:
                         await _drain(reads)
                         return
                     chunk = _frame(data)
-                    bounds.event(chunk, anyio.current_time())
+                    bounds.event(chunk, now)
                     if isinstance(chunk, dict):
                         yield SECRETS.mask_value(chunk) if chunk.get("error") else chunk
             if not got_data:
@@ -322,10 +321,11 @@ def pool_exhausted(waited: float) -> GatewayError:
 
 
 async def _within(bounds: AttemptBounds, read: Any) -> Any:
-    """Await a whole-body read within the attempt's total bound."""
-    with anyio.CancelScope(deadline=bounds.total_deadline):
+    """Await a whole-body read within the attempt's total bound (an anyio scope: see
+    :class:`UpstreamClient`)."""
+    with anyio.move_on_after(bounds.total_deadline - time.monotonic()):
         return await read
-    raise bounds.expired(anyio.current_time())  # only reached when the scope cut the read
+    raise bounds.expired(time.monotonic())  # only reached when the scope cut the read
 
 
 def _frame(data: bytes) -> Any:
