@@ -548,6 +548,7 @@ def render() -> int:
     analysis = (BENCH / "analysis.md").read_text() if (BENCH / "analysis.md").exists() else ""
     hostile = (BENCH / "hostile.md").read_text() if (BENCH / "hostile.md").exists() else ""  # bench/hostile.py
     store_faults = (BENCH / "store_faults.md").read_text() if (BENCH / "store_faults.md").exists() else ""  # bench/store_faults.py
+    soak = (BENCH / "soak.md").read_text() if (BENCH / "soak.md").exists() else ""  # bench/soak.py
     images = plots(fg)
     parts = [
         "# Performance",
@@ -660,6 +661,7 @@ def render() -> int:
         hostile.strip(),
         "",
         store_faults.strip(),
+        soak.strip(),
         "",
     ]
     DOC.write_text("\n".join(parts))

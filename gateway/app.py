@@ -51,6 +51,7 @@ from gateway.readiness import readyz
 from gateway.upstream.prober import CredentialProber
 from gateway.store.replicas import Replication
 from gateway.upstream.client import UpstreamClient
+from gateway.observability.loop_lag import LoopLagMonitor, publish_samples
 from gateway.upstream.config import build_pool
 from gateway.upstream.pool import Credential
 from gateway.upstream.urls import header_secrets, url_secrets
@@ -170,7 +171,7 @@ def create_app(
     db = open_database(settings.database_url, settings.data_dir)
     saved = SavedSettings(db)
     live = LiveSettings(settings, sources or {}, saved)
-    upstream = UpstreamClient()
+    upstream = UpstreamClient(max_connections=settings.upstream_max_connections)
     journal = SpillJournal(settings.spill_dir or settings.data_dir / "spill", settings.spill_max_bytes)
     observability = Observability(live, db, journal=journal)
     relay = GenerationService(live, upstream, observability.observer)
@@ -227,6 +228,10 @@ def create_app(
                 on_lost=captured.labels("lost").inc,
             )
         await observability.start()
+        loop_lag = app.state.loop_lag = LoopLagMonitor(
+            settings.ready_max_loop_lag, publish_samples(observability.metrics, upstream)
+        )
+        await loop_lag.start()
         shutdown = app.state.shutdown = GracefulShutdown(
             settings.shutdown_timeout, relay.running.abort_all, lambda: relay.in_flight, observability.metrics.shutdown_cut.inc
         )
@@ -242,6 +247,7 @@ def create_app(
         finally:
             app.state.ready = False
             await shutdown.aclose()
+            await loop_lag.stop()
             await prober.aclose()
             await upstream.aclose()
             if relay.capture is not None:

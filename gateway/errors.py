@@ -28,8 +28,10 @@ upstream           502     upstream_error, upstream_unreachable, upstream_discon
                            upstream_bad_frame, upstream_auth_failed, upstream_incomplete,
                            tool_call_invalid, tool_identity_changed, empty_response,
                            response_too_large, failover_exhausted, model_not_available
-timeout            504     upstream_timeout, upstream_idle_timeout
+timeout            504     upstream_timeout, upstream_idle_timeout, upstream_attempt_timeout,
+                           upstream_empty_events (gateway/upstream/bounds.py)
 overloaded         503     capacity_exceeded, upstream_unavailable, upstream_capacity,
+                           upstream_pool_exhausted (no pool connection in time),
                            server_shutting_down, too_many_websockets (a WebSocket
                            upgrade past --ws-max-connections: no request, no record),
                            store_unavailable (a stored response cannot be read now),

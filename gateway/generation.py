@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import orjson
 
 from gateway.errors import GatewayError
@@ -61,17 +62,24 @@ class _Ended:
 _QueueItem = UpstreamItem | _Ended | object
 
 
-async def _pump(items: AsyncIterator[UpstreamItem], queue: asyncio.Queue[_QueueItem]) -> None:
+async def _pump(items: AsyncIterator[UpstreamItem], queue: asyncio.Queue[_QueueItem], scope: anyio.CancelScope) -> None:
     """Move one upstream answer's items into the queue. Cancelled (client gone, abort),
-    it closes the upstream at once, even while waiting on a full queue."""
-    try:
-        async with contextlib.aclosing(items):  # type: ignore[type-var]
-            async for item in items:
-                await queue.put(item)
-    except Exception as exc:  # GatewayError or a bug of ours; the loop reports both
-        await queue.put(_Ended(exc))
-    else:
-        await queue.put(_Ended())
+    it closes the upstream at once, even while waiting on a full queue.
+
+    It is cancelled through ``scope`` (anyio), never ``Task.cancel()``: httpcore shields
+    the release of a connection with an anyio scope, which a native cancel goes through.
+    A cancel landing there (an upstream error event is handled while its body's last
+    bytes are read) left the connection checked out of the pool for good: one fd per
+    mid-stream error, until the pool was full and every request hung (issue #31)."""
+    with scope:
+        try:
+            async with contextlib.aclosing(items):  # type: ignore[type-var]
+                async for item in items:
+                    await queue.put(item)
+        except Exception as exc:  # GatewayError or a bug of ours; the loop reports both
+            await queue.put(_Ended(exc))
+        else:
+            await queue.put(_Ended())
 
 
 class GenerationRun:
@@ -102,6 +110,7 @@ class GenerationRun:
         self._aborted: GatewayError | None = None
         self._queue: asyncio.Queue[_QueueItem] = asyncio.Queue(maxsize=64)
         self._pump_task: asyncio.Task[None] | None = None
+        self._pump_scope = anyio.CancelScope()
         self._timer: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_running_loop()
         self._last_activity = 0.0
@@ -152,8 +161,7 @@ class GenerationRun:
         if self._aborted is not None or self.terminated:
             return
         self._aborted = error
-        if self._pump_task is not None:
-            self._pump_task.cancel()
+        self._pump_scope.cancel()
         while not self._queue.empty():
             self._queue.get_nowait()
         self._queue.put_nowait(_Ended(error))
@@ -189,7 +197,8 @@ class GenerationRun:
         if self._aborted is not None:
             raise self._aborted
         queue = self._queue = asyncio.Queue(maxsize=64)
-        self._pump_task = asyncio.create_task(_pump(self.attempts.stream(body), queue))
+        self._pump_scope = anyio.CancelScope()
+        self._pump_task = asyncio.create_task(_pump(self.attempts.stream(body), queue, self._pump_scope))
         if keepalives:
             self._start_keepalive_timer()
         handle = self.answer.handle
@@ -239,7 +248,7 @@ class GenerationRun:
             self._timer = None
         task = self._pump_task
         if task is not None and not task.done():
-            task.cancel()
+            self._pump_scope.cancel()  # not task.cancel(): see _pump
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 

@@ -26,6 +26,9 @@ class StreamPolicy:
     upstream_stream: str  # always | never | auto
     engine_extras: dict[str, dict[str, Any]]  # model glob -> extra upstream body fields
     reasoning_tags: dict[str, str] = field(default_factory=dict)  # model glob -> "auto" | "open" (<think> splitting)
+    attempt_timeout: float = 1800.0  # one upstream attempt in all (gateway.upstream.bounds)
+    max_empty_events: int = 1000  # consecutive upstream events that carry nothing
+    pool_timeout: float = 10.0  # waiting for a free upstream connection
 
     @classmethod
     def snapshot(cls, settings: Settings) -> StreamPolicy:
@@ -43,6 +46,9 @@ class StreamPolicy:
             upstream_stream=settings.upstream_stream,
             engine_extras=settings.engine_extras,
             reasoning_tags={**model_reasoning_tags(settings.config), **settings.reasoning_tags},
+            attempt_timeout=settings.attempt_timeout,
+            max_empty_events=settings.max_empty_events,
+            pool_timeout=settings.upstream_pool_timeout,
         )
 
     def reasoning_tags_for(self, model: str) -> Start | None:

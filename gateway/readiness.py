@@ -3,7 +3,10 @@
 ``/healthz`` answers whether the process is alive (an orchestrator restarts it when not);
 ``/readyz`` whether a load balancer should send it requests. It is 503 with every reason
 while the store cannot write, rows wait in the spill journal, the journal's space is not
-reserved or no record can be kept, the audit queue is near its bound, no upstream credential is usable, or the gateway is starting or shutting down.
+reserved or no record can be kept, the audit queue is near its bound, no upstream
+credential is usable, every upstream pool connection is in use (or a request just waited
+for one in vain), the event loop lags past ``--ready-max-loop-lag``, or the gateway is
+starting or shutting down.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.observability.loop_lag import HOLD as LAG_HOLD
+from gateway.upstream.client import POOL_EXHAUSTED_HOLD
 from gateway.upstream.pool import ANY_MODEL
 
 #: The audit queue counts as near its bound from this fraction of it.
@@ -52,6 +57,17 @@ def reasons(state: Any) -> list[dict[str, Any]]:
     if not usable:
         out.append({"code": "no_usable_credential",
                     "message": f"none of the {len(pool.credentials)} upstream credential(s) is usable now"})
+    upstream = getattr(state.relay, "upstream", None)
+    if upstream is not None and upstream.pool_exhausted():
+        out.append({"code": "upstream_pool_exhausted",
+                    "message": f"{upstream.open_responses} of {upstream.max_connections} upstream connections in use,"
+                               f" or a request found none free in the last {POOL_EXHAUSTED_HOLD:g} s"})
+    loop_lag = getattr(state, "loop_lag", None)
+    if loop_lag is not None and loop_lag.lagging():
+        out.append({"code": "event_loop_lag",
+                    "message": f"the event loop ran up to {loop_lag.worst_recent():.3f} s late"
+                               f" (bound {loop_lag.bound:g} s) in the last {LAG_HOLD:g} s",
+                    "lag_seconds": round(loop_lag.lag, 4)})
     return out
 
 

@@ -81,6 +81,11 @@ class Settings(BaseSettings):
     connect_timeout: float = Field(10.0, gt=0)
     first_byte_timeout: float = Field(120.0, gt=0)
     idle_timeout: float = Field(120.0, gt=0)
+    attempt_timeout: float = Field(1800.0, gt=0, description="seconds one upstream attempt may take in all")
+    max_empty_events: int = Field(1000, ge=1, description="consecutive upstream events that carry nothing")
+    upstream_pool_timeout: float = Field(10.0, gt=0, description="seconds to wait for a free upstream connection")
+    upstream_max_connections: int = Field(1000, ge=1, description="upstream connections open at once per process")
+    ready_max_loop_lag: float = Field(1.0, gt=0, description="event-loop lag (seconds) past which /readyz is red")
     ws_idle_timeout: float = Field(
         300.0, gt=0, description="seconds a Responses WebSocket with nothing in flight may stay silent"
     )
@@ -289,7 +294,15 @@ CLI_FIELDS: dict[str, str] = {
     "keepalive_interval": "seconds between keepalive events while the client waits",
     "connect_timeout": "seconds to connect to the upstream",
     "first_byte_timeout": "seconds to wait for the upstream's response headers",
-    "idle_timeout": "seconds of upstream silence before the stream is abandoned",
+    "idle_timeout": "seconds without a data-bearing upstream event before the stream is abandoned (bytes that"
+                    " complete no event, keepalive comments and empty chunks do not count)",
+    "attempt_timeout": "seconds one upstream attempt may take in all, headers to last event",
+    "max_empty_events": "consecutive upstream events that carry nothing (no content, reasoning, tool delta, usage"
+                        " or finish) before the answer is abandoned",
+    "upstream_pool_timeout": "seconds a request waits for a free upstream connection before a retryable 503"
+                             " upstream_pool_exhausted",
+    "upstream_max_connections": "upstream connections open at once per process (the pool's size)",
+    "ready_max_loop_lag": "event-loop lag (seconds) past which /readyz is red (for 5 s after the last lagging sample)",
     "ws_idle_timeout": "seconds a Responses WebSocket with nothing in flight may go without a frame before it is closed",
     "ws_max_connections": "Responses WebSockets (Codex) open at once per process; past it the upgrade is refused with"
                           " a 503 too_many_websockets (default 256: four per --max-concurrent slot, since a Codex"

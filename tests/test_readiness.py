@@ -48,3 +48,41 @@ def test_each_condition_is_its_own_reason() -> None:
     credential.cooldowns.clear()
     credential.disabled = True
     assert codes(s) == ["no_usable_credential"]
+
+
+def test_an_exhausted_upstream_pool_is_a_reason_until_connections_free() -> None:
+    import time
+
+    from gateway.upstream.client import POOL_EXHAUSTED_HOLD, UpstreamClient
+
+    client = UpstreamClient(max_connections=2)
+    s = state()
+    s.relay.upstream = client
+    assert codes(s) == []
+    client.open_responses = 2  # every connection holds an open upstream response
+    assert codes(s) == ["upstream_pool_exhausted"]
+    assert "2 of 2" in reasons(s)[0]["message"]
+    client.open_responses = 1
+    assert codes(s) == []
+    client._pool_timeout_at = time.monotonic()  # a request just waited for one in vain
+    assert codes(s) == ["upstream_pool_exhausted"]
+    client._pool_timeout_at = time.monotonic() - POOL_EXHAUSTED_HOLD - 0.1
+    assert codes(s) == []
+
+
+def test_event_loop_lag_over_the_bound_is_a_reason_for_the_hold_then_clears() -> None:
+    from gateway.observability.loop_lag import HOLD, LoopLagMonitor
+
+    now = [100.0]
+    monitor = LoopLagMonitor(bound=0.5, clock=lambda: now[0])
+    s = state(loop_lag=monitor)
+    monitor.note(0.4, tasks=3)
+    assert codes(s) == [] and monitor.tasks == 3
+    monitor.note(1.25)
+    now[0] += 1.0
+    monitor.note(0.01)  # back to normal, but the lagging sample is recent
+    (reason,) = reasons(s)
+    assert reason["code"] == "event_loop_lag" and "1.250 s late" in reason["message"]
+    assert reason["lag_seconds"] == 0.01
+    now[0] += HOLD
+    assert codes(s) == [] and monitor.worst == 1.25

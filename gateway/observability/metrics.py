@@ -67,6 +67,7 @@ KNOWN_ERROR_CODES = tuple(sorted({code.value for code in ErrorCode} | {
     "failover_exhausted", "model_not_available", "no_upstream_available", "upstream_rate_limited", "upstream_unavailable",
     "upstream_error", "upstream_idle_timeout", "upstream_disconnected", "upstream_rejected",
     "upstream_auth_failed", "upstream_not_found", "upstream_bad_frame", "upstream_capacity",
+    "upstream_attempt_timeout", "upstream_empty_events", "upstream_pool_exhausted",
 }))
 OTHER = "other"
 #: How many traffic-chosen values a label admits beyond the configured ones.
@@ -87,6 +88,9 @@ _CODE_STATUS_CLASS = {
     "upstream_unavailable": "5xx",
     "upstream_error": "5xx",
     "upstream_timeout": "timeout",
+    "upstream_idle_timeout": "timeout",
+    "upstream_attempt_timeout": "timeout",
+    "upstream_empty_events": "timeout",
     "upstream_unreachable": "network",
 }
 
@@ -335,6 +339,23 @@ class Metrics:
         for kind in ("audit", "response"):
             for counter in (self.records_spilled, self.records_replayed, self.records_lost):
                 counter.labels(kind)
+        # gateway/observability/loop_lag.py and gateway/upstream/client.py (issue #31)
+        self.event_loop_lag = Gauge(
+            p + "event_loop_lag_seconds", "How late the event loop ran its last sample (every 0.25 s)",
+            registry=r, multiprocess_mode="livemax",
+        )
+        self.asyncio_tasks = Gauge(
+            p + "asyncio_tasks", "asyncio tasks on the event loop at the last sample", registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.upstream_connections = Gauge(
+            p + "upstream_connections_in_use", "Upstream responses open now (each holds a pool connection)",
+            registry=r, multiprocess_mode="livesum",
+        )
+        self.upstream_pool_timeouts = Counter(
+            p + "upstream_pool_timeouts", "Requests that found no free upstream connection in --upstream-pool-timeout",
+            registry=r,
+        )
         self.build_info = Gauge(
             p + "build_info", "Always 1: the gateway's version and Python", ["version", "python"],
             registry=r, multiprocess_mode="livemax",

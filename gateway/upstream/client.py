@@ -8,13 +8,13 @@ their text passes :data:`gateway.redact.SECRETS` (an upstream may echo our key).
 
 from __future__ import annotations
 
-import asyncio
 import email.utils
 import re
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import anyio
 import httpx
 import orjson
 
@@ -22,6 +22,7 @@ from gateway.errors import GatewayError
 from gateway.policy import StreamPolicy
 from gateway.redact import SECRETS
 from gateway.stream.answer import DONE, Done
+from gateway.upstream.bounds import AttemptBounds
 from gateway.upstream.pool import Credential
 from gateway.upstream.sse import SSEDataParser
 
@@ -121,14 +122,30 @@ KEEPALIVE_EXPIRY = 4.0
 _CLOSED_UNANSWERED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
+#: After a pool-wait timeout, the pool counts as exhausted this long (readiness).
+POOL_EXHAUSTED_HOLD = 5.0
+
+
 class UpstreamClient:
-    """Sends chat requests upstream and yields their parsed SSE chunks."""
+    """Sends chat requests upstream and yields their parsed SSE chunks.
+
+    Every response is closed on every path (the ``finally`` of :meth:`_request`), and
+    every wait is bounded: for a pool connection (``pool_timeout``), the headers
+    (``first_byte_timeout``), each data-bearing event and the whole attempt
+    (:class:`~gateway.upstream.bounds.AttemptBounds`). The waits that cancel are anyio
+    scopes, not ``asyncio.timeout``: httpcore releases a connection inside an anyio
+    shield, which a native cancel goes through, leaving the connection checked out."""
 
     def __init__(
         self, max_connections: int = 1000, max_keepalive: int = 32, http: httpx.AsyncClient | None = None
     ) -> None:
         """``http``: an injected client (tests pass one on ``httpx.MockTransport``); by
         default a pooled one. Either way this object owns it and closes it."""
+        self.max_connections = max_connections
+        #: upstream responses open now (each holds a pool connection until closed)
+        self.open_responses = 0
+        self.pool_timeouts = 0  # requests refused for want of a pool connection, since start
+        self._pool_timeout_at = float("-inf")  # monotonic time of the last one
         # a modest idle pool: httpcore scans every idle connection on each request, so a
         # large one costs more than the handshakes it saves (docs/performance.md)
         self._http = http or httpx.AsyncClient(
@@ -141,6 +158,12 @@ class UpstreamClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    def pool_exhausted(self) -> bool:
+        """Every pool connection is in use, or a request waited for one in vain in the
+        last few seconds (``/readyz`` is red meanwhile)."""
+        recent = time.monotonic() - self._pool_timeout_at < POOL_EXHAUSTED_HOLD
+        return recent or self.open_responses >= self.max_connections
 
     async def probe(self, credential: Credential, timeout: float = 10.0) -> tuple[bool, str]:
         """``GET {base_url}/models`` with the credential's key: (works, what happened).
@@ -190,13 +213,14 @@ class UpstreamClient:
 
         async def send(credential: Credential, body: dict[str, Any], policy: StreamPolicy,
                        extra_headers: dict[str, str] | None = None) -> AsyncIterator[UpstreamItem]:
+            bounds = AttemptBounds(policy.idle_timeout, policy.attempt_timeout, policy.max_empty_events, time.monotonic())
             request = self._build(credential, path, body, policy, extra_headers, "application/json")
-            response = await self._answer_of(request, policy)
+            response = await self._answer_of(request, policy, min(policy.first_byte_timeout, policy.attempt_timeout))
             try:
                 if response.status_code != 200:
-                    content = await response.aread()
+                    content = await _within(bounds, response.aread())
                     raise status_error(response.status_code, content, parse_retry_after(response.headers.get("retry-after")))
-                answer = await _json_answer(response)
+                answer = await _within(bounds, _json_answer(response))
                 if answer.get("error"):
                     raise GatewayError("upstream", "upstream_error", f"the upstream reported an error: {answer['error']}")
                 yield ANSWERED
@@ -206,6 +230,7 @@ class UpstreamClient:
             except httpx.HTTPError as exc:
                 raise GatewayError("upstream", "upstream_disconnected", f"the upstream connection broke: {type(exc).__name__}") from None
             finally:
+                self.open_responses -= 1
                 await response.aclose()
 
         return send
@@ -221,20 +246,27 @@ class UpstreamClient:
         headers = {**upstream.headers, **(extra_headers or {}), "content-type": "application/json", "accept": accept}
         if credential.api_key:
             headers["authorization"] = f"Bearer {credential.api_key}"
-        timeout = httpx.Timeout(policy.idle_timeout, connect=policy.connect_timeout)
+        timeout = httpx.Timeout(policy.idle_timeout, connect=policy.connect_timeout, pool=policy.pool_timeout)
         return self._http.build_request(
             "POST", upstream.base_url.rstrip("/") + path, content=orjson.dumps(payload), headers=headers, timeout=timeout,
         )
 
-    async def _answer_of(self, request: httpx.Request, policy: StreamPolicy) -> httpx.Response:
-        """The upstream's response head, within the first-byte timeout."""
+    async def _answer_of(self, request: httpx.Request, policy: StreamPolicy, within: float) -> httpx.Response:
+        """The upstream's response head within ``within`` seconds (an anyio scope: see the
+        class), counted in :attr:`open_responses` until the caller closes it."""
         try:
-            async with asyncio.timeout(policy.first_byte_timeout):
-                return await self._send(request)
+            with anyio.fail_after(within):
+                response = await self._send(request)
+        except httpx.PoolTimeout:
+            self.pool_timeouts += 1
+            self._pool_timeout_at = time.monotonic()
+            raise pool_exhausted(policy.pool_timeout) from None
         except (TimeoutError, httpx.TimeoutException):
             raise GatewayError("timeout", "upstream_timeout", "the upstream did not answer in time") from None
         except httpx.HTTPError as exc:
             raise GatewayError("upstream", "upstream_unreachable", f"cannot reach the upstream: {type(exc).__name__}") from None
+        self.open_responses += 1
+        return response
 
     async def _stream_or_json(
         self, credential: Credential, body: dict[str, Any], policy: StreamPolicy,
@@ -276,7 +308,10 @@ class UpstreamClient:
         else:
             payload = dict(body, stream=True, stream_options={"include_usage": True})
         accept = "application/json" if buffered else "text/event-stream"
-        response = await self._answer_of(self._build(credential, path, payload, policy, extra_headers, accept), policy)
+        bounds = AttemptBounds(policy.idle_timeout, policy.attempt_timeout, policy.max_empty_events, time.monotonic())
+        request = self._build(credential, path, payload, policy, extra_headers, accept)
+        response = await self._answer_of(request, policy, min(policy.first_byte_timeout, policy.attempt_timeout))
+        bounds.answered(time.monotonic())
         try:
             if response.status_code != 200:
                 content = await response.aread()
@@ -286,7 +321,7 @@ class UpstreamClient:
             if not buffered and not _is_event_stream(response):
                 # a 200 that is no stream: an error body, an HTML page, nothing, or a
                 # JSON answer from a server that ignored stream: true
-                answer = _answer_not_streamed(await _read_capped(response))
+                answer = _answer_not_streamed(await _within(bounds, _read_capped(response)))
                 yield ANSWERED
                 for chunk in completion_as_chunks(answer):
                     yield chunk
@@ -294,7 +329,7 @@ class UpstreamClient:
                 return
             yield ANSWERED
             if buffered:
-                for chunk in completion_as_chunks(await _json_answer(response)):
+                for chunk in completion_as_chunks(await _within(bounds, _json_answer(response))):
                     yield chunk
                 yield DONE
                 return
@@ -302,6 +337,13 @@ class UpstreamClient:
             parser = SSEDataParser()
             got_data = False
             async for read in reads:
+                # the bounds are checked as each read arrives (a clock read, no cancel
+                # scope per read: that cost more than the parse); a read that never comes
+                # is httpx's read timeout, --idle-timeout, so a bound is late by at most
+                # the gap between two reads
+                now = time.monotonic()
+                if now >= bounds.deadline:
+                    raise bounds.expired(now)
                 for data in parser.feed(read):
                     if not data:
                         continue
@@ -311,6 +353,7 @@ class UpstreamClient:
                         await _drain(reads)
                         return
                     chunk = _frame(data)
+                    bounds.event(chunk, now)
                     if isinstance(chunk, dict):
                         yield SECRETS.mask_value(chunk) if chunk.get("error") else chunk
             if not got_data:
@@ -320,7 +363,24 @@ class UpstreamClient:
         except httpx.HTTPError as exc:
             raise GatewayError("upstream", "upstream_disconnected", f"the upstream connection broke: {type(exc).__name__}") from None
         finally:
+            self.open_responses -= 1
             await response.aclose()
+
+
+def pool_exhausted(waited: float) -> GatewayError:
+    """No upstream connection came free in time: local, retryable, no credential's fault."""
+    return GatewayError(
+        "overloaded", "upstream_pool_exhausted",
+        f"every upstream connection is in use (waited {waited:g} s); retry shortly", retry_after=1,
+    )
+
+
+async def _within(bounds: AttemptBounds, read: Any) -> Any:
+    """Await a whole-body read within the attempt's total bound (an anyio scope: see
+    :class:`UpstreamClient`)."""
+    with anyio.move_on_after(bounds.total_deadline - time.monotonic()):
+        return await read
+    raise bounds.expired(time.monotonic())  # only reached when the scope cut the read
 
 
 def _frame(data: bytes) -> Any:
@@ -344,10 +404,10 @@ async def _drain(events: AsyncIterator[Any]) -> None:
     """Read to the end of the body: httpcore only pools a connection whose response was
     read completely (closing early costs a new TCP/TLS connection per request)."""
     try:
-        async with asyncio.timeout(DRAIN_SECONDS):
+        with anyio.move_on_after(DRAIN_SECONDS):  # anyio, not asyncio.timeout: see UpstreamClient
             async for _ in events:
                 pass
-    except (TimeoutError, httpx.HTTPError):
+    except httpx.HTTPError:
         pass
 
 
