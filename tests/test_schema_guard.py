@@ -9,6 +9,7 @@ every connection accepted, and must count none.
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
@@ -301,36 +302,47 @@ def test_a_backtracking_pattern_means_no_local_repair_not_a_stall(gateways: dict
 KEY = "schema-guard-client-key-0123456789"
 
 
-def _post(base: str, route: str, body: bytes, out: list[Any], i: int) -> None:
+def _post(base: str, route: str, body: bytes) -> tuple[Any, Any, Any]:
     try:
         response = httpx.post(base + route, content=body, timeout=90,
                               headers={"content-type": "application/json", "authorization": f"Bearer {KEY}"})
-        out[i] = (response.status_code, response.json(), response.headers.get("retry-after"))
-    except Exception as exc:  # recorded: the assertion below names it
-        out[i] = (type(exc).__name__, None, None)
+        return response.status_code, response.json(), response.headers.get("retry-after")
+    except Exception as exc:  # recorded: the assertion names it
+        return type(exc).__name__, None, None
+
+
+#: /healthz samples per attack (p99 by nearest rank: one slow sample in 100 is allowed)
+SAMPLES = 100
 
 
 def _healthz_while(base: str, requests: list[tuple[str, bytes]]) -> tuple[list[float], list[Any]]:
-    """/healthz latencies (ms, sampled 20 ms apart) while ``requests`` are answered."""
-    answers: list[Any] = [None] * len(requests)
-    threads = [threading.Thread(target=_post, args=(base, r, b, answers, i)) for i, (r, b) in enumerate(requests)]
+    """/healthz latencies (ms, sampled 20 ms apart) while ``requests`` are sent, each again
+    and again until :data:`SAMPLES` were taken (the attack runs for the whole sampling)."""
+    answers: list[list[Any]] = [[] for _ in requests]
+    latencies: list[float] = []
+
+    def attack(i: int, route: str, body: bytes) -> None:
+        while len(latencies) < SAMPLES:
+            answers[i].append(_post(base, route, body))
+            time.sleep(0.05)  # the attack is the body, not the request rate (a proxy's business)
+
+    threads = [threading.Thread(target=attack, args=(i, r, b)) for i, (r, b) in enumerate(requests)]
     for t in threads:
         t.start()
-    latencies: list[float] = []
     with httpx.Client(timeout=30) as client:
-        while any(t.is_alive() for t in threads) or len(latencies) < 20:
+        while any(t.is_alive() for t in threads):
             began = time.monotonic()
             assert client.get(base + "/healthz").status_code == 200
             latencies.append((time.monotonic() - began) * 1000)
             time.sleep(0.02)
     for t in threads:
         t.join()
-    return latencies, answers
+    return latencies, [a for per_thread in answers for a in per_thread]
 
 
 def _p99(latencies: list[float]) -> float:
     ordered = sorted(latencies)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
 
 def test_healthz_stays_fast_while_schema_and_big_body_attacks_run(tmp_path: Path, listener: Listener) -> None:
@@ -381,7 +393,7 @@ def test_healthz_stays_fast_while_schema_and_big_body_attacks_run(tmp_path: Path
                 error = body["error"]
                 assert code in (error.get("code"), error.get("type"), ""), (name, body)
                 assert "at most" in error["message"] or status != 400 or name == "ref", (name, body)
-            assert refused <= 4, (name, answers)  # the default budget holds two 28.6 MiB bodies
+            assert refused < len(answers), (name, answers)  # the budget always serves some
             assert _tree_rss_mib(gateway.proc.pid) < idle + 600, name  # what a parse left behind is given back
         assert listener.accepted == 0
     finally:

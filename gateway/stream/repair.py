@@ -27,7 +27,7 @@ from gateway.stream.events import Completion
 from gateway.stream.schema_guard import VALIDATION_SECONDS, validates
 
 #: Seconds all of one answer's schema validations may take together.
-REPAIR_SECONDS = 4 * VALIDATION_SECONDS
+REPAIR_SECONDS = 3 * VALIDATION_SECONDS
 
 REPAIR_MARKER = "[codebuddy2api repair]"
 _FENCE = re.compile(r"^\s*```[a-zA-Z0-9_-]*\s*\n?(.*?)\n?\s*```\s*$", re.DOTALL)

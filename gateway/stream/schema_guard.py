@@ -44,9 +44,9 @@ MAX_SCHEMA_NODES = 10_000
 MAX_EXPANSION = 20_000
 #: Keyword evaluations one validation may make (the bound for what the static count cannot
 #: see: recursive references walked once per instance level).
-MAX_EVALUATIONS = 200_000
+MAX_EVALUATIONS = 50_000
 #: Seconds one validation may take.
-VALIDATION_SECONDS = 0.25
+VALIDATION_SECONDS = 0.1
 
 _SUBSCHEMA = ("items", "not", "additionalProperties", "additionalItems", "contains", "propertyNames",
               "if", "then", "else", "unevaluatedProperties", "unevaluatedItems")
