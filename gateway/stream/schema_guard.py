@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import unquote
@@ -97,11 +98,38 @@ def _pointer(root: Any, fragment: str) -> Any:
 _MISSING = object()
 
 
+#: Verdicts by the schema's JSON bytes: agents send the same tools every turn, so the walk
+#: runs once per distinct schema (bounded; a schema over :data:`_CACHED_BYTES` is walked each time).
+_VERDICTS: OrderedDict[bytes, tuple[str, str] | None] = OrderedDict()
+_VERDICTS_MAX = 2048
+_CACHED_BYTES = 64 * 1024
+_VERDICTS_LOCK = threading.Lock()
+
+
 def schema_hazard(schema: Any) -> tuple[str, str] | None:
     """(where, what) for the first thing in ``schema`` that makes it unsafe to evaluate,
-    else None. Linear in the schema's size, iterative (no recursion however deep)."""
+    else None. Linear in the schema's size, iterative (no recursion however deep); cached."""
     if not isinstance(schema, dict):
         return None
+    try:
+        key = orjson.dumps(schema)
+    except (TypeError, orjson.JSONEncodeError):
+        return _walk(schema)
+    if len(key) > _CACHED_BYTES:
+        return _walk(schema)
+    with _VERDICTS_LOCK:
+        if key in _VERDICTS:
+            _VERDICTS.move_to_end(key)
+            return _VERDICTS[key]
+    verdict = _walk(schema)
+    with _VERDICTS_LOCK:
+        _VERDICTS[key] = verdict
+        while len(_VERDICTS) > _VERDICTS_MAX:
+            _VERDICTS.popitem(last=False)
+    return verdict
+
+
+def _walk(schema: dict[str, Any]) -> tuple[str, str] | None:
     nodes: dict[int, dict[str, Any]] = {}
     edges: dict[int, list[Any]] = {}
     anchors: dict[str, dict[str, Any]] = {}
@@ -146,7 +174,7 @@ def schema_hazard(schema: Any) -> tuple[str, str] | None:
         if not isinstance(target, dict) or id(target) not in nodes:
             return where, f"{ref[:80]!r} does not point at a subschema"
         edges[owner].append(target)
-    if _expansion(schema, edges) > MAX_EXPANSION:
+    if refs and _expansion(schema, edges) > MAX_EXPANSION:  # without references: the node count
         return "", f"its references expand to more than {MAX_EXPANSION} subschemas"
     return None
 
