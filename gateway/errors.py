@@ -15,7 +15,11 @@ invalid_request    400     invalid_json, invalid_request, invalid_type, invalid_
                            unsupported_tool_choice, unsupported_tool_type,
                            duplicate_tool_name, previous_response_not_found,
                            upstream_rejected (the upstream's 400/413/422),
-                           too_many_queued_frames (a WebSocket client past the bound);
+                           too_many_queued_frames (a WebSocket client past the bound),
+                           invalid_tool_schema (unsafe to evaluate: stream/schema_guard.py),
+                           too_many_messages, too_many_input_items, too_many_tools,
+                           too_many_stop_sequences, too_many_content_parts,
+                           too_many_tool_calls, too_many_values (fields.py item limits);
                    405     method_not_allowed (a known route, another method)
 authentication     401     invalid_api_key
 not_found          404     upstream_not_found, response_not_found, model_not_found,
@@ -28,7 +32,9 @@ upstream           502     upstream_error, upstream_unreachable, upstream_discon
                            response_too_large, failover_exhausted, model_not_available
 timeout            504     upstream_timeout, upstream_idle_timeout
 overloaded         503     capacity_exceeded, upstream_unavailable, upstream_capacity,
-                           server_shutting_down, too_many_websockets (a WebSocket
+                           server_shutting_down, too_many_request_bytes
+                           (--max-body-bytes-in-flight), parser_busy (body_work's
+                           workers full), too_many_websockets (a WebSocket
                            upgrade past --ws-max-connections: no request, no record)
 internal           500     internal_error
 (no status)        499     client_disconnected (audit only: the client went away)
