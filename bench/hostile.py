@@ -10,7 +10,12 @@ measures ``main`` and a branch alike), then reads the VmRSS of its process tree:
    ``count_tokens``;
 3. during and after 8 concurrent unauthenticated 50 MB bodies (raw sockets; each client
    sends in 1 MiB pieces until the server answers or closes);
-4. the same with the client key (the body limit's case rather than the key's).
+4. the same with the client key (the body limit's case rather than the key's);
+5. (issue #25) the event-loop attacks, each alone while ``/healthz`` is sampled every 20 ms
+   (p50/p99/max latency, RSS peak): a tool schema whose ``$ref`` points at a loopback
+   listener that holds the connection 15 s (connections it accepted), a backtracking
+   ``pattern``, an ``allOf`` fan-out of depth 17, 1 M chat messages (28.6 MiB), 300 k
+   tools, ``count_tokens`` of 1 M messages, and six 1 M-message bodies at once.
 
 Prints one JSON object (and writes it to ``bench/results/hostile-<label>.json``).
 """
@@ -34,7 +39,7 @@ from procs import Server, free_port, memory_kib
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
-KEY = "bench-hostile-key"
+KEY = "bench-hostile-key-0123456789"
 MiB = 1024 * 1024
 ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens")
 
@@ -308,11 +313,133 @@ def status_of(url: str, body: bytes, headers: dict[str, str]) -> int:
         conn.close()
 
 
+class HoldingListener:
+    """Accepts loopback connections, counts them, holds each 15 s (a slow $ref target)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self.stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            self.accepted += 1
+            threading.Timer(15, conn.close).start()
+
+
+def tool_body(schema: dict[str, Any]) -> bytes:
+    return json.dumps({"model": "fenced_json", "messages": [{"role": "user", "content": "weather?"}],
+                       "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]}).encode()
+
+
+def compact(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def loop_attacks(listener_port: int) -> dict[str, list[tuple[str, bytes]]]:
+    """Each attack: the (route, body) pairs sent at once (1 M messages: 28.6 MiB compact)."""
+    defs = {f"a{i}": {"allOf": [{"$ref": f"#/$defs/a{i + 1}"}] * 2} for i in range(17)}
+    defs["a17"] = {"type": "string"}
+    million = [{"role": "user", "content": "x"}] * 1_000_000
+    chat_1m = compact({"model": "text", "messages": million})
+    resp_1m = compact({"model": "text", "input": million})
+    msgs_1m = compact({"model": "text", "max_tokens": 16, "messages": million})
+    tools = [{"type": "function", "function": {"name": f"t{i}", "parameters": {"type": "object"}}} for i in range(300_000)]
+    return {
+        "schema_ref_listener": [("/v1/chat/completions", tool_body(
+            {"type": "object", "properties": {"city": {"$ref": f"http://127.0.0.1:{listener_port}/s.json"}}}))],
+        "schema_backtracking_pattern": [("/v1/chat/completions", tool_body(
+            {"type": "object", "properties": {"city": {"type": "string", "pattern": "^(?:.?){90}$X"}}}))],
+        "schema_allof_fanout_17": [("/v1/chat/completions", tool_body(
+            {"type": "object", "properties": {"city": {"$ref": "#/$defs/a0"}}, "$defs": defs}))],
+        "chat_1m_messages": [("/v1/chat/completions", chat_1m)],
+        "chat_300k_tools": [("/v1/chat/completions", compact(
+            {"model": "text", "messages": [{"role": "user", "content": "x"}], "tools": tools}))],
+        "count_tokens_1m": [("/v1/messages/count_tokens", compact({"model": "text", "messages": million}))],
+        "six_at_once_1m": [("/v1/chat/completions", chat_1m), ("/v1/responses", resp_1m), ("/v1/messages", msgs_1m)] * 2,
+    }
+
+
+def healthz_during(base: str, server: Server, requests: list[tuple[str, bytes]]) -> dict[str, Any]:
+    """Send ``requests`` at once; sample /healthz latency (20 ms apart) and RSS until all answered."""
+    statuses: list[Any] = [None] * len(requests)
+    latencies: list[float] = []
+    peak = [0]
+
+    def send(i: int, route: str, body: bytes) -> None:
+        try:
+            statuses[i] = post(base, route, body, timeout=90)
+        except Exception as exc:  # a timeout is a finding here, not a crash of the bench
+            statuses[i] = type(exc).__name__
+
+    threads = [threading.Thread(target=send, args=(i, r, b)) for i, (r, b) in enumerate(requests)]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        t0 = time.monotonic()
+        try:
+            urllib.request.urlopen(base + "/healthz", timeout=60).read()
+        except Exception:
+            pass
+        latencies.append((time.monotonic() - t0) * 1000)
+        peak[0] = max(peak[0], memory_kib(server.pid)["rss_kib"])
+        time.sleep(0.02)
+    for t in threads:
+        t.join()
+    latencies.sort()
+    pick = lambda q: round(latencies[min(len(latencies) - 1, int(q * len(latencies)))], 1) if latencies else None  # noqa: E731
+    return {"statuses": statuses, "seconds": round(time.monotonic() - started, 2), "healthz_samples": len(latencies),
+            "healthz_p50_ms": pick(0.5), "healthz_p99_ms": pick(0.99), "healthz_max_ms": round(max(latencies, default=0), 1),
+            "rss_peak_mib": mib(peak[0])}
+
+
+def run_loop_attacks(repo: Path, label: str, only: list[str] | None) -> dict[str, Any]:
+    port = free_port()
+    tmp = Path(tempfile.mkdtemp(prefix="cb2a-hostile-loop-"))
+    server = Server(
+        "gateway",
+        [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--api-key", KEY,
+         "--data-dir", str(tmp / "data"), "--log-level", "warning"],
+        port, "/healthz", tmp / "gateway.log", env={"PYTHONPATH": str(repo)}, cwd=repo,
+    )
+    server.proc = None
+    server.start()
+    listener = HoldingListener()
+    out: dict[str, Any] = {"label": label, "repo": str(repo)}
+    try:
+        server.wait_ready()
+        post(server.base, "/v1/chat/completions", json.dumps({"model": "text", "messages": [{"role": "user", "content": "hi"}]}).encode())
+        out["idle_mib"] = mib(memory_kib(server.pid)["rss_kib"])
+        for name, requests in loop_attacks(listener.port).items():
+            if only and name not in only:
+                continue
+            out[name] = healthz_during(server.base, server, requests)
+            time.sleep(1)
+        out["listener_connections"] = listener.accepted
+        out["after_mib"] = mib(memory_kib(server.pid)["rss_kib"])
+    finally:
+        listener.stop.set()
+        server.stop()
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repo", type=Path, default=BENCH.parent, help="source tree whose gateway is measured")
     parser.add_argument("--label", default="current")
     parser.add_argument("--sockets", action="store_true", help="the sockets and connections attacks (issue #25) instead")
+    parser.add_argument("--loop", action="store_true", help="only the event-loop attacks of issue #25 (part 5)")
+    parser.add_argument("--only", action="append", help="with --loop: just this attack (repeatable)")
     args = parser.parse_args()
     if args.sockets:
         result = run_sockets(args.repo.resolve(), args.label)
@@ -320,8 +447,13 @@ def main() -> int:
         (RESULTS / f"hostile-sockets-{args.label}.json").write_text(json.dumps(result, indent=2))
         print(json.dumps(result, indent=2))
         return 0
-    result = run(args.repo.resolve(), args.label)
     RESULTS.mkdir(exist_ok=True)
+    if args.loop:
+        result = run_loop_attacks(args.repo.resolve(), args.label, args.only)
+        (RESULTS / f"hostile-loop-{args.label}.json").write_text(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2))
+        return 0
+    result = run(args.repo.resolve(), args.label)
     (RESULTS / f"hostile-{args.label}.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     return 0

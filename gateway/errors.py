@@ -15,7 +15,11 @@ invalid_request    400     invalid_json, invalid_request, invalid_type, invalid_
                            unsupported_tool_choice, unsupported_tool_type,
                            duplicate_tool_name, previous_response_not_found,
                            upstream_rejected (the upstream's 400/413/422),
-                           too_many_queued_frames (a WebSocket client past the bound);
+                           too_many_queued_frames (a WebSocket client past the bound),
+                           invalid_tool_schema (unsafe to evaluate: stream/schema_guard.py),
+                           too_many_messages, too_many_input_items, too_many_tools,
+                           too_many_stop_sequences, too_many_content_parts,
+                           too_many_tool_calls, too_many_values (fields.py item limits);
                    405     method_not_allowed (a known route, another method)
 authentication     401     invalid_api_key
 permission         403     cross_origin, forbidden_host (a web page's request on /v1:
@@ -32,7 +36,9 @@ timeout            504     upstream_timeout, upstream_idle_timeout, upstream_att
                            upstream_empty_events (gateway/upstream/bounds.py)
 overloaded         503     capacity_exceeded, upstream_unavailable, upstream_capacity,
                            upstream_pool_exhausted (no pool connection in time),
-                           server_shutting_down, too_many_websockets (a WebSocket
+                           server_shutting_down, too_many_request_bytes
+                           (--max-body-bytes-in-flight), parser_busy (body_work's
+                           workers full), too_many_websockets (a WebSocket
                            upgrade past --ws-max-connections: no request, no record),
                            store_unavailable (a stored response cannot be read now),
                            recording_unavailable (no record could be kept: refused)

@@ -33,6 +33,7 @@ import anyio
 import orjson
 
 from gateway.errors import GatewayError
+from gateway.offload import finish_answer
 from gateway.outcome import internal_error
 from gateway.policy import StreamPolicy
 from gateway.protocols.base import ParsedRequest, ProtocolRoom, StreamEncoder
@@ -180,7 +181,7 @@ class GenerationRun:
             try:
                 async for out in self._read(body, keepalives=streaming):
                     yield out
-                events = answer.finish()
+                events = await finish_answer(answer)  # off the loop when it validates a schema
             finally:
                 if repair is not None:
                     repair.time_since(logged, began, time.time())

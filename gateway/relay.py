@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.body_limit import BodyTooLarge
+from gateway.body_work import BodyBudget, parse_request
 from gateway.capture import CaptureWriter
 from gateway.cross_site import raise_refusal
 from gateway.errors import ErrorCode, GatewayError
@@ -63,6 +64,8 @@ class GenerationService:
         self.running = RunningGenerations()
         #: raises 503 recording_unavailable while no record can be kept (gateway/recording.py)
         self.recording: Callable[[], None] | None = None
+        #: request-body bytes held by requests now (--max-body-bytes-in-flight)
+        self.bodies = BodyBudget(live.current.max_body_bytes_in_flight)
 
     @property
     def in_flight(self) -> int:
@@ -88,13 +91,17 @@ class GenerationService:
         self.observer.on_start(record)
         headers = {"x-request-id": record.request_id, "x-codebuddy2api-stream-mode": policy.mode.value}
         run: GenerationRun | None = None
-        outcome = RequestOutcome(record, lambda: self._report(record, run))
+        held = [0]  # body bytes this request holds in the budget, released with its report
+        outcome = RequestOutcome(record, lambda: self._report(record, run, held[0]))
         try:  # from the headers, before a byte of the body is read
             raise_refusal(request.scope)  # a web page's request (gateway/cross_site.py)
             record.client_key_fingerprint = check_client_key(request, settings.api_key)
             if self.recording is not None:
                 self.recording()
+            held[0] = self._hold_body(_declared_length(request), settings.max_body_bytes_in_flight)
             body = await request.body()
+            if not held[0]:  # no Content-Length: what was read
+                held[0] = self._hold_body(len(body), settings.max_body_bytes_in_flight)
         except GatewayError as err:
             outcome.refused(err)
             return error_response(room, err, headers)
@@ -108,7 +115,7 @@ class GenerationService:
         if settings.audit_bodies:
             record.bodies = {"request": body.decode("utf-8", "replace")}
         try:
-            parsed = room.parse(body, dict(request.query_params))
+            parsed = await parse_request(room, body, dict(request.query_params))  # off the loop when large
             record.model = parsed.model
             record.upstream_model = str(parsed.upstream_body.get("model", parsed.model))
             record.streamed = parsed.stream
@@ -190,10 +197,22 @@ class GenerationService:
         outcome.succeeded()
         return JSONResponse(body, headers=headers)
 
-    def _report(self, record: RequestRecord, run: GenerationRun | None) -> None:
+    def _hold_body(self, size: int, limit: int) -> int:
+        """Reserve ``size`` body bytes (returned), or the 503 that says the budget is spent."""
+        self.bodies.limit = limit
+        if not self.bodies.reserve(size):
+            raise GatewayError(
+                "overloaded", "too_many_request_bytes",
+                f"the gateway holds {limit} bytes of request bodies already (--max-body-bytes-in-flight)",
+                retry_after=1,
+            )
+        return size
+
+    def _report(self, record: RequestRecord, run: GenerationRun | None, held: int = 0) -> None:
         """The single exit of every generation request (called once, by its
-        RequestOutcome): frees its slot, completes the record, reports it."""
+        RequestOutcome): frees its slot and its body bytes, completes the record, reports it."""
         self.running.discard(record.request_id)
+        self.bodies.release(held)
         record.ended_at = time.time()
         record.duration_ms = (record.ended_at - record.started_at) * 1000
         chat_run = run if isinstance(run, GenerationRun) else None  # a RelayedCall noted itself
@@ -216,6 +235,13 @@ def _stream_outcome(outcome: RequestOutcome, run: GenerationRun, complete: bool)
         outcome.failed(run.error, committed=run.committed)
     else:
         outcome.succeeded()
+
+
+def _declared_length(request: HTTPConnection) -> int:
+    """The body's ``Content-Length`` (0 when absent or not a number; BodyLimit refuses the
+    body past --max-body-bytes however it is declared)."""
+    raw = request.headers.get("content-length") or ""
+    return int(raw) if raw.isdigit() and len(raw) < 19 else 0
 
 
 def check_client_key(request: HTTPConnection, keys: list[Any]) -> str | None:

@@ -12,13 +12,12 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.body_work import count_tokens
 from gateway.errors import GatewayError
 from gateway.protocols.base import ProtocolRoom
 from gateway.protocols.messages import error_json as anthropic_error
-from gateway.protocols.messages_translate import translate as translate_messages
 from gateway.protocols.openai_shapes import error_json as openai_error
 from gateway.protocols.responses import ResponseStorage
-from gateway.protocols.tokens import count_chat_tokens
 from gateway.relay import GenerationService
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -60,7 +59,8 @@ async def count_tokens_endpoint(request: Request) -> Response:
     Anthropic's API); nothing is sent upstream.
     """
     try:
-        t = translate_messages(await request.body(), count_only=True)
+        tokens = await count_tokens(await request.body())  # off the loop when large
     except GatewayError as err:
-        return JSONResponse(anthropic_error(err), status_code=err.status)
-    return JSONResponse({"input_tokens": count_chat_tokens(t.body)})
+        headers = {"retry-after": str(err.retry_after)} if err.retry_after is not None else None
+        return JSONResponse(anthropic_error(err), status_code=err.status, headers=headers)
+    return JSONResponse({"input_tokens": tokens})

@@ -118,6 +118,9 @@ class Settings(BaseSettings):
     )
     replica_id: str | None = Field(None, description="this replica's name in the replicas table; none = host-pid-random")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="largest request body accepted (413 past it)")
+    max_body_bytes_in_flight: int = Field(
+        64 * 1024 * 1024, ge=0, description="request-body bytes held by requests at once (503 past it); 0 = unbounded"
+    )
     public_url: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="URL(s) the gateway is reached at besides loopback (admin Host/Origin allow-list)"
     )
@@ -327,6 +330,9 @@ CLI_FIELDS: dict[str, str] = {
     "database_url": "PostgreSQL URL shared by several replicas (default: SQLite in --data-dir)",
     "replica_id": "this replica's name among replicas sharing the database (default: host-pid-random)",
     "max_body_bytes": "largest request body accepted, in bytes (default 32 MiB; 413 past it)",
+    "max_body_bytes_in_flight": "request-body bytes all requests together may hold (default 64 MiB, two largest"
+                                " bodies); past it a request is refused 503 with Retry-After before its body is"
+                                " read (0 = unbounded)",
     "public_url": "URL the gateway is reached at besides loopback, e.g. https://gw.example.com (repeatable or comma list):"
                   " the admin API and WebUI answer only loopback names and these",
     "spill_dir": "where audit rows and stored responses go while the store cannot write (default: <data-dir>/spill)",

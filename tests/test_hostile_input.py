@@ -287,16 +287,20 @@ def test_responses_and_messages_ignore_unknown_keys(http: httpx.Client, own_simu
     assert route == "/v1/messages" or "top_k" not in sent  # top_k is not a Responses key
 
 
-def test_a_tool_schema_with_a_dangling_ref_cannot_break_repair(http: httpx.Client, own_simulator: OwnSimulator) -> None:
-    """Accepted (the upstream decides on $refs), and the repair path that validates against
-    it must not raise: the simulator answers with truncated arguments."""
+def test_a_tool_schema_with_a_dangling_ref_is_refused_before_the_upstream(
+    http: httpx.Client, own_simulator: OwnSimulator
+) -> None:
+    """A ``$ref`` that resolves nowhere in the schema is a 400 ``invalid_tool_schema`` naming
+    it (issue #25: only local references that resolve), and nothing goes upstream."""
     schema = {"type": "object", "properties": {"city": {"$ref": "#/$defs/missing"}}}
     body = {"model": "invalid_json", "messages": [{"role": "user", "content": "weather?"}],
             "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]}
     response, received = post(http, own_simulator, "/v1/chat/completions", encode(body))
-    assert response.status_code in (200, 502), response.text
-    assert len(received) >= 1
-    assert error_shape_problem("/v1/chat/completions", response.json()) is None if response.status_code == 502 else True
+    assert response.status_code == 400, response.text
+    assert received == []
+    error = response.json()["error"]
+    assert error["code"] == "invalid_tool_schema" and error["param"] == "tools.0.function.parameters"
+    assert "#/$defs/missing" in error["message"]
 
 
 # -- a 2 M-character prompt ---------------------------------------------------------------------------------

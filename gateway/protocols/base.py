@@ -15,7 +15,7 @@ import orjson
 from pydantic import ValidationError
 
 from gateway.errors import GatewayError, invalid_request
-from gateway.protocols.fields import check_value_limits
+from gateway.protocols.fields import check_item_limits, check_value_limits
 from gateway.stream.accumulator import ToolRules
 from gateway.stream.events import Completion, Event
 
@@ -85,6 +85,7 @@ def load_json_object(body: bytes | str, what: str = "the request body") -> dict[
         raise invalid_request(f"{what} is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(value, dict):
         raise invalid_request(f"{what} must be a JSON object", code="invalid_json")
+    check_item_limits(value)
     check_value_limits(value)
     return value
 
@@ -100,6 +101,10 @@ def _is_union_tag(segment: object) -> bool:
     return segment.lower() in _UNION_TAGS or "[" in segment or segment.startswith(("function-", "lax-", "json-"))
 
 
+#: Error codes the request models raise by name (``PydanticCustomError(code, ...)``).
+NAMED_CODES = frozenset({"invalid_tool_schema"})
+
+
 def validation_error(exc: ValidationError) -> GatewayError:
     """A pydantic error as a 400 naming the offending field: of a union's failed branches the
     deepest (``messages.0.content.0.text``, not "content should be a string")."""
@@ -108,6 +113,9 @@ def validation_error(exc: ValidationError) -> GatewayError:
     if err["type"] == "missing":
         message = f"missing required parameter: {param!r}"
         code = "missing_required_parameter"
+    elif err["type"] in NAMED_CODES:  # our own PydanticCustomError: its type is the code
+        message = f"invalid value for {param!r}: {err['msg']}"
+        code = err["type"]
     else:
         message = f"invalid value for {param!r}: {err['msg']}"
         code = "invalid_type" if err["type"].endswith("_type") else "invalid_value"

@@ -19,8 +19,10 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, StrictBool, StrictInt, StrictStr
+from pydantic_core import PydanticCustomError
 
 from gateway.errors import invalid_request
+from gateway.stream.schema_guard import schema_hazard
 
 #: Levels of objects/lists below the body (the body's own keys are level 1).
 MAX_DEPTH = 64
@@ -33,16 +35,62 @@ MAX_NAME_CHARS = 256
 #: The largest ``max_tokens`` (and its relatives) the gateway passes on.
 MAX_OUTPUT_TOKENS = 1_048_576
 _INT64 = 2**63
+#: Items a body may multiply, per list (Anthropic's own cap on messages is 100,000; real
+#: agent sessions send a few thousand). Each past its bound is a named 400 with ``param``.
+MAX_MESSAGES = 50_000
+MAX_TOOLS = 2_000
+MAX_STOP_SEQUENCES = 64
+MAX_CONTENT_PARTS = 4_096
+#: Objects and lists in a whole body (what parsing and validating it costs).
+MAX_CONTAINERS = 500_000
 
 
 def _join(path: str, key: str | int) -> str:
     return f"{path}.{key}" if path else str(key)
 
 
+def _too_many(param: str, count: int, limit: int, code: str, what: str) -> None:
+    if count > limit:
+        raise invalid_request(f"{param} has {count} {what}; at most {limit} are accepted", param=param, code=code)
+
+
+def check_item_limits(body: dict[str, Any]) -> None:
+    """Refuse a body that multiplies items past the bounds (``len`` only: it runs before the
+    body is walked or validated, so a million messages cost no more than their parse):
+    ``messages``/``input`` items (``too_many_messages``/``too_many_input_items``),
+    ``tools`` (also a namespace's; ``too_many_tools``), ``stop``/``stop_sequences``
+    (``too_many_stop_sequences``), content parts of ``system`` and of each message or input
+    item (``too_many_content_parts``) and tool calls of each message (``too_many_tool_calls``)."""
+    for key, code, what in (("messages", "too_many_messages", "messages"),
+                            ("input", "too_many_input_items", "input items")):
+        items = body.get(key)
+        if isinstance(items, list):
+            _too_many(key, len(items), MAX_MESSAGES, code, what)
+            for i, item in enumerate(items):
+                if isinstance(item, dict):
+                    for inner, limit, inner_code, inner_what in (
+                        ("content", MAX_CONTENT_PARTS, "too_many_content_parts", "content parts"),
+                        ("tool_calls", MAX_TOOLS, "too_many_tool_calls", "tool calls"),
+                    ):
+                        if isinstance(item.get(inner), list):
+                            _too_many(f"{key}.{i}.{inner}", len(item[inner]), limit, inner_code, inner_what)
+    tools = body.get("tools")
+    if isinstance(tools, list):
+        nested = sum(len(t["tools"]) for t in tools if isinstance(t, dict) and isinstance(t.get("tools"), list))
+        _too_many("tools", len(tools) + nested, MAX_TOOLS, "too_many_tools", "tools")
+    for key in ("stop", "stop_sequences"):
+        if isinstance(body.get(key), list):
+            _too_many(key, len(body[key]), MAX_STOP_SEQUENCES, "too_many_stop_sequences", "stop sequences")
+    if isinstance(body.get("system"), list):
+        _too_many("system", len(body["system"]), MAX_CONTENT_PARTS, "too_many_content_parts", "content parts")
+
+
 def check_value_limits(body: Any) -> None:
     """Walk the whole request (iteratively: no recursion however deep) and refuse the first
-    value past a limit with a 400 whose ``param`` is its path (``messages.0.content``)."""
+    value past a limit with a 400 whose ``param`` is its path (``messages.0.content``), or a
+    body of more than :data:`MAX_CONTAINERS` objects and lists (``too_many_values``)."""
     stack: list[tuple[str, Any, int]] = [("", body, 0)]
+    containers = 0
     while stack:
         path, value, depth = stack.pop()
         if isinstance(value, str):
@@ -56,6 +104,11 @@ def check_value_limits(body: Any) -> None:
             if not math.isfinite(value):
                 raise invalid_request(f"{path} must be a finite number", param=path or None, code="invalid_value")
         elif isinstance(value, (dict, list)):
+            containers += 1
+            if containers > MAX_CONTAINERS:
+                raise invalid_request(
+                    f"the body holds more than {MAX_CONTAINERS} objects and lists", code="too_many_values"
+                )
             if depth >= MAX_DEPTH:
                 raise invalid_request(
                     f"{path} nests deeper than {MAX_DEPTH} levels",
@@ -163,8 +216,12 @@ def object_schema_problem(schema: Any) -> tuple[str, str] | None:
 
 
 def check_object_schema(schema: Any, param: str) -> None:
-    """A tool's schema, else a 400 naming the keyword (``tools.0.input_schema.properties.a.type``)."""
+    """A tool's schema, else a 400 naming the keyword (``tools.0.input_schema.properties.a.type``):
+    ``invalid_schema`` for a keyword that cannot mean what JSON Schema says, then
+    ``invalid_tool_schema`` for one unsafe to evaluate (a non-local ``$ref``, too large, a
+    reference fan-out: ``stream.schema_guard``)."""
     _refuse_schema(object_schema_problem(schema), param)
+    _refuse_schema(schema_hazard(schema), param, "invalid_tool_schema")
 
 
 def check_schema(schema: Any, param: str) -> None:
@@ -172,11 +229,24 @@ def check_schema(schema: Any, param: str) -> None:
     _refuse_schema(schema_problem(schema), param)
 
 
-def _refuse_schema(problem: tuple[str, str] | None, param: str) -> None:
+def _refuse_schema(problem: tuple[str, str] | None, param: str, code: str = "invalid_schema") -> None:
     if problem is not None:
         where, what = problem
         at = _join(param, where) if where else param
-        raise invalid_request(f"{at}: {what}", param=at, code="invalid_schema")
+        raise invalid_request(f"{at}: {what}", param=at, code=code)
+
+
+def _tool_schema(value: Any) -> Any:
+    """The request models' check of a tool's parameters (Chat): as :func:`check_object_schema`."""
+    problem = object_schema_problem(value)
+    if problem is None:
+        hazard = schema_hazard(value)
+        if hazard is not None:
+            where, what = hazard
+            raise PydanticCustomError("invalid_tool_schema", "{what}", {"what": f"{where}: {what}" if where else what})
+        return value
+    where, what = problem
+    raise ValueError(f"{where}: {what}" if where else what)
 
 
 def _validator(problem_of: Callable[[Any], tuple[str, str] | None]) -> Callable[[Any], Any]:
@@ -198,7 +268,7 @@ Int64 = Annotated[StrictInt, Field(ge=-_INT64, lt=_INT64)]
 Count = Annotated[StrictInt, Field(ge=0, le=MAX_OUTPUT_TOKENS)]
 Flag = StrictBool
 #: A tool's parameters: a JSON schema object describing an object.
-ObjectSchema = Annotated[dict[str, Any], AfterValidator(_validator(object_schema_problem))]
+ObjectSchema = Annotated[dict[str, Any], AfterValidator(_tool_schema)]
 #: A JSON schema (structured output).
 Schema = Annotated[dict[str, Any], AfterValidator(_validator(schema_problem))]
 

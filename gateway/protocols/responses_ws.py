@@ -51,6 +51,7 @@ import structlog
 from starlette.requests import Request
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from gateway.body_work import parse_request
 from gateway.errors import ErrorCode, GatewayError, invalid_request
 from gateway.protocols.base import ParsedRequest, load_json_object
 from gateway.protocols.openai_shapes import error_json
@@ -468,7 +469,7 @@ class ResponsesConnection:
         with no output; nothing goes upstream and no audit record is written."""
         try:
             check_client_key(self.websocket, self.relay.live.current.api_key)
-            parsed = await self.room.resolve(self.room.parse(self._body(request), {}))
+            parsed = await self.room.resolve(await parse_request(self.room, self._body(request), {}))
         except GatewayError as err:
             await self._send_error(err)
             return False

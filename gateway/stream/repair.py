@@ -6,23 +6,28 @@ Local repair (json-repair for the structure, jsonschema for the meaning) is acce
 when it invents nothing: markdown fences and prose around the object are stripped,
 missing closing brackets and stray commas are fixed, but arguments cut off inside a
 string or right after a key are *not* repaired (a value would have to be guessed), and
-the result must validate against the tool's declared parameters schema.
+the result must validate against the tool's declared parameters schema, applied by
+:func:`gateway.stream.schema_guard.validates` (no reference fetched, re2 patterns, bounded
+work); a schema that cannot be decided within those bounds means no local repair.
 """
 
 from __future__ import annotations
 
 import copy
 import re
+import time
 from typing import Any
 
 import json_repair
-import jsonschema
 import orjson
-from referencing.exceptions import Unresolvable
 
 from gateway.errors import ErrorCode, GatewayError
 from gateway.stream.accumulator import ChatSSEAccumulator, ToolSlot, parse_arguments
 from gateway.stream.events import Completion
+from gateway.stream.schema_guard import VALIDATION_SECONDS, validates
+
+#: Seconds all of one answer's schema validations may take together.
+REPAIR_SECONDS = 3 * VALIDATION_SECONDS
 
 REPAIR_MARKER = "[codebuddy2api repair]"
 _FENCE = re.compile(r"^\s*```[a-zA-Z0-9_-]*\s*\n?(.*?)\n?\s*```\s*$", re.DOTALL)
@@ -61,8 +66,11 @@ def _ends_inside_string_or_after_key(text: str) -> bool:
     return in_string or last == ":"
 
 
-def repair_arguments(arguments: str, schema: dict[str, Any] | None) -> str | None:
-    """Repaired arguments as compact JSON, or None when no safe repair exists."""
+def repair_arguments(
+    arguments: str, schema: dict[str, Any] | None, seconds: float = VALIDATION_SECONDS
+) -> str | None:
+    """Repaired arguments as compact JSON, or None when no safe repair exists (``seconds``:
+    the schema validation's time budget)."""
     text = arguments.strip()
     fenced = _FENCE.match(text)
     if fenced:
@@ -77,23 +85,25 @@ def repair_arguments(arguments: str, schema: dict[str, Any] | None) -> str | Non
             return None
     if not isinstance(value, dict) or (not value and text.strip() not in ("", "{}")):
         return None
-    if schema:
-        try:
-            jsonschema.validate(value, schema)
-        except (jsonschema.ValidationError, jsonschema.SchemaError, Unresolvable, RecursionError):
-            return None  # a schema the client declared that cannot be applied: no safe repair
+    if schema and validates(value, schema, seconds) is not True:
+        return None  # invalid, or a schema that cannot be applied safely: no safe repair
     return orjson.dumps(value).decode()
 
 
 def repair_slots_locally(slots: list[ToolSlot], schemas: dict[str, dict[str, Any]]) -> list[int]:
     """Patch every slot whose arguments are not a JSON object, if all can be repaired.
 
-    Returns the ordinals repaired (empty when nothing needed or something could not be).
+    Returns the ordinals repaired (empty when nothing needed or something could not be,
+    also when the validations together would take longer than :data:`REPAIR_SECONDS`).
     """
     broken = [s for s in slots if parse_arguments(s.arguments) is None]
     fixes: list[tuple[ToolSlot, str]] = []
+    deadline = time.monotonic() + REPAIR_SECONDS
     for slot in broken:
-        fixed = repair_arguments(slot.arguments, schemas.get(slot.name or ""))
+        left = min(VALIDATION_SECONDS, deadline - time.monotonic())
+        if left <= 0:
+            return []
+        fixed = repair_arguments(slot.arguments, schemas.get(slot.name or ""), left)
         if fixed is None:
             return []
         fixes.append((slot, fixed))
@@ -136,7 +146,15 @@ class RepairPolicy:
         self.upstream_body = upstream_body
         self.max_regenerations = max_regenerations
         self.schemas = tool_schemas(upstream_body)
+        #: False when the validation could not get a worker: no local repair then
+        self.allow_local = True
         self.log: list[dict[str, Any]] = []
+
+    def may_validate(self, acc: ChatSSEAccumulator) -> bool:
+        """Whether deciding ``acc`` may run a schema validation (some call's arguments are
+        not a JSON object and a tool declares a schema): the caller runs :meth:`decide`
+        off the event loop then."""
+        return any(self.schemas.values()) and any(parse_arguments(s.arguments) is None for s in acc.slots)
 
     def time_since(self, logged: int, began: float, ended: float) -> None:
         """When the steps logged after the first ``logged`` ran (the trace's repair spans,
@@ -162,7 +180,11 @@ class RepairPolicy:
             if attempt:
                 self.log.append({"kind": kind, "attempt": attempt, "outcome": "valid", "usage": usage})
             return completion
-        if error.code == ErrorCode.TOOL_CALL_INVALID and repair_slots_locally(acc.slots, self.schemas):
+        if (
+            error.code == ErrorCode.TOOL_CALL_INVALID
+            and self.allow_local
+            and repair_slots_locally(acc.slots, self.schemas)
+        ):
             try:
                 completion = acc.seal()
             except GatewayError:

@@ -1,0 +1,224 @@
+"""Parsing, translating and counting request bodies without stalling the event loop.
+
+A 28 MiB body of a million tiny messages costs seconds of CPU to parse and validate,
+and orjson and pydantic hold the GIL while they run, so a worker *thread* would stall
+the loop as much. Three ways, chosen by what a body can cost:
+
+- small (under :data:`SMALL_BODY`): parsed on the loop, as before (no thread hop: the
+  common request stays as cheap as it was);
+- larger but sparse (at most :data:`DENSE_VALUES` ``{``/``[`` bytes, an upper bound of
+  its objects and lists: big prompts): in a worker thread (``offload.BODIES``); a long
+  string costs orjson a copy, not a walk;
+- dense: in a worker *process* (:class:`ProcessParser`, forkserver), which parses,
+  checks the item limits and translates, and hands back the parsed request (bounded by
+  those limits) or the error. Its GIL is its own.
+
+Each way raises the room's :class:`GatewayError` for bad input, as ``room.parse`` does.
+:class:`BodyBudget` bounds the bytes of bodies held by requests at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import threading
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+from gateway.errors import GatewayError
+from gateway.offload import BODIES, OffloadFull
+from gateway.protocols.base import ParsedRequest, ProtocolRoom
+
+#: Bodies up to this size are parsed on the event loop (~1 ms at most).
+SMALL_BODY = 64 * 1024
+#: ``{`` + ``[`` bytes past which a body goes to a worker process.
+DENSE_VALUES = 20_000
+#: Seconds a parse may take in a worker before the request is answered 503.
+PARSE_SECONDS = 60.0
+
+
+def overloaded(what: str) -> GatewayError:
+    return GatewayError("overloaded", "parser_busy", f"the gateway is busy {what}; retry shortly", retry_after=1)
+
+
+def _room_kind(room: ProtocolRoom) -> str | None:
+    """Which parser a worker process builds for ``room`` (None: only this process can)."""
+    from gateway.protocols.chat import ChatRoom
+    from gateway.protocols.messages import MessagesRoom
+    from gateway.protocols.responses import ResponsesCompactRoom, ResponsesRoom
+
+    for kind, cls in (("compact", ResponsesCompactRoom), ("responses", ResponsesRoom),
+                      ("chat", ChatRoom), ("messages", MessagesRoom)):
+        if isinstance(room, cls):
+            return kind
+    return None
+
+
+def _child_room(kind: str) -> Any:
+    from gateway.protocols.chat import ChatRoom
+    from gateway.protocols.messages import MessagesRoom
+    from gateway.protocols.responses import ResponsesCompactRoom, ResponsesRoom
+
+    if kind == "chat":
+        return ChatRoom()
+    if kind == "messages":
+        return MessagesRoom()
+    return (ResponsesCompactRoom if kind == "compact" else ResponsesRoom)(None)  # parse needs no store
+
+
+def _error_fields(err: GatewayError) -> tuple[Any, ...]:
+    return (err.kind, err.code, err.message, err.param, err.status, err.retry_after)
+
+
+def _child_parse(kind: str, body: bytes, query: dict[str, str]) -> tuple[str, Any]:
+    """In the worker process: ("ok", ParsedRequest) or ("error", the error's fields)."""
+    try:
+        return "ok", _child_room(kind).parse(body, query)
+    except GatewayError as err:
+        return "error", _error_fields(err)
+
+
+def _child_count(body: bytes) -> tuple[str, Any]:
+    """In the worker process: ("ok", input tokens) of a count_tokens body, or the error."""
+    from gateway.protocols.messages_translate import translate
+    from gateway.protocols.tokens import count_chat_tokens
+
+    try:
+        return "ok", count_chat_tokens(translate(body, count_only=True).body)
+    except GatewayError as err:
+        return "error", _error_fields(err)
+
+
+def _raise(fields: tuple[Any, ...]) -> GatewayError:
+    kind, code, message, param, status, retry_after = fields
+    return GatewayError(kind, code, message, param=param, status=status, retry_after=retry_after)
+
+
+class ProcessParser:
+    """A small pool of worker processes (forkserver: never a fork of the running gateway),
+    started on first use; each worker is replaced after a number of bodies so the memory a
+    huge parse left behind goes back to the system."""
+
+    def __init__(self, workers: int = 1, max_pending: int = 8, tasks_per_child: int = 8) -> None:
+        self.workers = workers
+        self.max_pending = max_pending
+        self.tasks_per_child = tasks_per_child
+        self._pool: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self.pending = 0
+
+    def _executor(self) -> ProcessPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                context = multiprocessing.get_context("forkserver")
+                context.set_forkserver_preload(["gateway.body_work", "gateway.protocols.responses"])
+                self._pool = ProcessPoolExecutor(
+                    self.workers, mp_context=context, max_tasks_per_child=self.tasks_per_child
+                )
+            return self._pool
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        with self._lock:
+            if self.pending >= self.max_pending:
+                raise overloaded("parsing other large requests")
+            self.pending += 1
+        try:
+            # submitted from a thread: the first submit starts the forkserver and a worker,
+            # which waits for their imports (~0.5 s), and the body is written to a pipe
+            submitted = await asyncio.wait_for(asyncio.to_thread(self._submit, fn, *args), PARSE_SECONDS)
+            future = asyncio.wrap_future(submitted)
+            status, value = await asyncio.wait_for(future, PARSE_SECONDS)
+        except (TimeoutError, BrokenProcessPool):
+            self._reset()
+            raise overloaded("parsing other large requests") from None
+        finally:
+            with self._lock:
+                self.pending -= 1
+        if status == "error":
+            raise _raise(value)
+        return value
+
+    def _submit(self, fn: Any, *args: Any) -> Any:
+        return self._executor().submit(fn, *args)
+
+    def _reset(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def close(self) -> None:
+        self._reset()
+
+
+PROCESSES = ProcessParser()
+
+
+def is_dense(body: bytes) -> bool:
+    """More ``{``/``[`` bytes than :data:`DENSE_VALUES` (C-speed counts over the first
+    bytes that can decide it: a few ms at most)."""
+    seen = 0
+    for start in range(0, len(body), _SCAN):
+        piece = body[start:start + _SCAN]
+        seen += piece.count(b"{") + piece.count(b"[")
+        if seen > DENSE_VALUES:
+            return True
+    return False
+
+
+_SCAN = 1024 * 1024
+
+
+async def parse_request(room: ProtocolRoom, body: bytes, query: dict[str, str]) -> ParsedRequest:
+    """``room.parse(body, query)``, where it does not stall the loop (see the module)."""
+    if len(body) <= SMALL_BODY:
+        return room.parse(body, query)
+    kind = _room_kind(room)
+    if kind is not None and is_dense(body):
+        return await PROCESSES.run(_child_parse, kind, body, query)  # type: ignore[no-any-return]
+    try:
+        return await BODIES.run(room.parse, body, query, timeout=PARSE_SECONDS)
+    except (OffloadFull, TimeoutError):
+        raise overloaded("parsing other large requests") from None
+
+
+async def count_tokens(body: bytes) -> int:
+    """``count_tokens``' translation and o200k count, off the loop past :data:`SMALL_BODY`."""
+    if len(body) <= SMALL_BODY:
+        return _unwrap(_child_count(body))
+    if is_dense(body):
+        return await PROCESSES.run(_child_count, body)  # type: ignore[no-any-return]
+    try:
+        return _unwrap(await BODIES.run(_child_count, body, timeout=PARSE_SECONDS))
+    except (OffloadFull, TimeoutError):
+        raise overloaded("counting other large requests") from None
+
+
+def _unwrap(result: tuple[str, Any]) -> Any:
+    status, value = result
+    if status == "error":
+        raise _raise(value)
+    return value
+
+
+class BodyBudget:
+    """The bytes of request bodies held by requests at once (``--max-body-bytes-in-flight``,
+    0 = unbounded); a request past it is refused 503 with Retry-After before its body is
+    read. Thread-safe (WebSocket frames and HTTP requests share it)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._lock = threading.Lock()
+
+    def reserve(self, size: int) -> bool:
+        with self._lock:
+            if self.limit and self.held and self.held + size > self.limit:
+                return False  # one body alone may always use the whole budget
+            self.held += size
+            return True
+
+    def release(self, size: int) -> None:
+        with self._lock:
+            self.held = max(0, self.held - size)
