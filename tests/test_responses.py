@@ -657,3 +657,17 @@ def test_encoder_directly_keeps_deltas_and_final_in_agreement() -> None:
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
     assert events[-1]["response"]["output"][0]["arguments"] == deltas
     assert encoder.encode(KEEPALIVE) == b""  # nothing after the terminal
+
+
+@pytest.mark.parametrize("kind", [[], {}, 3, None])
+def test_an_input_item_whose_type_is_no_string_is_a_named_400(gateway: Gateway, simulator: Simulator, kind: Any) -> None:
+    """Was a 500 (an unhashable type reached a set lookup), found by the hostile property test."""
+    simulator.clear()
+    item = {"type": kind, "role": "user", "content": "hi"}
+    answer = httpx.post(gateway.base_url + "/responses", json={"model": "echo", "input": [item]})
+    if kind is None:  # an explicit null is an absent type: a message
+        assert answer.status_code == 200
+        return
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "input[0].type" and answer.json()["error"]["code"] == "invalid_type"
+    assert simulator.requests() == []

@@ -475,7 +475,11 @@ def _input_messages(value: str | list[Any] | None, tool_map: ToolMap) -> _Builde
         param = f"input[{i}]"
         if not isinstance(item, dict):
             raise invalid_request("input items must be objects", param=param, code="invalid_type")
-        kind = item.get("type", "message")
+        kind = item.get("type")
+        if kind is None:  # absent or null: a message, as OpenAI reads it
+            kind = "message"
+        if not isinstance(kind, str):
+            raise invalid_request("an input item's type must be a string", param=f"{param}.type", code="invalid_type")
         if kind == "message":
             builder.message(item, param)
         elif kind == "function_call":
