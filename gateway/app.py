@@ -48,6 +48,9 @@ from gateway.store.replicas import Replication
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.config import build_pool
 from gateway.capture import CaptureWriter
+from gateway.rollout import store as rollout_store
+from gateway.rollout.ids import RolloutPaths
+from gateway.rollout.recorder import RolloutRecorder
 
 log = structlog.get_logger("gateway")
 
@@ -144,6 +147,8 @@ def create_app(
     journal = SpillJournal(settings.spill_dir or settings.data_dir / "spill", settings.spill_max_bytes)
     observability = Observability(live, db, journal=journal)
     relay = GenerationService(live, upstream, observability.observer)
+    observability.durable.statements.update(rollout_store.STATEMENTS)  # replayed like the audit
+    relay.rollouts = RolloutRecorder(db, observability.durable, live, lambda: relay.pool)
     credential_state = CredentialState(db)
     # several processes on one store (PostgreSQL replicas, --workers): shared cap and health
     replication = Replication(db, settings.replica_id, lambda: relay.in_flight) if db.shared or settings.workers > 1 else None
@@ -211,6 +216,7 @@ def create_app(
             await upstream.aclose()
             if relay.capture is not None:
                 relay.capture.close()  # drains: every finished call is on disk
+            await relay.rollouts.aclose()  # failed calls' records, before the writer closes
             await observability.aclose()  # drains the audit queue
             await state_writer.aclose()
             if replication is not None:
@@ -255,6 +261,7 @@ def create_app(
         *webui,
     ]
     middleware = [  # outermost first; all inside Starlette's error middleware
+        Middleware(RolloutPaths),  # /rollouts/{id}/v1/... -> /v1/... with the id in the scope
         Middleware(RedactingSend),
         Middleware(AdminSurface, public_urls=settings.public_url, bind_host=settings.host),
         Middleware(BodyLimit, limit=settings.max_body_bytes, render=error_for_path),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import secrets
 import time
@@ -26,12 +27,15 @@ from gateway.outcome import RequestOutcome, internal_error
 from gateway.policy import StreamPolicy
 from gateway.protocols.base import ProtocolRoom
 from gateway.record import RequestObserver, RequestRecord
+from gateway.rollout.ids import rollout_of
+from gateway.rollout.tokens import with_token_fields
 from gateway.settings import LiveSettings
 from gateway.upstream.attempts import UpstreamAttempts
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.pool import UpstreamPool, fingerprint
 
 if TYPE_CHECKING:
+    from gateway.rollout.recorder import RolloutRecorder
     from gateway.store.replicas import CapacityPolicy
 
 SSE_HEADERS = {
@@ -51,6 +55,7 @@ class GenerationService:
         self.observer = observer
         self.pool: UpstreamPool = UpstreamPool([])  # replaced at start-up (app lifespan)
         self.capture: CaptureWriter | None = None  # set at start-up with --capture-dir
+        self.rollouts: RolloutRecorder | None = None  # rollout call records (set at start-up)
         #: With replicas on a shared store: this replica's share of max_concurrent
         #: (gateway.store.replicas.SharedCapacity); None = the whole cap is local.
         self.capacity: CapacityPolicy | None = None
@@ -103,6 +108,13 @@ class GenerationService:
             record.upstream_model = str(parsed.upstream_body.get("model", parsed.model))
             record.streamed = parsed.stream
             parsed = await room.resolve(parsed)
+            rollout = rollout_of(request.scope, request.headers, settings.rollout_header)
+            recording = rollout is not None and self.rollouts is not None and self.rollouts.enabled
+            if recording:
+                await self.rollouts.refuse_frozen(rollout)  # type: ignore[union-attr,arg-type]
+            if settings.capture_tokens != "none":
+                tokens_body = with_token_fields(parsed.upstream_body, settings.capture_tokens)
+                parsed = dataclasses.replace(parsed, upstream_body=tokens_body)
         except GatewayError as err:
             outcome.invalid(err)
             return error_response(room, err, headers)
@@ -119,13 +131,17 @@ class GenerationService:
             outcome.refused(err)
             return error_response(room, err, headers)
         session = request.headers.get(settings.session_header) if settings.session_header else None
+        if rollout is not None:  # a rollout's calls stay on one credential (its prefix cache)
+            session = "rollout:" + rollout
         try:
             run = GenerationRun(room, parsed, policy, record, UpstreamAttempts(self.pool, self.upstream, policy, session, record.trace_context))
         except Exception as exc:
             err = internal_error(exc, record.request_id, "encoder")
             outcome.failed(err)
             return error_response(room, err, headers)
-        run.rollout_id = request.headers.get(settings.rollout_header)
+        run.rollout_id = rollout
+        if recording:
+            run.before_release = self.rollouts.commit  # type: ignore[union-attr]
         self.running.add(run)
         if parsed.stream:
             return GenerationResponse(run, headers, lambda complete: _stream_outcome(outcome, run, complete))
@@ -188,6 +204,8 @@ class GenerationService:
         self.observer.on_finish(record)
         if self.capture is not None and run is not None:
             self.capture.submit(capture_record(run))
+        if self.rollouts is not None and run is not None:
+            self.rollouts.finished(run, record.outcome, record.error_code)
 
 
 #: The old name, kept for imports elsewhere; it wires, it does not relay.

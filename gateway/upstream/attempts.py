@@ -17,6 +17,7 @@ from typing import Any
 
 from gateway.errors import GatewayError
 from gateway.policy import StreamPolicy
+from gateway.rollout.tokens import with_token_fields
 from gateway.upstream.client import ANSWERED, UpstreamClient, UpstreamItem
 from gateway.upstream.pool import UpstreamPool
 
@@ -55,6 +56,8 @@ class UpstreamAttempts:
             credential = lease.credential
             tried.add(credential.id)
             upstream_body = dict(body, model=credential.upstream.upstream_model(model))
+            if credential.upstream.capture_tokens:  # this upstream's own token source
+                upstream_body = with_token_fields(upstream_body, credential.upstream.capture_tokens)
             self.upstream_model = upstream_body["model"]
             attempt: dict[str, Any] = {
                 "credential": credential.fingerprint, "upstream": credential.upstream.name, "status": None,
