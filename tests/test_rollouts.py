@@ -386,3 +386,89 @@ def test_a_rollouts_calls_stay_on_one_credential(server_loop: ServerLoop, simula
         assert len(used) == 1
         upstreams |= used
     assert upstreams <= {"upstream0", "upstream1"}
+
+
+# -- a store that cannot write --------------------------------------------------------------
+
+REFUSE_CALLS = ("CREATE TRIGGER refuse_rollout_calls BEFORE INSERT ON rollout_calls "
+                "BEGIN SELECT RAISE(ABORT, 'the store refuses this write'); END")
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["released", "strict"])
+def test_a_store_that_cannot_write_marks_the_rollout_incomplete(
+    server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory, strict: bool
+) -> None:
+    # the store refuses the call record, and the spill journal (4 KiB) cannot hold it either
+    gateway = start_gateway(server_loop, simulator, tmp_path_factory, capture_tokens="vllm", api_key=[CLIENT_KEY],
+                            spill_max_bytes=4096, capture_strict=strict)
+    gateway.app.state.db.execute(REFUSE_CALLS)
+    rollout = new_rollout("broken")
+    client = anthropic.Anthropic(base_url=f"{gateway.url}/rollouts/{rollout}", api_key=CLIENT_KEY,
+                                 _strict_response_validation=True, max_retries=0)
+    prompt = [{"role": "user", "content": "a long prompt " * 500}]
+    if strict:
+        with pytest.raises(anthropic.APIStatusError) as failed:
+            client.messages.create(model="text", max_tokens=64, messages=prompt)  # type: ignore[arg-type]
+        assert failed.value.status_code == 503
+        assert failed.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+        assert "--capture-strict" in failed.value.body["error"]["message"]  # type: ignore[index]
+    else:
+        with client.messages.stream(model="text", max_tokens=64, messages=prompt) as s:  # type: ignore[arg-type]
+            final = s.get_final_message()
+        assert final.stop_reason == "end_turn" and final.content[0].text.startswith("Hello from the codebuddy2api simulator.")
+    snap = read_back(gateway, rollout)
+    assert snap["complete"] is False and snap["calls"] == []
+    [reason] = snap["incomplete"][:1]
+    assert reason.startswith("call req_") and "not durable (lost)" in reason
+
+
+# -- two replicas on PostgreSQL -------------------------------------------------------------
+
+
+def test_two_replicas_on_postgresql_read_and_freeze_the_same_rollout(
+    server_loop: ServerLoop, simulator: Simulator, postgres_schema: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    a, b = (start_gateway(server_loop, simulator, tmp_path_factory, capture_tokens="vllm", api_key=[CLIENT_KEY],
+                          database_url=postgres_schema, replica_id=name) for name in ("replica-a", "replica-b"))
+    rollout, nonce = new_rollout("pg"), secrets.token_hex(6)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": f"{nonce}: {CALLS}"}]
+    for gateway in (a, b, a):  # each turn on the other replica
+        message = openai_client(gateway, rollout).chat.completions.create(
+            model="agent;chunk=7", messages=messages, tools=CHAT_TOOLS).choices[0].message  # type: ignore[arg-type]
+        messages.append(message.model_dump(exclude_none=True, exclude={"parsed"}))
+        for call in message.tool_calls or []:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": f"{call.function.name} says 18 C"})
+    seen_a, seen_b = read_back(a, rollout), read_back(b, rollout)
+    assert seen_a == seen_b and len(seen_a["calls"]) == 3
+    assert [c["continuity"]["prefix"] for c in seen_a["calls"]] == ["exact"] * 3
+    assert read_back(a, rollout, "/trajectory") == read_back(b, rollout, "/trajectory")
+    assert len(read_back(b, rollout, "/trajectory")["segments"]) == 1
+    frozen = httpx.post(f"{b.url}/admin/api/rollouts/{rollout}/freeze", json={}, headers=b.admin)
+    assert frozen.status_code == 200 and frozen.json()["frozen"] is True
+    with pytest.raises(openai.ConflictError) as refused:
+        openai_client(a, rollout).chat.completions.create(model="text", messages=messages)  # type: ignore[arg-type]
+    assert refused.value.code == "rollout_frozen"
+    assert httpx.request("DELETE", f"{a.url}/admin/api/rollouts/{rollout}", json={}, headers=a.admin).status_code == 204
+    assert httpx.get(f"{b.url}/admin/api/rollouts/{rollout}", headers=b.admin).status_code == 404
+
+
+# -- capture export on the store ------------------------------------------------------------
+
+
+def test_capture_export_reads_the_store(server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory) -> None:
+    import os
+    import subprocess
+    import sys
+
+    gateway = start_gateway(server_loop, simulator, tmp_path_factory, capture_tokens="vllm", api_key=[CLIENT_KEY])
+    rollout = new_rollout("export")
+    client = openai_client(gateway, rollout)
+    for text in ("one", "two"):
+        client.chat.completions.create(model="text", messages=[{"role": "user", "content": text}])
+    env = {**os.environ, "CODEBUDDY2API_DATA_DIR": str(gateway.live.current.data_dir)}
+    env.pop("CODEBUDDY2API_CAPTURE_DIR", None)
+    out = subprocess.run([sys.executable, "-m", "gateway", "capture", "export", "--rollout", rollout],
+                         capture_output=True, check=True, timeout=60, env=env)
+    exported = [json.loads(line) for line in out.stdout.splitlines()]
+    assert exported == read_back(gateway, rollout)["calls"]
+    assert [r["upstream_request"]["messages"][-1]["content"] for r in exported] == ["one", "two"]
