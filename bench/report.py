@@ -547,6 +547,7 @@ def render() -> int:
         "" if m["packages"].get("uvloop") else "; no uvloop/httptools: uvicorn runs asyncio + h11")
     analysis = (BENCH / "analysis.md").read_text() if (BENCH / "analysis.md").exists() else ""
     hostile = (BENCH / "hostile.md").read_text() if (BENCH / "hostile.md").exists() else ""  # bench/hostile.py
+    rollouts = (BENCH / "rollouts.md").read_text() if (BENCH / "rollouts.md").exists() else ""  # bench/rollouts.py
     images = plots(fg)
     parts = [
         "# Performance",
@@ -657,6 +658,8 @@ def render() -> int:
         analysis.strip(),
         "",
         hostile.strip(),
+        "",
+        rollouts.strip(),
         "",
     ]
     DOC.write_text("\n".join(parts))
