@@ -472,3 +472,23 @@ def test_capture_export_reads_the_store(server_loop: ServerLoop, simulator: Simu
     exported = [json.loads(line) for line in out.stdout.splitlines()]
     assert exported == read_back(gateway, rollout)["calls"]
     assert [r["upstream_request"]["messages"][-1]["content"] for r in exported] == ["one", "two"]
+
+
+def test_a_failed_call_is_recorded_with_its_outcome(rollout_gateways: dict[str, Gateway]) -> None:
+    gateway, rollout = rollout_gateways["realtime"], new_rollout("failed")
+    client = openai_client(gateway, rollout)
+    with pytest.raises(openai.APIError):
+        with client.chat.completions.stream(model="error_frame", messages=[{"role": "user", "content": "hi"}]) as s:  # type: ignore[arg-type]
+            s.get_final_completion()
+
+    def recorded() -> list[dict[str, Any]]:
+        response = httpx.get(f"{gateway.url}/admin/api/rollouts/{rollout}", headers=gateway.admin)
+        return response.json()["calls"] if response.status_code == 200 else []
+
+    from tests.conftest import wait_for
+
+    wait_for(lambda: recorded())
+    [call] = recorded()
+    assert call["outcome"] == "error" and call["error_code"] == "upstream_error" and call["tokens"] is None
+    assert call["answer"]["partial"] is True and call["answer"]["text"].startswith("Hello from the codebuddy2api simulator.")
+    assert call["continuity"] == {"previous_call_id": None, "prefix": "unknown", "diverged_at": None}

@@ -102,10 +102,13 @@ class RolloutRecorder:
         """The run's ``before_release`` hook: the success record, durable, now."""
         source = self.token_source(run)
         prompt_ids = await self._llamacpp_prompt(run) if source == "llamacpp" else None
-        record = call_record(run, "success", None, source, prompt_ids)
-        record["ended_at"] = time.time()
-        reason = await self._write(record)
-        self._committed[record["call_id"]] = "success"
+        ended_at = time.time()
+
+        def build() -> dict[str, Any]:
+            return {**call_record(run, "success", None, source, prompt_ids), "ended_at": ended_at}
+
+        reason = await self._write(run.rollout_id, build)
+        self._committed[run.record.request_id] = "success"
         if reason is not None and self.live.current.capture_strict:
             raise GatewayError("overloaded", "capture_failed",
                                "the call's record could not be made durable (--capture-strict)", retry_after=1)
@@ -123,14 +126,16 @@ class RolloutRecorder:
             log.warning("rollout_prompt_ids_failed", rollout=run.rollout_id, error=type(exc).__name__)
             return None
 
-    async def _write(self, record: dict[str, Any]) -> str | None:
-        """Store or spill ``record``; the reason it is not durable, or None."""
-        rollout_id = record["rollout_id"]
+    async def _write(self, rollout_id: str, build: Callable[[], dict[str, Any]]) -> str | None:
+        """Store or spill the record ``build()`` makes; the reason it is not durable, or
+        None. Building (token lists can be long), serialising and masking run in a worker
+        thread; the run is not changing meanwhile (its answer is whole)."""
 
-        def serialise() -> tuple[Any, ...]:
-            return rollout_store.call_row(record, SECRETS.mask_bytes(orjson.dumps(record, default=str)))
+        def serialise() -> tuple[dict[str, Any], tuple[Any, ...]]:
+            record = build()
+            return record, rollout_store.call_row(record, SECRETS.mask_bytes(orjson.dumps(record, default=str)))
 
-        row = await asyncio.to_thread(serialise)
+        record, row = await asyncio.to_thread(serialise)
         try:
             result = await asyncio.wait_for(self.durable.write("rollout_call", [row]),
                                             self.durable.write_timeout + SPILL_BOUND)
@@ -162,8 +167,8 @@ class RolloutRecorder:
             return
         if self._committed.pop(run.record.request_id, None) == outcome:
             return
-        record = call_record(run, outcome, error_code, self.token_source(run))
-        self._background(self._write(record))
+        source = self.token_source(run)
+        self._background(self._write(run.rollout_id, lambda: call_record(run, outcome, error_code, source)))
 
     def _background(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
