@@ -61,3 +61,15 @@ def test_calls_without_token_ids_are_unknown_and_in_no_segment() -> None:
     assert continuity(chain, "y") == (None, "exact", None)
     assert [s["call_ids"] for s in chain.segments()] == [["y"]]
     assert chain.previous([1, 2, 3]) == (0, 2)
+
+
+def test_a_retry_from_an_earlier_point_extends_that_point() -> None:
+    chain = chain_of([call("a", [1], [2]), call("b", [1, 2, 3], [4]), call("again", [1, 2, 3], [5])])
+    assert continuity(chain, "again") == ("a", "exact", None)
+    assert [s["call_ids"] for s in chain.segments()] == [["a", "b"], ["a", "again"]]
+
+
+def test_an_edit_after_an_exact_prefix_is_diverged_from_the_latest_call() -> None:
+    # "c" extends "a" exactly, but shares more with "b": an edited history, not a fork of "a"
+    chain = chain_of([call("a", [1], [2]), call("b", [1, 2, 3, 4], [5]), call("c", [1, 2, 3, 9, 5, 6], [7])])
+    assert continuity(chain, "c") == ("b", "diverged", 3)

@@ -2,8 +2,9 @@
 
 A call *extends* an earlier one when its ``prompt_ids`` start with that call's
 ``prompt_ids + completion_ids``. For each call :class:`RolloutChain` picks, among the
-earlier calls with token ids, the longest one this prompt extends exactly, else the one
-whose sequence shares the longest prefix with it (the latest on a tie), so a side call (a title request, a sub-agent) does not break
+earlier calls with token ids, the one whose sequence shares the longest prefix with this
+prompt (the latest on a tie), or the call it extends exactly when that one explains the
+prompt as well (see :meth:`RolloutChain.previous`), so a side call (a title request, a sub-agent) does not break
 the main chain: the next main call still extends the last main one. ``continuity`` then
 says ``exact`` (it extends that call), ``diverged`` (the first differing position) or
 ``unknown`` (this call has no token ids). The first call with ids has no previous call
@@ -77,15 +78,23 @@ class RolloutChain:
 
     def previous(self, prompt: Sequence[int]) -> tuple[int | None, int]:
         """The earlier call ``prompt`` should extend (its index, or None when there is no
-        earlier call with ids) and the length of their common prefix: the longest call it
-        extends exactly, else the one sharing the longest prefix (the latest on a tie)."""
-        best, best_len, best_exact = None, -1, False
+        earlier call with ids) and the length of their common prefix.
+
+        The call sharing the longest prefix with ``prompt`` (the latest on a tie), unless
+        a call that ``prompt`` extends exactly explains the prompt as well: that one's
+        sequence reaches as far as the shared prefix does, or the prompt lies wholly
+        inside the other call's sequence (a retry from an earlier point, not an edit)."""
+        best, best_len = None, -1
+        exact, exact_len = None, -1
         for i, call in enumerate(self._calls):
             sequence = call.sequence
             common = _common_prefix(sequence, prompt)
-            exact = common == len(sequence)
-            if (exact, common) >= (best_exact, best_len):
-                best, best_len, best_exact = i, common, exact
+            if common >= best_len:
+                best, best_len = i, common
+            if common == len(sequence) and common >= exact_len:
+                exact, exact_len = i, common
+        if exact is not None and (best_len <= exact_len or best_len == len(prompt)):
+            return exact, exact_len
         return best, max(best_len, 0)
 
     def add(self, record: dict[str, Any]) -> Continuity:
