@@ -549,6 +549,7 @@ def render() -> int:
     hostile = (BENCH / "hostile.md").read_text() if (BENCH / "hostile.md").exists() else ""  # bench/hostile.py
     store_faults = (BENCH / "store_faults.md").read_text() if (BENCH / "store_faults.md").exists() else ""  # bench/store_faults.py
     soak = (BENCH / "soak.md").read_text() if (BENCH / "soak.md").exists() else ""  # bench/soak.py
+    rollouts = (BENCH / "rollouts.md").read_text() if (BENCH / "rollouts.md").exists() else ""  # bench/rollouts.py
     images = plots(fg)
     parts = [
         "# Performance",
@@ -662,6 +663,7 @@ def render() -> int:
         "",
         store_faults.strip(),
         soak.strip(),
+        rollouts.strip(),
         "",
     ]
     DOC.write_text("\n".join(parts))

@@ -56,6 +56,9 @@ from gateway.upstream.config import build_pool
 from gateway.upstream.pool import Credential
 from gateway.upstream.urls import header_secrets, url_secrets
 from gateway.capture import CaptureWriter
+from gateway.rollout import store as rollout_store
+from gateway.rollout.ids import RolloutPaths
+from gateway.rollout.recorder import RolloutRecorder
 
 log = structlog.get_logger("gateway")
 
@@ -179,6 +182,8 @@ def create_app(
         observability.durable.unrecordable, lambda: live.current.serve_unrecorded,
         lambda action: observability.metrics.unrecordable_requests.labels(action).inc(),
     )
+    observability.durable.statements.update(rollout_store.STATEMENTS)  # replayed like the audit
+    relay.rollouts = RolloutRecorder(db, observability.durable, live, lambda: relay.pool)
     credential_state = CredentialState(db)
     # several processes on one store (PostgreSQL replicas, --workers): shared cap and health
     replication = Replication(db, settings.replica_id, lambda: relay.in_flight) if db.shared or settings.workers > 1 else None
@@ -252,6 +257,7 @@ def create_app(
             await upstream.aclose()
             if relay.capture is not None:
                 relay.capture.close()  # drains: every finished call is on disk
+            await relay.rollouts.aclose()  # failed calls' records, before the writer closes
             await observability.aclose()  # drains the audit queue
             await state_writer.aclose()
             if replication is not None:
@@ -298,6 +304,7 @@ def create_app(
         *webui,
     ]
     middleware = [  # outermost first; all inside Starlette's error middleware
+        Middleware(RolloutPaths),  # /rollouts/{id}/v1/... -> /v1/... with the id in the scope
         Middleware(RedactingSend),
         Middleware(CrossSiteGuard, live=live, public_urls=settings.public_url,
                    bind_host=settings.host, allow_origins=settings.cors_allow_origin),

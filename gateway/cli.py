@@ -55,11 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
             serve.add_argument(flag, dest=name, choices=[m.value for m in StreamMode], help=help_text)
         elif name == "upstream_stream":
             serve.add_argument(flag, dest=name, choices=["auto", "always", "never"], help=help_text)
+        elif name == "capture_tokens":
+            serve.add_argument(flag, dest=name, choices=["none", "vllm", "llamacpp"], help=help_text)
         elif name == "log_level":
             serve.add_argument(flag, dest=name, choices=["debug", "info", "warning", "error"], help=help_text)
         elif name in ("upstream_url", "api_key", "public_url", "allow_upstream_host", "cors_allow_origin"):
             serve.add_argument(flag, dest=name, action="append", default=None, help=help_text)
-        elif name in ("allow_open", "simulator", "serve_unrecorded"):
+        elif name in ("allow_open", "simulator", "serve_unrecorded", "capture_strict"):
             serve.add_argument(flag, dest=name, action="store_true", default=None, help=help_text)
         elif name == "audit_bodies":
             serve.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
@@ -70,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     export = capture_commands.add_parser("export", help="one rollout's records, in order, as JSONL")
     export.add_argument("--rollout", required=True, help="the rollout id (the x-rollout-id header)")
     export.add_argument("--capture-dir", help="capture directory (default: CODEBUDDY2API_CAPTURE_DIR)")
+    export.add_argument("--store", action="store_true",
+                        help="read the call records from the store (the default without a capture directory)")
     saved = commands.add_parser("settings", help="inspect or change saved settings offline (gateway stopped or not)")
     saved_commands = saved.add_subparsers(dest="settings_command", required=True, parser_class=_OneLineParser)
     for name, help_text in (("show", "print the saved values (secrets redacted) and the revision"),
@@ -100,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "settings":
         return saved_settings_command(args)
     if args.command == "capture":
-        return export_capture(args.rollout, args.capture_dir)
+        return export_capture(args.rollout, args.capture_dir, args.store)
     if args.command == "simulate":
         from gateway.upstream.simulator import run_simulator
 
@@ -235,13 +239,25 @@ def saved_settings_command(args: argparse.Namespace) -> int:
         db.close()
 
 
-def export_capture(rollout: str, capture_dir: str | None) -> int:
+def export_capture(rollout: str, capture_dir: str | None, from_store: bool = False) -> int:
     import orjson
 
     from gateway.capture import export_rollout
     from pathlib import Path
 
-    directory = capture_dir or load_settings()[0].capture_dir
+    settings = load_settings()[0]
+    directory = capture_dir or settings.capture_dir
+    if from_store or not directory:
+        from gateway.rollout.store import export_records
+        from gateway.store.db import open_database
+
+        db = open_database(settings.database_url, settings.data_dir)
+        try:
+            for record in export_records(db, rollout):
+                sys.stdout.buffer.write(orjson.dumps(record) + b"\n")
+        finally:
+            db.close()
+        return 0
     if not directory or not Path(directory).is_dir():
         print("codebuddy2api: error: --capture-dir names no capture directory", file=sys.stderr)
         return 2

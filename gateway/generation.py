@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +108,9 @@ class GenerationRun:
         self.completion: Completion | None = None
         self.error: GatewayError | None = None
         self.rollout_id: str | None = None
+        #: awaited once the answer is whole, before its terminal (or JSON body) is released:
+        #: the rollout call record's commit (gateway/rollout/recorder.py)
+        self.before_release: Callable[[GenerationRun], Awaitable[None]] | None = None
         self._aborted: GatewayError | None = None
         self._queue: asyncio.Queue[_QueueItem] = asyncio.Queue(maxsize=64)
         self._pump_task: asyncio.Task[None] | None = None
@@ -187,6 +190,8 @@ class GenerationRun:
                     repair.time_since(logged, began, time.time())
             body = answer.begin()
         self.completion = answer.completion
+        if self.before_release is not None:
+            await self.before_release(self)
         if streaming:
             out = self._commit() + self._encode_all(events)
             self.terminated = True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import secrets
 import time
@@ -28,6 +29,8 @@ from gateway.outcome import RequestOutcome, internal_error
 from gateway.policy import StreamPolicy
 from gateway.protocols.base import ProtocolRoom
 from gateway.record import RequestObserver, RequestRecord
+from gateway.rollout.ids import rollout_of
+from gateway.rollout.tokens import with_token_fields
 from gateway.settings import LiveSettings
 from gateway.upstream.attempts import UpstreamAttempts
 from gateway.upstream.client import UpstreamClient
@@ -38,6 +41,7 @@ from gateway.upstream.pool import UpstreamPool, fingerprint
 ATTEMPTS_SCOPE_KEY = "codebuddy2api.attempts"
 
 if TYPE_CHECKING:
+    from gateway.rollout.recorder import RolloutRecorder
     from gateway.store.replicas import CapacityPolicy
 
 SSE_HEADERS = {
@@ -57,6 +61,7 @@ class GenerationService:
         self.observer = observer
         self.pool: UpstreamPool = UpstreamPool([])  # replaced at start-up (app lifespan)
         self.capture: CaptureWriter | None = None  # set at start-up with --capture-dir
+        self.rollouts: RolloutRecorder | None = None  # rollout call records (set at start-up)
         #: With replicas on a shared store: this replica's share of max_concurrent
         #: (gateway.store.replicas.SharedCapacity); None = the whole cap is local.
         self.capacity: CapacityPolicy | None = None
@@ -120,6 +125,14 @@ class GenerationService:
             record.upstream_model = str(parsed.upstream_body.get("model", parsed.model))
             record.streamed = parsed.stream
             parsed = await room.resolve(parsed)
+            rollout = rollout_of(request.scope, request.headers, settings.rollout_header)
+            chat_room = getattr(room, "run_type", None) is None  # the relayed routes have no chat answer to record
+            recording = chat_room and rollout is not None and self.rollouts is not None and self.rollouts.enabled
+            if recording:
+                await self.rollouts.refuse_frozen(rollout)  # type: ignore[union-attr,arg-type]
+            if chat_room and settings.capture_tokens != "none":
+                tokens_body = with_token_fields(parsed.upstream_body, settings.capture_tokens)
+                parsed = dataclasses.replace(parsed, upstream_body=tokens_body)
         except GatewayError as err:  # a 503 (stored state unreadable now) is no fault of the request
             (outcome.refused if err.kind == "overloaded" else outcome.invalid)(err)
             return error_response(room, err, headers)
@@ -136,6 +149,8 @@ class GenerationService:
             outcome.refused(err)
             return error_response(room, err, headers)
         session = request.headers.get(settings.session_header) if settings.session_header else None
+        if rollout is not None:  # a rollout's calls stay on one credential (its prefix cache)
+            session = "rollout:" + rollout
         try:
             # a room may name its own run: the relayed routes' RelayedCall (gateway/relayed.py)
             run_type = getattr(room, "run_type", GenerationRun)
@@ -144,8 +159,10 @@ class GenerationService:
             err = internal_error(exc, record.request_id, "encoder")
             outcome.failed(err)
             return error_response(room, err, headers)
-        run.rollout_id = request.headers.get(settings.rollout_header)
+        run.rollout_id = rollout
         request.scope[ATTEMPTS_SCOPE_KEY] = run.attempts  # the x-codebuddy2api-upstream header (app.SimulatorHeader)
+        if recording:
+            run.before_release = self.rollouts.commit  # type: ignore[union-attr]
         self.running.add(run)
         if parsed.stream:
             return GenerationResponse(run, headers, lambda complete: _stream_outcome(outcome, run, complete))
@@ -221,6 +238,8 @@ class GenerationService:
         self.observer.on_finish(record)
         if self.capture is not None and chat_run is not None:
             self.capture.submit(capture_record(chat_run))
+        if self.rollouts is not None and chat_run is not None:
+            self.rollouts.finished(chat_run, record.outcome, record.error_code)
 
 
 #: The old name, kept for imports elsewhere; it wires, it does not relay.

@@ -74,6 +74,8 @@ class Settings(BaseSettings):
     capture_dir: Path | None = None
     capture_max_bytes: int = Field(256 * 1024 * 1024, ge=1024)
     rollout_header: str = "x-rollout-id"
+    capture_tokens: Literal["none", "vllm", "llamacpp"] = "none"
+    capture_strict: bool = False
     stream_mode: StreamMode = StreamMode.COMPATIBLE
     max_collect_bytes: int = Field(8 * 1024 * 1024, ge=0, description="0 = unlimited")
     tool_repair_attempts: int = Field(2, ge=0, le=10)
@@ -291,6 +293,10 @@ CLI_FIELDS: dict[str, str] = {
     "capture_dir": "write one model-call record per generation request here (training harnesses)",
     "capture_max_bytes": "rotate a capture file past this size",
     "rollout_header": "request header carrying the rollout/session id for capture",
+    "capture_tokens": "token source for rollout call records: vllm (return_token_ids), llamacpp (llama-server) or none;"
+    " any value but none also turns the call records on",
+    "capture_strict": "a call record that cannot be made durable fails the call with the protocol's error"
+    " (default: the answer is released, the rollout marked incomplete)",
     "stream_mode": "compatible (aggregate, validate, replay) or realtime (relay as it arrives)",
     "max_collect_bytes": "output-byte budget per request, 0 = unlimited",
     "tool_repair_attempts": "how many times a bad tool call may be regenerated",

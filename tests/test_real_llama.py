@@ -178,3 +178,63 @@ def test_doctor_against_the_real_llama_server(llama_url: str) -> None:
     for check in ("models list", "streamed text", "[DONE]", "include_usage", "finish_reason", "non-streamed answer"):
         assert checks.get(check) == "ok", (check, checks)
     assert document["recommended"]["command"].startswith(f"codebuddy2api serve --upstream-url {llama_url} ")
+
+
+# -- rollouts: llama-server as the token source (--capture-tokens llamacpp) ----------------
+
+
+def streamed_logprob_ids(llama_url: str, **body: object) -> list[int]:
+    """The ids of llama-server's own logprobs entries, asked directly as the gateway asks
+    (streamed; a non-streamed answer also has an entry for the end-of-generation token)."""
+    import json
+
+    ids: list[int] = []
+    request = {"model": "smollm2", "stream": True, "logprobs": True, **body}
+    with httpx.stream("POST", llama_url + "/chat/completions", json=request, timeout=600) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:]).get("choices") or []:
+                    ids += [e["id"] for e in (choice.get("logprobs") or {}).get("content") or []]
+    return ids
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+@pytest.mark.parametrize("mode", MODES)
+def test_rollout_token_ids_are_llama_servers_own(
+    llama_url: str, server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory,
+    mode: str, stream: bool,
+) -> None:
+    """Completion ids are the ids of llama-server's own logprobs entries (they detokenize to
+    the answer, and greedy decoding asked directly gives the same ids); prompt ids are its
+    /tokenize of its /apply-template of the request that was sent."""
+    import secrets
+
+    import openai
+
+    gateway = gateway_in_front(llama_url, server_loop, simulator, tmp_path_factory, stream_mode=mode,
+                               capture_tokens="llamacpp")
+    rollout = "llama-" + secrets.token_hex(4)
+    client = openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rollout}/v1", api_key="unused-key-0123456789abcdef",
+                           _strict_response_validation=True, max_retries=0, timeout=600)
+    messages = HELLO.chat_messages()
+    if stream:
+        with client.chat.completions.stream(model="smollm2", messages=messages, max_tokens=HELLO.max_tokens, temperature=0) as s:  # type: ignore[arg-type]
+            text = s.get_final_completion().choices[0].message.content
+    else:
+        text = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=HELLO.max_tokens,  # type: ignore[arg-type]
+                                              temperature=0).choices[0].message.content
+    snap = httpx.get(f"{gateway.url}/admin/api/rollouts/{rollout}", headers=gateway.admin, timeout=30).json()
+    [call] = snap["calls"]
+    tokens = call["tokens"]
+    assert call["token_source"] == "llamacpp" and tokens is not None
+    root = llama_url.removesuffix("/v1")
+    detok = httpx.post(root + "/detokenize", json={"tokens": tokens["completion_ids"]}, timeout=60).json()["content"]
+    assert detok.strip() == (text or "").strip()
+    assert streamed_logprob_ids(llama_url, messages=messages, max_tokens=HELLO.max_tokens, temperature=0) == tokens["completion_ids"]
+    assert len(tokens["completion_logprobs"]) == len(tokens["completion_ids"])
+    assert all(lp <= 0 for lp in tokens["completion_logprobs"])
+    sent = call["upstream_request"]
+    prompt = httpx.post(root + "/apply-template", json={"messages": sent["messages"]}, timeout=60).json()["prompt"]
+    ids = httpx.post(root + "/tokenize", json={"content": prompt, "add_special": True, "parse_special": True},
+                     timeout=60).json()["tokens"]
+    assert tokens["prompt_ids"] == ids and call["continuity"]["prefix"] == "exact"

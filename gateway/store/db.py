@@ -168,6 +168,30 @@ MIGRATIONS: list[Migration] = [
             """,
         },
     ),
+    (
+        9,
+        # rollouts (gateway/rollout/store.py): one row per model call of a rollout (the
+        # call record as JSON), and marks on a rollout (frozen, incomplete: why).
+        """
+        CREATE TABLE rollout_calls (
+            call_id TEXT PRIMARY KEY,
+            rollout_id TEXT NOT NULL,
+            started_at REAL NOT NULL,
+            ended_at REAL NOT NULL,
+            record TEXT NOT NULL
+        );
+        CREATE INDEX rollout_calls_rollout ON rollout_calls (rollout_id, started_at);
+        CREATE INDEX rollout_calls_ended ON rollout_calls (ended_at);
+        CREATE TABLE rollout_marks (
+            mark_id TEXT PRIMARY KEY,
+            rollout_id TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            at REAL NOT NULL,
+            reason TEXT NOT NULL
+        );
+        CREATE INDEX rollout_marks_rollout ON rollout_marks (rollout_id, kind);
+        """,
+    ),
 ]
 
 _PG_TYPES = ((re.compile(r"\bREAL\b"), "DOUBLE PRECISION"), (re.compile(r"\bINTEGER\b"), "BIGINT"))

@@ -17,6 +17,7 @@ from typing import Any
 
 from gateway.errors import GatewayError
 from gateway.policy import StreamPolicy
+from gateway.rollout.tokens import with_token_fields
 from gateway.upstream.client import ANSWERED, Send, UpstreamClient, UpstreamItem
 from gateway.upstream.pool import UpstreamPool
 
@@ -43,6 +44,7 @@ class UpstreamAttempts:
         when every allowed attempt failed or the answer broke after it began. ``send``:
         the request of one attempt (default: a chat completion; the relayed routes pass
         the client's ``stream_path``/``json_path``)."""
+        chat = send is None
         send = send or self.client.stream_chat
         pool = self.pool
         model = str(body.get("model", ""))
@@ -58,6 +60,8 @@ class UpstreamAttempts:
             credential = lease.credential
             tried.add(credential.id)
             upstream_body = dict(body, model=credential.upstream.upstream_model(model))
+            if credential.upstream.capture_tokens and chat:  # this upstream's own token source (chat answers only)
+                upstream_body = with_token_fields(upstream_body, credential.upstream.capture_tokens)
             self.upstream_model = upstream_body["model"]
             attempt: dict[str, Any] = {
                 "credential": credential.fingerprint, "upstream": credential.upstream.name, "status": None,

@@ -45,6 +45,9 @@ class UpstreamEntry(BaseModel):
     headers: dict[str, str] = Field(default_factory=dict, description="extra request headers for this upstream")
     models: list[str] | None = Field(None, description="allow-list of client model names this upstream serves")
     model_map: dict[str, str] = Field(default_factory=dict, description="client model name -> upstream model name")
+    capture_tokens: Literal["none", "vllm", "llamacpp"] | None = Field(
+        None, description="this upstream's token source for rollout records (default: --capture-tokens)"
+    )
 
     @field_validator("base_url")
     @classmethod
@@ -153,6 +156,7 @@ def _upstreams_from_toml(path: Path, allowed_hosts: list[str]) -> list[Credentia
             headers=dict(entry.headers),
             models=frozenset(entry.models) if entry.models else None,
             model_map=dict(entry.model_map),
+            capture_tokens=entry.capture_tokens,
         )
         keys: list[Any] = [k.get_secret_value() for k in entry.api_keys]
         if entry.api_key:

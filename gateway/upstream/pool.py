@@ -91,6 +91,7 @@ class Upstream:
     headers: dict[str, str] = field(default_factory=dict)
     models: frozenset[str] | None = None  # allow-list; None = every model
     model_map: dict[str, str] = field(default_factory=dict)  # client model -> upstream model
+    capture_tokens: str | None = None  # this upstream's token source (None: --capture-tokens)
 
     def allows(self, model: str) -> bool:
         """Every model when no allow-list is set; else the list and the renamed names."""

@@ -24,6 +24,7 @@ from typing import Any
 from gateway.protocols.responses_compaction import SUMMARY_PROMPT
 from gateway.stream.repair import REPAIR_MARKER
 from gateway.upstream import sim_quirks as quirks
+from gateway.upstream.sim_tokens import add_token_data
 from gateway.upstream.sim_reply import (
     DEFAULT_TOOLS,
     GREETING,
@@ -260,39 +261,15 @@ def _arguments_text(tc: Mapping[str, Any]) -> str:
     return args if isinstance(args, str) else json.dumps(args)
 
 
-def _generated_text(delta: Delta) -> str:
-    text = (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning") or "")
-    for tc in delta.get("tool_calls") or []:
-        text += _arguments_text(tc)
-    return text
-
-
 def token_id(piece: str) -> int:
     """A deterministic stand-in token id (one 'token' per fragment)."""
     return zlib.crc32(piece.encode()) % 100_000
 
 
-def _add_token_data(chunk: Frame, delta: Delta, body: Mapping[str, Any], n: int) -> None:
-    """What an inference engine (vLLM) returns when asked for logprobs / token ids."""
-    piece = _generated_text(delta)
-    choice = chunk["choices"][0]
-    if body.get("logprobs") is True and piece:
-        choice["logprobs"] = {"content": [{
-            "token": piece, "logprob": round(-0.01 * (n % 50 + 1), 4), "bytes": list(piece.encode()),
-            "top_logprobs": [],
-        }]}
-    if body.get("return_token_ids") is True:
-        choice["token_ids"] = [token_id(piece)] if piece else []
-        if n == 0:
-            prompt = "".join(text_of(m.get("content")) for m in chat_messages(body))
-            chunk["prompt_token_ids"] = [token_id(w) for w in prompt.split()]
-
-
 def _frames(reply: Reply, ctx: Ctx) -> list[Frame]:
     """Generic wrapping: role on first chunk, finish placement, usage placement, [DONE]."""
     chunks = [_chunk(d) for d in reply.deltas] or [_chunk({})]
-    for n, (chunk, delta) in enumerate(zip(chunks, reply.deltas)):
-        _add_token_data(chunk, delta, ctx.body, n)
+    add_token_data(chunks, reply.deltas, ctx.body)  # vLLM's token fields, when asked for
     first = chunks[0]["choices"][0]
     first["delta"] = {"role": "assistant", **first["delta"]}
     if reply.terminal is not None:

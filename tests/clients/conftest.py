@@ -75,6 +75,7 @@ def client_gateways(server_loop: ServerLoop, simulator: Simulator, tmp_path_fact
         settings = Settings(
             upstream_url=[simulator.url + "/v1"], data_dir=tmp_path_factory.mktemp("data"),
             stream_mode=mode, keepalive_interval=2.0,
+            capture_tokens="vllm",  # rollout call records (the simulator emulates vLLM's token fields)
         )
         app = create_app(settings, {name: "default" for name in Settings.model_fields})  # type: ignore[arg-type]
         recorded = Recorded()

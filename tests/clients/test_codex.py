@@ -20,7 +20,7 @@ from tests.conftest import Simulator
 
 def run_codex(
     codex_bin: Path, catalog: Path, gw: ClientGateway, workdir: Path, prompt: str,
-    websockets: bool, **config: Any,
+    websockets: bool, base_url: str | None = None, **config: Any,
 ) -> list[dict[str, Any]]:
     """``codex exec --json``: its events (the run must exit 0)."""
     home = workdir.parent / (workdir.name + "-codex-home")
@@ -30,7 +30,7 @@ def run_codex(
         f'model = "agent"\nmodel_provider = "gateway"\nmodel_catalog_json = {json.dumps(str(catalog))}\n{extra}'
         "[model_providers.gateway]\n"
         'name = "OpenAI"\n'
-        f'base_url = "{gw.base_url}"\n'
+        f'base_url = "{base_url or gw.base_url}"\n'
         'wire_api = "responses"\n'
         'env_key = "GATEWAY_KEY"\n'
         f"supports_websockets = {'true' if websockets else 'false'}\n"
@@ -113,3 +113,34 @@ def test_codex_creates_a_file_with_freeform_apply_patch(
     assert (work / "hello.txt").read_text() == "hello from apply_patch\n"
     [change] = items(events, "file_change")
     assert change["status"] == "completed" and change["changes"][0]["kind"] == "add"
+
+
+@pytest.mark.parametrize("websockets", [True, False], ids=["websocket", "https"])
+def test_codex_tool_turn_under_a_rollout_base_url(
+    codex_bin: Path, codex_catalog: Path, client_gateway: ClientGateway, tmp_path: Path, websockets: bool
+) -> None:
+    """``base_url = http://gw/rollouts/R/v1``: every model call Codex makes is one call
+    record of rollout R, readable through the admin API, with the simulator's token ids."""
+    import secrets
+
+    import httpx
+
+    rollout = f"codex-{secrets.token_hex(4)}"
+    work = tmp_path / "work"
+    work.mkdir()
+    events = run_codex(
+        codex_bin, codex_catalog, client_gateway, work,
+        'Run the command. CALL exec_command {"cmd": "echo hello-from-rollout"}', websockets,
+        base_url=f"{client_gateway.url}/rollouts/{rollout}/v1",
+    )
+    [answer] = items(events, "agent_message")
+    assert "hello-from-rollout" in answer["text"]
+    snap = httpx.get(f"{client_gateway.url}/admin/api/rollouts/{rollout}", headers=client_gateway.admin, timeout=30).json()
+    calls = snap["calls"]
+    assert snap["complete"] is True and len(calls) >= 2
+    assert all(c["protocol"] == "responses" and c["outcome"] == "success" and c["tokens"] for c in calls)
+    assert {c["transport"] for c in calls} == {"websocket" if websockets else "http"}
+    tool = next(c for c in calls if [t["name"] for t in c["answer"]["tool_calls"]] == ["exec_command"])
+    final = calls[-1]
+    assert "hello-from-rollout" in final["answer"]["text"]
+    assert final["continuity"]["previous_call_id"] == tool["call_id"]

@@ -1,0 +1,157 @@
+"""Which calls of a rollout extend each other token for token: pure, fed call records.
+
+A call *extends* an earlier one when its ``prompt_ids`` start with that call's
+``prompt_ids + completion_ids``. For each call :class:`RolloutChain` picks, among the
+earlier calls with token ids, the one whose sequence shares the longest prefix with this
+prompt (the latest on a tie), or the call it extends exactly when that one explains the
+prompt as well (see :meth:`RolloutChain.previous`), so a side call (a title request, a sub-agent) does not break
+the main chain: the next main call still extends the last main one. ``continuity`` then
+says ``exact`` (it extends that call), ``diverged`` (the first differing position) or
+``unknown`` (this call has no token ids). The first call with ids has no previous call
+and is ``exact`` (nothing to extend).
+
+A *segment* of the trajectory is a maximal chain of calls each extending the previous
+exactly: its ``tokens`` are the last call's prompt + completion, ``mask`` is 1 on every
+token some call of the chain sampled, ``logprobs`` the sampled logprobs there (``None``
+where the mask is 0). A call that extends a call inside another segment (a fork) starts a
+new segment holding that chain's calls up to the one it extends.
+
+Reused by token-in continuation (issue #27): :meth:`RolloutChain.previous` answers the
+call a new prompt would extend, and where it diverges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass(frozen=True, slots=True)
+class Continuity:
+    previous_call_id: str | None
+    prefix: str  # "exact" | "diverged" | "unknown"
+    diverged_at: int | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"previous_call_id": self.previous_call_id, "prefix": self.prefix, "diverged_at": self.diverged_at}
+
+
+@dataclass(slots=True)
+class _Call:
+    call_id: str
+    prompt: list[int]
+    completion: list[int]
+    logprobs: list[float | None]
+
+    @property
+    def sequence(self) -> list[int]:
+        return self.prompt + self.completion
+
+
+def _tokens_of(record: dict[str, Any]) -> _Call | None:
+    tokens = record.get("tokens")
+    if not isinstance(tokens, dict) or tokens.get("prompt_ids") is None or tokens.get("completion_ids") is None:
+        return None
+    completion = list(tokens["completion_ids"])
+    logprobs = list(tokens.get("completion_logprobs") or [None] * len(completion))
+    return _Call(str(record["call_id"]), list(tokens["prompt_ids"]), completion, logprobs)
+
+
+@dataclass
+class RolloutChain:
+    """Fed call records in call order (``add``); answers continuity and segments."""
+
+    _calls: list[_Call] = field(default_factory=list)
+    #: each segment: the indexes of its calls, in order
+    _segments: list[list[int]] = field(default_factory=list)
+    _tail_of: dict[int, int] = field(default_factory=dict)  # call index -> segment it ends
+    _continuity: dict[str, Continuity] = field(default_factory=dict)
+
+    def previous(self, prompt: Sequence[int]) -> tuple[int | None, int]:
+        """The earlier call ``prompt`` should extend (its index, or None when there is no
+        earlier call with ids) and the length of their common prefix.
+
+        The call sharing the longest prefix with ``prompt`` (the latest on a tie), unless
+        a call that ``prompt`` extends exactly explains the prompt as well: that one's
+        sequence reaches as far as the shared prefix does, or the prompt lies wholly
+        inside the other call's sequence (a retry from an earlier point, not an edit)."""
+        best, best_len = None, -1
+        exact, exact_len = None, -1
+        for i, call in enumerate(self._calls):
+            sequence = call.sequence
+            common = _common_prefix(sequence, prompt)
+            if common >= best_len:
+                best, best_len = i, common
+            if common == len(sequence) and common >= exact_len:
+                exact, exact_len = i, common
+        if exact is not None and (best_len <= exact_len or best_len == len(prompt)):
+            return exact, exact_len
+        return best, max(best_len, 0)
+
+    def add(self, record: dict[str, Any]) -> Continuity:
+        """One more call (in call order): its continuity, and the segments updated."""
+        call = _tokens_of(record)
+        if call is None:
+            result = Continuity(None, "unknown", None)
+            self._continuity[str(record.get("call_id"))] = result
+            return result
+        index, common = self.previous(call.prompt)
+        me = len(self._calls)
+        self._calls.append(call)
+        if index is None:
+            result = Continuity(None, "exact", None)
+        elif common == len(self._calls[index].sequence):
+            result = Continuity(self._calls[index].call_id, "exact", None)
+        else:
+            result = Continuity(self._calls[index].call_id, "diverged", common)
+        self._continuity[call.call_id] = result
+        if result.prefix == "exact" and index is not None:
+            segment = self._tail_of.pop(index, None)
+            if segment is None:  # a fork: the chain up to the call it extends, then this one
+                source = next(s for s in self._segments if index in s)
+                self._segments.append(source[: source.index(index) + 1] + [me])
+                segment = len(self._segments) - 1
+            else:
+                self._segments[segment].append(me)
+        else:
+            self._segments.append([me])
+            segment = len(self._segments) - 1
+        self._tail_of[me] = segment
+        return result
+
+    def continuity(self, call_id: str) -> Continuity | None:
+        return self._continuity.get(call_id)
+
+    def segments(self) -> list[dict[str, Any]]:
+        out = []
+        for members in self._segments:
+            calls = [self._calls[i] for i in members]
+            last = calls[-1]
+            tokens = last.sequence
+            mask = [0] * len(tokens)
+            logprobs: list[float | None] = [None] * len(tokens)
+            for call in calls:
+                start = len(call.prompt)
+                for k, lp in enumerate(call.logprobs[: len(call.completion)]):
+                    mask[start + k] = 1
+                    logprobs[start + k] = lp
+                for k in range(len(call.logprobs), len(call.completion)):
+                    mask[start + k] = 1
+            out.append({"call_ids": [c.call_id for c in calls], "tokens": tokens, "mask": mask, "logprobs": logprobs})
+        return out
+
+
+def chain_of(records: Iterable[dict[str, Any]]) -> RolloutChain:
+    chain = RolloutChain()
+    for record in records:
+        chain.add(record)
+    return chain

@@ -1,0 +1,210 @@
+"""The I/O shell of rollouts: refuse calls for a frozen rollout, commit each call's
+record before its answer is released, record failed calls at their end, read back.
+
+Commit before release: :meth:`RolloutRecorder.commit` is the run's ``before_release``
+hook, awaited right before the terminal event (stream) or the JSON body is handed to the
+client. It writes the record through the app's
+:class:`~gateway.store.spill.DurableWriter` (the store, else the fsync'd spill journal;
+its own bound decides when a slow store spills) and waits for that, bounded. A record
+neither stored nor spilled marks the rollout incomplete with the reason; the client still
+gets its answer, unless ``--capture-strict`` (then the protocol's error, code
+``capture_failed``). Serialising and masking the record runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import orjson
+import structlog
+
+from gateway.errors import GatewayError
+from gateway.redact import SECRETS
+from gateway.rollout import store as rollout_store
+from gateway.rollout.records import answered_upstream, call_record
+from gateway.rollout.tokens import llamacpp_prompt_ids
+from gateway.settings import LiveSettings
+from gateway.store.db import Store
+from gateway.store.spill import DurableWriter
+
+log = structlog.get_logger("gateway.rollout")
+
+#: Seconds beyond the DurableWriter's own store bound for the journal's fsync.
+SPILL_BOUND = 2.0
+#: Seconds the frozen check may take (a store that does not answer: the call goes on).
+FROZEN_CHECK_TIMEOUT = 1.0
+
+
+def frozen_error(rollout_id: str) -> GatewayError:
+    return GatewayError("invalid_request", "rollout_frozen",
+                        f"rollout {rollout_id!r} is frozen: it takes no more calls", param="rollout_id", status=409)
+
+
+class RolloutRecorder:
+    """One per app. ``pool`` returns the current upstream pool (llama.cpp look-ups go to
+    the credential that answered)."""
+
+    def __init__(self, db: Store, durable: DurableWriter, live: LiveSettings, pool: Callable[[], Any]) -> None:
+        self.db = db
+        self.durable = durable
+        self.live = live
+        self.pool = pool
+        #: rollout -> reasons it is incomplete, as this process saw them (also in the store)
+        self._incomplete: dict[str, list[str]] = defaultdict(list)
+        #: records the store did not take yet (in the spill journal): rollout -> call id -> record
+        self._spilled: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
+        self._committed: dict[str, str] = {}  # call id -> outcome written before release
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._http: httpx.AsyncClient | None = None
+        self.failures = 0
+
+    @property
+    def enabled(self) -> bool:
+        s = self.live.current
+        return bool(s.capture_dir) or s.capture_tokens != "none"
+
+    def token_source(self, run: Any) -> str:
+        """The answering upstream's own ``capture_tokens``, else the flag's."""
+        credential = self._credential(run)
+        own = getattr(credential.upstream, "capture_tokens", None) if credential is not None else None
+        return str(own or self.live.current.capture_tokens)
+
+    def _credential(self, run: Any) -> Any:
+        attempt = answered_upstream(run)
+        if attempt is None:
+            return None
+        for c in self.pool().credentials:
+            if c.upstream.name == attempt.get("upstream") and c.fingerprint == attempt.get("credential"):
+                return c
+        return None
+
+    # -- before the call ---------------------------------------------------------------------
+
+    async def refuse_frozen(self, rollout_id: str) -> None:
+        """A GatewayError (409 ``rollout_frozen``) for a frozen rollout."""
+        try:
+            frozen = await asyncio.wait_for(self.db.arun(lambda c: rollout_store.is_frozen(c, rollout_id)),
+                                            FROZEN_CHECK_TIMEOUT)
+        except (TimeoutError, *self.db.errors) as exc:
+            log.warning("rollout_frozen_check_failed", rollout=rollout_id, error=type(exc).__name__)
+            return
+        if frozen:
+            raise frozen_error(rollout_id)
+
+    # -- at the terminal ---------------------------------------------------------------------
+
+    async def commit(self, run: Any) -> None:
+        """The run's ``before_release`` hook: the success record, durable, now."""
+        source = self.token_source(run)
+        prompt_ids = await self._llamacpp_prompt(run) if source == "llamacpp" else None
+        ended_at = time.time()
+
+        def build() -> dict[str, Any]:
+            return {**call_record(run, "success", None, source, prompt_ids), "ended_at": ended_at}
+
+        reason = await self._write(run.rollout_id, build)
+        self._committed[run.record.request_id] = "success"
+        if reason is not None and self.live.current.capture_strict:
+            raise GatewayError("overloaded", "capture_failed",
+                               "the call's record could not be made durable (--capture-strict)", retry_after=1)
+
+    async def _llamacpp_prompt(self, run: Any) -> list[int] | None:
+        credential = self._credential(run)
+        if credential is None:
+            return None
+        if self._http is None:
+            self._http = httpx.AsyncClient(trust_env=False)
+        body = run.answer.bodies[-1] if run.answer.bodies else run.upstream_body
+        try:
+            return await llamacpp_prompt_ids(self._http, credential.upstream.base_url, credential.api_key, body)
+        except (httpx.HTTPError, KeyError, ValueError, TypeError) as exc:
+            log.warning("rollout_prompt_ids_failed", rollout=run.rollout_id, error=type(exc).__name__)
+            return None
+
+    async def _write(self, rollout_id: str, build: Callable[[], dict[str, Any]]) -> str | None:
+        """Store or spill the record ``build()`` makes; the reason it is not durable, or
+        None. Building (token lists can be long), serialising and masking run in a worker
+        thread; the run is not changing meanwhile (its answer is whole)."""
+
+        def serialise() -> tuple[dict[str, Any], tuple[Any, ...]]:
+            record = build()
+            return record, rollout_store.call_row(record, SECRETS.mask_bytes(orjson.dumps(record, default=str)))
+
+        record, row = await asyncio.to_thread(serialise)
+        try:
+            result = await asyncio.wait_for(self.durable.write("rollout_call", [row]),
+                                            self.durable.write_timeout + SPILL_BOUND)
+        except TimeoutError:
+            result = "timeout"
+        if result == "spilled":
+            self._spilled[rollout_id][record["call_id"]] = orjson.loads(row[4])
+        if result in ("stored", "spilled"):
+            return None
+        reason = f"call {record['call_id']}: record not durable ({result})"
+        self.mark_incomplete(rollout_id, reason, record["call_id"])
+        return reason
+
+    def mark_incomplete(self, rollout_id: str, reason: str, key: str) -> None:
+        """Kept here at once; written to the store in the background (it may be the store
+        that failed: then this process still answers it)."""
+        self.failures += 1
+        self._incomplete[rollout_id].append(reason)
+        log.error("rollout_incomplete", rollout=rollout_id, reason=reason)
+        row = rollout_store.mark_row(rollout_id, "incomplete", time.time(), reason, key)
+        self._background(self.durable.write("rollout_mark", [row]))
+
+    # -- at the end --------------------------------------------------------------------------
+
+    def finished(self, run: Any, outcome: str, error_code: str | None) -> None:
+        """At the request's report: a call not committed as it ended (failed, cancelled,
+        or cut after its terminal) is recorded now, in the background."""
+        if run.rollout_id is None or not self.enabled:
+            return
+        if self._committed.pop(run.record.request_id, None) == outcome:
+            return
+        source = self.token_source(run)
+        self._background(self._write(run.rollout_id, lambda: call_record(run, outcome, error_code, source)))
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def aclose(self) -> None:
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=self.durable.write_timeout + SPILL_BOUND)
+        if self._http is not None:
+            await self._http.aclose()
+
+    # -- reading back ------------------------------------------------------------------------
+
+    def _local(self, rollout_id: str) -> tuple[list[dict[str, Any]], list[str]]:
+        if self._spilled and not self.durable.spill_entries:
+            self._spilled.clear()  # replayed: the store has them now
+        return list(self._spilled.get(rollout_id, {}).values()), list(self._incomplete.get(rollout_id, []))
+
+    async def read(self, rollout_id: str) -> tuple[list[dict[str, Any]], list[tuple[str, float, str]]] | None:
+        """The rollout's records and marks (store + what this process holds), or None."""
+        local, reasons = self._local(rollout_id)
+
+        def run(conn: Any) -> tuple[list[dict[str, Any]], list[tuple[str, float, str]]]:
+            return rollout_store.load_calls(conn, rollout_id), rollout_store.load_marks(conn, rollout_id)
+
+        records, marks = await self.db.arun(run)
+        by_id = {r["call_id"]: r for r in records}
+        for r in local:
+            by_id.setdefault(r["call_id"], r)
+        stored_reasons = {reason for kind, _, reason in marks if kind == "incomplete"}
+        marks += [("incomplete", 0.0, r) for r in reasons if r not in stored_reasons]
+        if not by_id and not marks:
+            return None
+        return list(by_id.values()), marks
+
+    def forget(self, rollout_id: str) -> None:
+        self._spilled.pop(rollout_id, None)
+        self._incomplete.pop(rollout_id, None)
