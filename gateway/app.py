@@ -37,6 +37,7 @@ from gateway.routes import count_tokens_endpoint, generation_endpoint, retrieve_
 from gateway.servers import bind_loopback, on_server_exit, start_embedded, stop_embedded
 from gateway.shutdown import GracefulShutdown
 from gateway.store.db import open_database
+from gateway.store.envelope_keys import EnvelopeKeys
 from gateway.store.responses import ResponseStore
 from gateway.store.saved_settings import SavedSettings
 from gateway.settings import LiveSettings, Settings, Source, load_settings
@@ -144,6 +145,9 @@ def create_app(
     journal = SpillJournal(settings.spill_dir or settings.data_dir / "spill", settings.spill_max_bytes)
     observability = Observability(live, db, journal=journal)
     relay = GenerationService(live, upstream, observability.observer)
+    envelope_keys = EnvelopeKeys(db)
+    envelope_keys.load()  # before serving: requests only read the in-memory keyring
+    relay.envelope_keys = envelope_keys
     credential_state = CredentialState(db)
     # several processes on one store (PostgreSQL replicas, --workers): shared cap and health
     replication = Replication(db, settings.replica_id, lambda: relay.in_flight) if db.shared or settings.workers > 1 else None
@@ -192,6 +196,7 @@ def create_app(
                 on_lost=captured.labels("lost").inc,
             )
         await observability.start()
+        await envelope_keys.start()
         shutdown = app.state.shutdown = GracefulShutdown(
             settings.shutdown_timeout, relay.running.abort_all, lambda: relay.in_flight, observability.metrics.shutdown_cut.inc
         )
@@ -208,6 +213,7 @@ def create_app(
             app.state.ready = False
             await shutdown.aclose()
             await prober.aclose()
+            await envelope_keys.aclose()
             await upstream.aclose()
             if relay.capture is not None:
                 relay.capture.close()  # drains: every finished call is on disk
@@ -266,6 +272,7 @@ def create_app(
     app.state.admin_login_url = access.login_url(login_base_url(settings.host, settings.port, settings.public_url))
     app.state.live = live
     app.state.db = db
+    app.state.envelope_keys = envelope_keys
     app.state.relay = relay
     app.state.credential_state = credential_state
     app.state.replication = replication

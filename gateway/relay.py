@@ -25,8 +25,10 @@ from gateway.generation import GenerationRun, RunningGenerations, capture_record
 from gateway.outcome import RequestOutcome, internal_error
 from gateway.policy import StreamPolicy
 from gateway.protocols.base import ProtocolRoom
+from gateway.protocols.envelope import PROCESS_KEYRING, Keyring, Tenant
 from gateway.record import RequestObserver, RequestRecord
 from gateway.settings import LiveSettings
+from gateway.tenancy import client_identity, presented_key
 from gateway.upstream.attempts import UpstreamAttempts
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.pool import UpstreamPool, fingerprint
@@ -56,6 +58,12 @@ class GenerationService:
         self.capacity: CapacityPolicy | None = None
         #: the generations holding a capacity slot now; ``running.abort_all(err)`` ends them
         self.running = RunningGenerations()
+        #: the envelope keyring now (the store's EnvelopeKeys, set at start-up)
+        self.envelope_keys: Callable[[], Keyring] = lambda: PROCESS_KEYRING
+
+    def tenant(self, request: HTTPConnection) -> Tenant:
+        """The tenant of a request whose client key was checked."""
+        return Tenant(client_identity(request, self.live.current.api_key), self.envelope_keys)
 
     @property
     def in_flight(self) -> int:
@@ -84,6 +92,7 @@ class GenerationService:
         outcome = RequestOutcome(record, lambda: self._report(record, run))
         try:  # from the headers, before a byte of the body is read
             record.client_key_fingerprint = check_client_key(request, settings.api_key)
+            tenant = Tenant(client_identity(request, settings.api_key), self.envelope_keys)
             body = await request.body()
         except GatewayError as err:
             outcome.refused(err)
@@ -98,7 +107,7 @@ class GenerationService:
         if settings.audit_bodies:
             record.bodies = {"request": body.decode("utf-8", "replace")}
         try:
-            parsed = room.parse(body, dict(request.query_params))
+            parsed = room.parse(body, dict(request.query_params), tenant)
             record.model = parsed.model
             record.upstream_model = str(parsed.upstream_body.get("model", parsed.model))
             record.streamed = parsed.stream
@@ -209,10 +218,7 @@ def check_client_key(request: HTTPConnection, keys: list[Any]) -> str | None:
     Bearer`` or ``x-api-key``), compared in constant time. Returns its fingerprint."""
     if not keys:
         return None
-    presented = request.headers.get("x-api-key") or ""
-    auth = request.headers.get("authorization") or ""
-    if not presented and auth[:7].lower() == "bearer ":
-        presented = auth[7:].strip()
+    presented = presented_key(request)
     matched = False
     for key in keys:
         matched |= hmac.compare_digest(presented.encode(), key.get_secret_value().encode())

@@ -20,6 +20,7 @@ from gateway.protocols.openai_shapes import error_json as openai_error
 from gateway.protocols.responses import ResponseStorage
 from gateway.protocols.tokens import count_chat_tokens
 from gateway.relay import GenerationService
+from gateway.tenancy import client_identity
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -34,11 +35,12 @@ def generation_endpoint(service: GenerationService, room: ProtocolRoom) -> Endpo
 
 
 def retrieve_response_endpoint(store: ResponseStorage) -> Endpoint:
-    """``GET /v1/responses/{response_id}``: a stored response, or an OpenAI 404."""
+    """``GET /v1/responses/{response_id}``: a stored response of the asking client key, or
+    an OpenAI 404 (the same for another key's: existence does not leak)."""
 
     async def retrieve(request: Request) -> Response:
         response_id = request.path_params["response_id"]
-        record = await store.load(response_id)
+        record = await store.load(response_id, client_identity(request, request.app.state.live.current.api_key))
         if record is None or not isinstance(record.get("response"), dict):
             err = GatewayError(
                 "not_found", "response_not_found", f"No response found with id '{response_id}'.", param="response_id"

@@ -473,7 +473,7 @@ def test_connection_memory_is_bounded_in_bytes_and_keeps_the_newest() -> None:
 
     async def keep(response_id: str, frame_bytes: int, rec: dict[str, Any]) -> None:
         room.frame_bytes = frame_bytes
-        await room.keep(response_id, rec, store=False)
+        await room.keep(response_id, rec, False, "anonymous")
 
     asyncio.run(keep("a", 400, record(None, [{"x": 1}])))
     asyncio.run(keep("b", 100, record("a", [{"x": 1}, {"y": 2}])))  # carries a's 400

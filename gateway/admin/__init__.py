@@ -19,6 +19,7 @@ from gateway.admin.audit_api import audit_routes
 from gateway.admin.auth import auth_routes, check_admin
 from gateway.admin.capture_api import capture_routes
 from gateway.admin.credentials_api import credential_routes
+from gateway.admin.envelope_keys_api import envelope_key_routes
 from gateway.admin.settings_api import settings_routes
 from gateway.admin.status_api import status_routes
 
@@ -48,7 +49,8 @@ class AdminGuard:
 
 def admin_routes() -> list[BaseRoute]:
     """Every admin route (other admin modules add theirs here)."""
-    return [*audit_routes(), *credential_routes(), *capture_routes(), *settings_routes(), *status_routes()]
+    return [*audit_routes(), *credential_routes(), *capture_routes(), *settings_routes(), *status_routes(),
+            *envelope_key_routes()]
 
 
 def admin_mount() -> Mount:

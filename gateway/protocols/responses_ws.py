@@ -195,11 +195,11 @@ class ConnectionRoom(ResponsesRoom):
         self.max_bytes = max_bytes
         self.frame_bytes = 0  # the frame being answered (set by the connection)
 
-    async def load_conversation(self, response_id: str) -> dict[str, Any] | None:
-        record = self.conversations.get(response_id)
-        return record if record is not None else await super().load_conversation(response_id)
+    async def load_conversation(self, response_id: str, owner: str) -> dict[str, Any] | None:
+        record = self.conversations.get(response_id)  # this connection's (one client key)
+        return record if record is not None else await super().load_conversation(response_id, owner)
 
-    async def keep(self, response_id: str, record: dict[str, Any], store: bool | None) -> None:
+    async def keep(self, response_id: str, record: dict[str, Any], store: bool | None, owner: str) -> None:
         self.conversations[response_id] = record
         cost = self._cost(record)
         self.costs[response_id] = cost
@@ -209,7 +209,7 @@ class ConnectionRoom(ResponsesRoom):
         ):
             dropped, _ = self.conversations.popitem(last=False)
             self.bytes -= self.costs.pop(dropped)
-        await super().keep(response_id, record, store)
+        await super().keep(response_id, record, store, owner)
 
     def _cost(self, record: dict[str, Any]) -> int:
         """A record's bytes, estimated without serializing its history again: the frame
@@ -394,7 +394,8 @@ class ResponsesConnection:
         with no output; nothing goes upstream and no audit record is written."""
         try:
             check_client_key(self.websocket, self.relay.live.current.api_key)
-            parsed = await self.room.resolve(self.room.parse(self._body(request), {}))
+            tenant = self.relay.tenant(self.websocket)
+            parsed = await self.room.resolve(self.room.parse(self._body(request), {}, tenant))
         except GatewayError as err:
             await self._send_error(err)
             return False
@@ -404,7 +405,7 @@ class ResponsesConnection:
         for data in sse_data(frames):
             await self._send(data)
         final = encoder.final or {}
-        await self.room.keep(response_id, self._prewarm_record(parsed, final), store=False)
+        await self.room.keep(response_id, self._prewarm_record(parsed, final), False, tenant.identity)
         return True
 
     @staticmethod

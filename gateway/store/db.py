@@ -168,6 +168,21 @@ MIGRATIONS: list[Migration] = [
             """,
         },
     ),
+    (
+        8,
+        # responses.owner: the client identity (gateway/tenancy.py) that created the row;
+        # NULL for rows from before (readable only while no client key is configured).
+        # envelope_keys: the keyring of gateway/protocols/envelope.py, shared by replicas.
+        """
+        ALTER TABLE responses ADD COLUMN owner TEXT;
+        CREATE TABLE envelope_keys (
+            key_number INTEGER PRIMARY KEY,
+            secret TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            active_from REAL NOT NULL
+        );
+        """,
+    ),
 ]
 
 _PG_TYPES = ((re.compile(r"\bREAL\b"), "DOUBLE PRECISION"), (re.compile(r"\bINTEGER\b"), "BIGINT"))

@@ -5,6 +5,11 @@ One row per response in the ``responses`` table (migration 2); ``body`` is JSON:
 ``{"response": <Response object>, "history": [chat messages before this turn's output],
 "output": [the assistant chat message(s) this response produced]}``. Shared by every
 replica on PostgreSQL, so a follow-up turn may land on any of them.
+
+Each row records its ``owner`` (migration 8), the client identity that created it
+(gateway/tenancy.py); :meth:`ResponseStore.load` answers only its owner, so another client
+key cannot tell the id exists. Rows from before migration 8 have no owner: they are read
+only by :data:`~gateway.tenancy.ANONYMOUS` (no client key configured), as before.
 """
 
 from __future__ import annotations
@@ -16,9 +21,24 @@ import orjson
 
 from gateway.store.db import Store, upsert
 from gateway.store.spill import DurableWriter
+from gateway.tenancy import ANONYMOUS
 
-#: The stored-response upsert, keyed by response id (a replayed spill never duplicates it).
-RESPONSE_UPSERT = _SAVE = upsert("responses", ("id", "created_at", "body"), "id")
+#: The stored-response upsert, keyed by response id (a replayed spill never duplicates it):
+#: spill journals from before migration 8 hold rows of this shape (no owner).
+RESPONSE_UPSERT = upsert("responses", ("id", "created_at", "body"), "id")
+#: The upsert of rows with their owner (the spill kind ``owned_response``).
+OWNED_RESPONSE_UPSERT = _SAVE = upsert("responses", ("id", "created_at", "body", "owner"), "id")
+#: Spill kind -> statement, for the DurableWriter.
+RESPONSE_STATEMENTS = {"response": RESPONSE_UPSERT, "owned_response": OWNED_RESPONSE_UPSERT}
+#: Spill kind -> the metrics' ``kind`` label (both are stored responses).
+SPILL_KINDS = {"owned_response": "response"}
+
+_LOAD = "SELECT body, owner FROM responses WHERE id = ?"
+
+
+def readable_by(owner: str | None, identity: str) -> bool:
+    """A row is its owner's; a row without one (from before migration 8) is anonymous's."""
+    return owner == identity or (owner is None and identity == ANONYMOUS)
 
 
 class ResponseNotSaved(Exception):
@@ -36,27 +56,30 @@ class ResponseStore:
     def __init__(self, db: Store, durable: DurableWriter | None = None) -> None:
         self.db = db
         self.durable = durable
-        self._spilled: dict[str, dict[str, Any]] = {}
+        self._spilled: dict[str, tuple[str, dict[str, Any]]] = {}  # id -> (owner, record)
 
-    async def save(self, response_id: str, record: dict[str, Any]) -> None:
-        row = (response_id, time.time(), orjson.dumps(record).decode())
+    async def save(self, response_id: str, record: dict[str, Any], owner: str = ANONYMOUS) -> None:
+        row = (response_id, time.time(), orjson.dumps(record).decode(), owner)
         if self.durable is None:
             await self.db.aexecute(_SAVE, row)
             return
-        outcome = await self.durable.write("response", [row])
+        outcome = await self.durable.write("owned_response", [row])
         if outcome == "spilled":
-            self._spilled[response_id] = record
+            self._spilled[response_id] = (owner, record)
         elif outcome == "lost":
             raise ResponseNotSaved(f"response {response_id} could not be stored")
 
-    async def load(self, response_id: str) -> dict[str, Any] | None:
+    async def load(self, response_id: str, owner: str = ANONYMOUS) -> dict[str, Any] | None:
+        """The record of ``response_id`` when ``owner`` may read it, else None (unknown
+        and not yours answer alike)."""
         if self._spilled:
             if self.durable is not None and not self.durable.spill_entries:
                 self._spilled.clear()  # replayed: the store has them now
             elif response_id in self._spilled:
-                return self._spilled[response_id]
-        rows = await self.db.aexecute("SELECT body FROM responses WHERE id = ?", (response_id,))
-        if not rows:
+                spilled_owner, record = self._spilled[response_id]
+                return record if readable_by(spilled_owner, owner) else None
+        rows = await self.db.aexecute(_LOAD, (response_id,))
+        if not rows or not readable_by(rows[0][1], owner):
             return None
         value = orjson.loads(rows[0][0])
         return value if isinstance(value, dict) else None

@@ -30,6 +30,7 @@ from gateway.stream.accumulator import ChatSSEAccumulator, ToolRules, UsageEstim
 from gateway.stream.compatible import replay
 from gateway.stream.events import Completion, Event
 from gateway.stream.realtime import RealtimeScheduler
+from gateway.stream.signatures import Seal
 from gateway.stream.repair import RepairPolicy
 from gateway.stream.think_tags import Start
 
@@ -57,6 +58,7 @@ class _Answer:
         self.reasoning_tags: Start | None = None  # <think> splitting for this model
         self.estimate_usage: Callable[[dict[str, Any]], UsageEstimator] | None = None  # body -> estimator
         self.repair: RepairPolicy | None = None  # compatible mode's; realtime never repairs
+        self.seal_signature: Seal | None = None  # thought signatures into call ids (the tenant's)
 
     @property
     def retained_bytes(self) -> int:
@@ -67,7 +69,7 @@ class _Answer:
         body, self._next = self._next, None
         if body is not None:
             estimate = self.estimate_usage(body) if self.estimate_usage is not None else None
-            acc = ChatSSEAccumulator(self.max_collect_bytes, self.rules, self.reasoning_tags, estimate)
+            acc = ChatSSEAccumulator(self.max_collect_bytes, self.rules, self.reasoning_tags, estimate, self.seal_signature)
             acc.retained_bytes = self.retained_bytes
             self.acc = acc
             self.bodies.append(body)
