@@ -191,11 +191,135 @@ def run(repo: Path, label: str) -> dict[str, Any]:
     return out
 
 
+# -- sockets and connections (issue #25): browsers, pre-auth sockets, slow headers, big frames --
+
+
+def healthz_ms(base: str, samples: int, pause: float = 0.02) -> dict[str, float]:
+    """``/healthz`` latency over ``samples`` fresh requests: p50, p99, max (ms)."""
+    took: list[float] = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        try:
+            urllib.request.urlopen(base + "/healthz", timeout=30).read()
+        except OSError:
+            pass
+        took.append((time.perf_counter() - start) * 1000)
+        time.sleep(pause)
+    took.sort()
+    return {"p50": round(took[len(took) // 2], 1), "p99": round(took[int(len(took) * 0.99) - 1], 1), "max": round(took[-1], 1)}
+
+
+def gateway_server(repo: Path, tmp: Path, name: str, *flags: str) -> Server:
+    port = free_port()
+    server = Server(name, [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--data-dir", str(tmp / name),
+                           "--log-level", "error", *flags], port, "/healthz", tmp / f"{name}.log",
+                    env={"PYTHONPATH": str(repo)}, cwd=repo)
+    server.start()
+    server.wait_ready()
+    return server
+
+
+def run_sockets(repo: Path, label: str) -> dict[str, Any]:
+    """The attacks of issue #25 on sockets and connections, against ``repo``'s gateway."""
+    import asyncio
+    import subprocess
+
+    sys.path.insert(0, str(BENCH.parent))
+    from tests import socket_attacks as attacks
+
+    tmp = Path(tempfile.mkdtemp(prefix="cb2a-sockets-"))
+    out: dict[str, Any] = {"label": label, "repo": str(repo)}
+    keyed = gateway_server(repo, tmp, "keyed", "--api-key", KEY + "-0123456789", "--ws-idle-timeout", "5")
+    auth = {"authorization": f"Bearer {KEY}-0123456789"}
+    try:
+        url = keyed.base
+        host, port = url.removeprefix("http://").split(":")
+        out["idle_mib"] = mib(memory_kib(keyed.pid)["rss_kib"])
+        out["healthz_quiet_ms"] = healthz_ms(url, 200)
+
+        async def keyless_then_codex() -> dict[str, Any]:
+            held = await attacks.connect(attacks.ws_url(url), additional_headers=auth, open_timeout=30)
+            await held.close()
+            started = time.monotonic()
+            kept: list[Any] = []
+            statuses = await attacks.keyless_upgrades(url, 256, kept)
+            seconds = time.monotonic() - started
+            try:
+                ws = await attacks.connect(attacks.ws_url(url), additional_headers=auth, open_timeout=30)
+                codex = "101"
+                await ws.close()
+            except attacks.InvalidStatus as exc:
+                codex = str(exc.response.status_code)
+            for ws in kept:
+                await ws.close()
+            return {"keyless_statuses": statuses, "keyless_seconds": round(seconds, 2), "codex_with_key": codex}
+
+        out.update(asyncio.run(keyless_then_codex()))
+        out["ignored_frames_closed_after_s"] = asyncio.run(attacks.ignored_frames(url, 20, auth))
+        out["slow_headers"] = asyncio.run(attacks.slow_headers(host, int(port), 1500, 5.0, 30))
+
+        attack = subprocess.Popen([sys.executable, "-m", "tests.socket_attacks", url, "12", KEY + "-0123456789"],
+                                  cwd=BENCH.parent, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        time.sleep(1)
+        out["healthz_under_socket_attacks_ms"] = healthz_ms(url, 300)
+        attack.wait(120)
+
+        before = memory_kib(keyed.pid)["rss_kib"]
+
+        async def frames() -> list[dict[str, Any]]:
+            opened, answers = await attacks.big_frames(url, 3, headers=auth)
+            time.sleep(3)
+            out["big_frames_rss_delta_mib"] = mib(memory_kib(keyed.pid)["rss_kib"] - before)
+            for ws in opened:
+                await ws.close()
+            return answers
+
+        out["big_frames_answers"] = [a["type"] for a in asyncio.run(frames())]
+        out["big_frames_rss_before_mib"] = mib(before)
+    finally:
+        keyed.stop()
+    open_gateway = gateway_server(repo, tmp, "open")
+    try:
+        url = open_gateway.base
+        chat = json.dumps({"model": "text", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        out["cross_origin_ws"] = asyncio.run(attacks.cross_origin_upgrades(url, 30))
+        out["text_plain_post_status"] = {
+            path: status_of(url + path, chat, {"content-type": "text/plain", "origin": "http://evil.example"})
+            for path in ("/v1/chat/completions", "/v1/messages/count_tokens")}
+        out["host_evil_status"] = status_of(url + "/v1/chat/completions", chat,
+                                            {"content-type": "application/json", "host": "evil.example"})
+    finally:
+        open_gateway.stop()
+    return out
+
+
+def status_of(url: str, body: bytes, headers: dict[str, str]) -> int:
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    try:
+        conn.request("POST", parts.path, body=body, headers=headers)
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    finally:
+        conn.close()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repo", type=Path, default=BENCH.parent, help="source tree whose gateway is measured")
     parser.add_argument("--label", default="current")
+    parser.add_argument("--sockets", action="store_true", help="the sockets and connections attacks (issue #25) instead")
     args = parser.parse_args()
+    if args.sockets:
+        result = run_sockets(args.repo.resolve(), args.label)
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / f"hostile-sockets-{args.label}.json").write_text(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2))
+        return 0
     result = run(args.repo.resolve(), args.label)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"hostile-{args.label}.json").write_text(json.dumps(result, indent=2))

@@ -165,7 +165,7 @@ class Bench:
             self.servers[mode] = Server(
                 mode, [PY, "-m", "gateway", "serve", "--port", str(port), "--upstream-url", upstream,
                        "--data-dir", str(self.tmp / mode), "--stream-mode", mode, "--log-level", "warning",
-                       "--max-concurrent", "4096"],
+                       "--max-concurrent", "4096", "--max-connections-per-ip", "4096"],  # 1,000 held streams, one address
                 port, "/healthz", self.tmp / f"{mode}.log")
         if self.peer:
             self.servers["litellm"] = self.litellm_server(upstream)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from importlib import resources
 from pathlib import Path
 
@@ -24,8 +24,11 @@ from gateway.protocols.responses_ws import ConnectionSlots, websocket_endpoint a
 from gateway.admin import admin_mount, auth_routes
 from gateway.admin.auth import AdminAccess, login_base_url
 from gateway.admin.common import admin_error
+from gateway.admin.sessions import SessionEpoch
 from gateway.admin.surface import AdminSurface
+from gateway.admin.throttle import AttemptThrottle
 from gateway.body_limit import BodyLimit
+from gateway.cross_site import CrossSiteGuard
 from gateway.errors import GatewayError
 from gateway.redact import SECRETS, RedactingSend
 from gateway.observability.observer import Observability, metrics_endpoint
@@ -33,6 +36,7 @@ from gateway.models_api import keyed, list_models, retrieve_model, route_error_h
 from gateway.protocols.openai_shapes import error_json as openai_error
 from gateway.protocols.messages import error_json as anthropic_error
 from gateway.relay import GenerationService
+from gateway.relayed import CompletionsRoute, EmbeddingsRoute
 from gateway.routes import count_tokens_endpoint, generation_endpoint, retrieve_response_endpoint
 from gateway.servers import bind_loopback, on_server_exit, start_embedded, stop_embedded
 from gateway.shutdown import GracefulShutdown
@@ -48,6 +52,8 @@ from gateway.upstream.prober import CredentialProber
 from gateway.store.replicas import Replication
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.config import build_pool
+from gateway.upstream.pool import Credential
+from gateway.upstream.urls import header_secrets, url_secrets
 from gateway.capture import CaptureWriter
 
 log = structlog.get_logger("gateway")
@@ -126,7 +132,17 @@ def settings_secrets(settings: Settings) -> list[str]:
     if settings.database_url is not None:
         url = settings.database_url.get_secret_value()
         out += [url, urlsplit(url).password or ""]
+    for url in settings.upstream_url:
+        out += url_secrets(url)
     return out
+
+
+def pool_secrets(credentials: Iterable[Credential]) -> list[str]:
+    """Every secret the pool holds: keys, configured header values, URL userinfo."""
+    out: list[str] = []
+    for upstream in {id(c.upstream): c.upstream for c in credentials}.values():
+        out += header_secrets(upstream.headers) + url_secrets(upstream.base_url)
+    return out + [c.api_key for c in credentials if c.api_key]
 
 
 def create_app(
@@ -159,7 +175,7 @@ def create_app(
     SECRETS.set(owner + ":settings", settings_secrets(live.current))
 
     def track_pool() -> None:
-        SECRETS.set(owner + ":pool", [c.api_key for c in relay.pool.credentials if c.api_key])
+        SECRETS.set(owner + ":pool", pool_secrets(relay.pool.credentials))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -180,11 +196,11 @@ def create_app(
         await prober.start()
         observability.metrics.declare_configuration(relay.pool)
         if getattr(app.state, "print_banner", False):
-            from gateway.banner import print_banner, startup_facts
+            from gateway.banner import announce
 
             upstreams = [c.upstream for c in relay.pool.credentials]
             login_url = getattr(app.state, "admin_login_url", None)
-            print_banner(startup_facts(live.current, upstreams, simulator_url, bool(webui), login_url, live.sources))
+            announce(live.current, upstreams, simulator_url, bool(webui), login_url, live.sources, settings.data_dir)
         if replication is not None:
             await replication.start(relay.pool)
             relay.capacity = replication.capacity
@@ -251,6 +267,8 @@ def create_app(
         Route("/v1/responses/{response_id}", keyed(retrieve_response_endpoint(response_store), openai_error), methods=["GET"]),
         Route("/v1/messages", generation(MessagesRoom()), methods=["POST"]),
         Route("/v1/messages/count_tokens", keyed(count_tokens_endpoint, anthropic_error), methods=["POST"]),
+        Route("/v1/completions", generation(CompletionsRoute()), methods=["POST"]),  # type: ignore[arg-type]
+        Route("/v1/embeddings", generation(EmbeddingsRoute()), methods=["POST"]),  # type: ignore[arg-type]
         Route("/v1/models", keyed(list_models, openai_error), methods=["GET"]),
         Route("/v1/models/{model_id:path}", keyed(retrieve_model, openai_error), methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
@@ -262,6 +280,8 @@ def create_app(
     ]
     middleware = [  # outermost first; all inside Starlette's error middleware
         Middleware(RedactingSend),
+        Middleware(CrossSiteGuard, live=live, public_urls=settings.public_url,
+                   bind_host=settings.host, allow_origins=settings.cors_allow_origin),
         Middleware(AdminSurface, public_urls=settings.public_url, bind_host=settings.host),
         Middleware(BodyLimit, limit=settings.max_body_bytes, render=error_for_path),
     ]
@@ -269,6 +289,8 @@ def create_app(
         middleware.insert(0, Middleware(SimulatorHeader))
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware, exception_handlers=route_error_handlers())
     app.state.admin_access = access
+    app.state.admin_throttle = AttemptThrottle()  # failed token attempts (gateway.admin.throttle)
+    app.state.admin_sessions = SessionEpoch(saved)  # logout revokes, on every process sharing the store
     app.state.admin_login_url = access.login_url(login_base_url(settings.host, settings.port, settings.public_url))
     app.state.live = live
     app.state.db = db

@@ -3,13 +3,19 @@ level — plain text on a terminal, one structured ``startup`` event otherwise.
 
 :func:`startup_facts` is pure (settings and upstreams in, a JSON-able dict out), so tests
 check the contents without starting a server; :func:`print_banner` only renders it.
+
+The generated admin token's login URL is a credential: it never goes into the facts (what
+log shippers keep from stderr), only a short prefix of the token and the path of the 0600
+file :func:`write_login_file` put it in; the full URL is printed on a terminal only.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterable
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlsplit
 
@@ -48,10 +54,38 @@ def _client_auth(settings: Settings) -> str:
     return "no client key (loopback bind only)"
 
 
+#: The login URL's file in the data dir (0600; replaced at every start).
+LOGIN_FILE = "admin-login-url"
+#: How much of a generated token the banner shows (to tell runs apart, not to log in).
+TOKEN_PREFIX_CHARS = 6
+
+
+def write_login_file(data_dir: Path, login_url: str) -> Path:
+    """Write the login URL to ``<data_dir>/admin-login-url``, readable by its owner only
+    (created 0600, never widened: an existing file is replaced, not rewritten in place)."""
+    path = data_dir / LOGIN_FILE
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fresh = data_dir / f".{LOGIN_FILE}.{os.getpid()}"
+    fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, (login_url + "\n").encode())
+    finally:
+        os.close(fd)
+    os.replace(fresh, path)
+    return path
+
+
+def _token_prefix(admin_login_url: str | None) -> str | None:
+    if not admin_login_url or "?token=" not in admin_login_url:
+        return None
+    return admin_login_url.rsplit("?token=", 1)[1][:TOKEN_PREFIX_CHARS] + "..."
+
+
 def _admin_auth(settings: Settings, admin_login_url: str | None) -> str:
     if settings.admin_token is not None:
         return "admin token required"
-    if admin_login_url:  # the URL itself is a fact of its own, said once
+    if admin_login_url:  # the URL itself is never a fact (see the module's docstring)
         return "token generated for this run (no --admin-token): open the WebUI login URL"
     return "admin token generated for this run (no --admin-token)"
 
@@ -74,10 +108,12 @@ def startup_facts(
     webui: bool,
     admin_login_url: str | None = None,
     sources: dict[str, str] | None = None,
+    admin_login_file: Path | None = None,
 ) -> dict[str, Any]:
     """Everything the banner says, as data (no secret: keys are counted, URLs lose their
-    userinfo). ``settings`` are the ones in force (saved values applied); ``sources`` says
-    where the stream mode came from."""
+    userinfo, of a generated admin token only a prefix and where its login URL is).
+    ``settings`` are the ones in force (saved values applied); ``sources`` says where the
+    stream mode came from."""
     unique = list({u.name: u for u in upstreams}.values())
     url = listen_url(settings)
     public = getattr(settings, "public_url", None)  # --public-url (one, or a list: the first is shown)
@@ -92,7 +128,8 @@ def startup_facts(
         "listen_url": url,
         "public_url": str(public) if public else None,
         "webui_url": f"{base}/ui/" if webui else None,
-        "admin_login_url": admin_login_url,
+        "admin_token_prefix": _token_prefix(admin_login_url),
+        "admin_login_file": str(admin_login_file) if admin_login_file else None,
         "stream_mode": str(settings.stream_mode),
         "stream_mode_source": (sources or {}).get("stream_mode", "default"),
         "upstream_stream": settings.upstream_stream,
@@ -108,22 +145,36 @@ def startup_facts(
     }
 
 
-def _webui_row(facts: dict[str, Any]) -> str:
+def _login_where(facts: dict[str, Any], login_url: str | None) -> str | None:
+    """The login URL (a terminal), else where it was written; None for a configured token."""
+    if login_url:
+        return login_url
+    if facts.get("admin_login_file"):
+        return f"the login URL is in {facts['admin_login_file']} (token {facts['admin_token_prefix']})"
+    return None
+
+
+def _webui_row(facts: dict[str, Any], login_url: str | None) -> str:
     if not facts["webui_url"]:
         return "not installed"
-    if facts.get("admin_login_url"):
-        return f"{facts['admin_login_url']}  (admin console login; the token is for this run only)"
+    where = _login_where(facts, login_url)
+    if where and login_url:
+        return f"{login_url}  (admin console login; the token is for this run only)"
+    if where:
+        return f"{facts['webui_url']}  ({where})"
     return facts["webui_url"]
 
 
 _SOURCE_NOTE = {"saved": ", saved in the WebUI/admin API", "env": ", from the environment", "cli": ""}
 
 
-def render_text(facts: dict[str, Any]) -> str:
-    """The terminal form: one aligned ``label  value`` line per fact."""
+def render_text(facts: dict[str, Any], login_url: str | None = None) -> str:
+    """The terminal form: one aligned ``label  value`` line per fact; ``login_url`` (a
+    terminal only) is shown whole."""
+    where = _login_where(facts, login_url)
     rows: list[tuple[str, str]] = [
         ("listening", facts["listen_url"] + (f"  (public {facts['public_url']})" if facts["public_url"] else "")),
-        ("WebUI", _webui_row(facts)),
+        ("WebUI", _webui_row(facts, login_url)),
         ("stream mode", f"{facts['stream_mode']}{_SOURCE_NOTE.get(facts['stream_mode_source'], '')} (upstream stream: {facts['upstream_stream']})"),
     ]
     if facts["simulator"]:
@@ -140,7 +191,7 @@ def render_text(facts: dict[str, Any]) -> str:
     rows += [
         ("store", facts["store"]),
         ("clients", facts["client_auth"]),
-        ("admin", facts["admin_auth"] if facts["webui_url"] or not facts.get("admin_login_url") else f"login URL {facts['admin_login_url']}"),
+        ("admin", facts["admin_auth"] if facts["webui_url"] or not where else f"login URL {where}"),
     ]
     if facts["workers"] > 1:
         rows.append(("workers", str(facts["workers"])))
@@ -152,12 +203,15 @@ def render_text(facts: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def print_banner(facts: dict[str, Any], stream: TextIO | None = None, tty: bool | None = None) -> None:
-    """Write the banner to ``stream`` (stderr): text on a terminal, else one JSON event
-    in the log's shape. Written directly, so ``--log-level warning`` still shows it."""
+def print_banner(
+    facts: dict[str, Any], stream: TextIO | None = None, tty: bool | None = None, login_url: str | None = None
+) -> None:
+    """Write the banner to ``stream`` (stderr): text on a terminal (with ``login_url``
+    whole), else one JSON event in the log's shape (without it: a log keeps it). Written
+    directly, so ``--log-level warning`` still shows it."""
     out = stream if stream is not None else sys.stderr
     if tty if tty is not None else out.isatty():
-        out.write(render_text(facts))
+        out.write(render_text(facts, login_url))
     else:
         event = {
             "event": "startup", "level": "info", "logger": "gateway",
@@ -165,3 +219,13 @@ def print_banner(facts: dict[str, Any], stream: TextIO | None = None, tty: bool 
         }
         out.write(orjson.dumps(event).decode() + "\n")
     out.flush()
+
+
+def announce(
+    settings: Settings, upstreams: Iterable[Upstream], simulator_url: str | None, webui: bool,
+    login_url: str | None, sources: dict[str, str] | None, data_dir: Path,
+) -> None:
+    """The banner at start-up: a generated token's login URL first written to its 0600
+    file in ``data_dir`` (the banner names it), then the banner itself."""
+    path = write_login_file(data_dir, login_url) if login_url else None
+    print_banner(startup_facts(settings, upstreams, simulator_url, webui, login_url, sources, path), login_url=login_url)

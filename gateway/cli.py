@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from gateway.admin.auth import AdminAccess, is_loopback, login_base_url
+from gateway.connections import server_options as connection_options
 from gateway.settings import CLI_FIELDS, ENV_PREFIX, Settings, SettingsError, StreamMode, load_settings
 
 
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
             serve.add_argument(flag, dest=name, choices=["auto", "always", "never"], help=help_text)
         elif name == "log_level":
             serve.add_argument(flag, dest=name, choices=["debug", "info", "warning", "error"], help=help_text)
-        elif name in ("upstream_url", "api_key", "public_url"):
+        elif name in ("upstream_url", "api_key", "public_url", "allow_upstream_host", "cors_allow_origin"):
             serve.add_argument(flag, dest=name, action="append", default=None, help=help_text)
         elif name in ("allow_open", "simulator"):
             serve.add_argument(flag, dest=name, action="store_true", default=None, help=help_text)
@@ -121,6 +122,7 @@ def check_startup(settings: Settings) -> None:
     """Refuse, with one line, a start-up that would serve the wrong thing: an open
     non-loopback bind, keys for no upstream, or the simulator answering in production."""
     from gateway.upstream.config import load_config_file
+    from gateway.upstream.urls import check_upstream_url
 
     loopback = is_loopback(settings.host)
     if not settings.api_key and not settings.allow_open and not loopback:
@@ -128,7 +130,13 @@ def check_startup(settings: Settings) -> None:
             f"--host {settings.host} is not a loopback address and no client "
             "--api-key is configured; add --api-key KEY or --allow-open"
         )
-    config_upstreams = len(load_config_file(settings.config).upstreams) if settings.config else 0
+    entries = load_config_file(settings.config).upstreams if settings.config else []
+    for n, entry in enumerate(entries):  # the host rule needs --allow-upstream-host: checked here
+        try:
+            check_upstream_url(entry.base_url, settings.allow_upstream_host)
+        except ValueError as exc:
+            raise SettingsError(f"--config {settings.config}: upstreams[{n}].base_url: {exc}") from None
+    config_upstreams = len(entries)
     if settings.config and not config_upstreams:
         raise SettingsError(f"--config {settings.config}: no [[upstreams]] table (see docs/configuration.md)")
     configured = bool(settings.upstream_url) or config_upstreams > 0
@@ -274,6 +282,7 @@ def serve(settings: Settings, sources: dict, cli_values: dict[str, Any] | None =
         timeout_graceful_shutdown=settings.shutdown_timeout + SHUTDOWN_GRACE,
     )
     common.update(websocket_options(settings))
+    common.update(connection_options(settings))  # --header-timeout, --max-connections-per-ip
     access = AdminAccess.from_settings(settings.admin_token)  # one token for every worker
     try:
         if settings.workers > 1:
@@ -311,8 +320,8 @@ def websocket_options(settings: Settings) -> dict[str, Any]:
 
 def admin_login_url(settings: Settings, access: AdminAccess) -> str | None:
     """The generated admin token's login URL (None with a configured ``--admin-token``):
-    the banner prints it once, on stderr; it is never logged (the log pipeline masks every
-    secret, this one included)."""
+    written to a 0600 file in the data dir and shown whole on a terminal only; it is never
+    logged (the log pipeline masks every secret, this one included)."""
     return access.login_url(login_base_url(settings.host, settings.port, settings.public_url))
 
 
@@ -320,7 +329,7 @@ def _banner_before_workers(settings: Settings, sources: dict, login_url: str | N
     """With ``--workers N`` the parent says it once (each worker builds its own app),
     with the saved values the workers will apply."""
     from gateway.app import WEBUI_DIR, uses_simulator
-    from gateway.banner import print_banner, startup_facts
+    from gateway.banner import announce
     from gateway.settings import LiveSettings
     from gateway.store.credentials import CredentialState
     from gateway.store.db import open_database
@@ -338,7 +347,7 @@ def _banner_before_workers(settings: Settings, sources: dict, login_url: str | N
     finally:
         saved.close()
         db.close()
-    print_banner(startup_facts(current, upstreams, simulator, (WEBUI_DIR / "index.html").is_file(), login_url, current_sources))
+    announce(current, upstreams, simulator, (WEBUI_DIR / "index.html").is_file(), login_url, current_sources, settings.data_dir)
 
 
 #: The environment variable carrying the resolved CLI values to worker processes (JSON).
@@ -372,6 +381,7 @@ def worker_app() -> Any:
     cli_values = json.loads(os.environ.get(CLI_VALUES_ENV) or "{}")
     settings, sources = load_settings(cli_values)
     configure_logging(settings.log_level)
+    connection_options(settings)  # this worker's connection limits
     return create_app(settings, sources, admin_login_token=os.environ.get(ADMIN_LOGIN_TOKEN_ENV))
 
 

@@ -18,6 +18,8 @@ invalid_request    400     invalid_json, invalid_request, invalid_type, invalid_
                            too_many_queued_frames (a WebSocket client past the bound);
                    405     method_not_allowed (a known route, another method)
 authentication     401     invalid_api_key
+permission         403     cross_origin, forbidden_host (a web page's request on /v1:
+                           gateway/cross_site.py)
 not_found          404     upstream_not_found, response_not_found, model_not_found,
                            not_found (no such route)
 too_large          413     request_too_large (the body is over --max-body-bytes)

@@ -37,9 +37,11 @@ from gateway.policy import StreamPolicy
 from gateway.protocols.base import ParsedRequest, ProtocolRoom, StreamEncoder
 from gateway.protocols.tokens import usage_estimator
 from gateway.record import RequestRecord
+from gateway.redact import SECRETS
 from gateway.settings import StreamMode
 from gateway.stream.answer import CompatibleAnswer, RealtimeAnswer
 from gateway.stream.events import KEEPALIVE, BlockDelta, Completion, Error, Event
+from gateway.stream.masking import DeltaMasker
 from gateway.stream.repair import RepairPolicy
 from gateway.stream.signatures import restore_thought_signatures
 from gateway.upstream.attempts import UpstreamAttempts
@@ -117,6 +119,7 @@ class GenerationRun:
         answer.reasoning_tags = p.reasoning_tags_for(self.parsed.model)
         answer.estimate_usage = usage_estimator  # the one rule when the upstream reports none
         answer.seal_signature = self.parsed.tenant.seal_signature
+        answer.masker = DeltaMasker(SECRETS)  # a secret split across deltas is masked too
         return answer
 
     # -- the two ways to consume a run ------------------------------------------------------

@@ -9,6 +9,10 @@ holding another app's secrets too only ever masks more.
 
 Secrets shorter than :data:`MIN_SECRET_LEN` are not masked (they would mangle ordinary
 text); ``settings.py`` validation is the place to refuse such keys, not this.
+
+A streamed answer is masked one delta at a time (:mod:`gateway.stream.masking`): a secret
+the upstream split across two deltas must not reach the client in two halves, so
+:meth:`SecretSet.held_tail` says how much of a delta's end could be the start of a secret.
 """
 
 from __future__ import annotations
@@ -40,6 +44,11 @@ class SecretSet:
         #: most text holds none faster than the pattern scans it (every client write)
         self._few_text: tuple[str, ...] | None = ()
         self._few_bytes: tuple[bytes, ...] | None = ()
+        #: a proper prefix of any secret at the end of a text (a trie, so one branch per
+        #: position however many secrets), and how far back it may start
+        self._tail: re.Pattern[str] | None = None
+        self._tail_window = 0
+        self._long: tuple[str, ...] = ()  # secrets whose prefixes go past the trie's depth
 
     def set(self, owner: str, secrets: Iterable[str | None]) -> None:
         """Replace ``owner``'s share of the set."""
@@ -55,6 +64,9 @@ class SecretSet:
             few = len(every) <= FEW_SECRETS
             self._few_text = tuple(every) if few else None
             self._few_bytes = tuple(e.encode() for e in every) if few else None
+            self._tail = re.compile(f"(?:{_prefix_trie(every)})\\Z") if every else None
+            self._tail_window = min(max((len(s) for s in every), default=1) - 1, TRIE_DEPTH)
+            self._long = tuple(s for s in every if len(s) - 1 > TRIE_DEPTH)
 
     def drop(self, owner: str) -> None:
         self.set(owner, ())
@@ -71,6 +83,24 @@ class SecretSet:
             return value
         return pattern.sub(_MASK_BYTES, value)
 
+    def held_tail(self, text: str) -> int:
+        """How many characters at the end of ``text`` could begin a secret (0 when none):
+        the longest such tail, at most the longest secret's length - 1."""
+        pattern = self._tail
+        if pattern is None or not text:
+            return 0
+        held = 0
+        for secret in self._long:  # rare (a 200+ character key): candidates by its first character
+            start = max(0, len(text) - len(secret) + 1)
+            at = text.find(secret[0], start, len(text) - TRIE_DEPTH)
+            while at >= 0:
+                if secret.startswith(text[at:]):
+                    held = max(held, len(text) - at)
+                    break
+                at = text.find(secret[0], at + 1, len(text) - TRIE_DEPTH)
+        found = pattern.search(text, max(0, len(text) - self._tail_window))
+        return max(held, len(text) - found.start() if found else 0)
+
     def mask_value(self, value: Any) -> Any:
         """Strings anywhere inside dicts, lists and tuples (a copy only where one changed)."""
         if self._text is None:
@@ -82,6 +112,28 @@ class SecretSet:
         if isinstance(value, (list, tuple)):
             return type(value)(self.mask_value(v) for v in value)
         return value
+
+
+#: How deep the prefix trie (a nested regex) goes: ``re`` compiles nesting recursively.
+#: Longer prefixes of longer secrets are found by :meth:`SecretSet.held_tail`'s loop.
+TRIE_DEPTH = 200
+
+
+def _prefix_trie(secrets: list[str]) -> str:
+    """A regex matching every proper prefix of every secret (non-empty, at most
+    :data:`TRIE_DEPTH` characters): a trie of the secrets without their last character,
+    each step optional after the first."""
+    trie: dict[str, Any] = {}
+    for secret in secrets:
+        node = trie
+        for char in secret[: min(len(secret) - 1, TRIE_DEPTH)]:
+            node = node.setdefault(char, {})
+
+    def render(node: dict[str, Any]) -> str:
+        branches = [re.escape(c) + (f"(?:{render(child)})?" if child else "") for c, child in sorted(node.items())]
+        return branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+
+    return render(trie)
 
 
 SECRETS = SecretSet()

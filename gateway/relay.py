@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.body_limit import BodyTooLarge
 from gateway.capture import CaptureWriter
+from gateway.cross_site import raise_refusal
 from gateway.errors import ErrorCode, GatewayError
 from gateway.generation import GenerationRun, RunningGenerations, capture_record, note_run
 from gateway.outcome import RequestOutcome, internal_error
@@ -91,6 +92,7 @@ class GenerationService:
         run: GenerationRun | None = None
         outcome = RequestOutcome(record, lambda: self._report(record, run))
         try:  # from the headers, before a byte of the body is read
+            raise_refusal(request.scope)  # a web page's request (gateway/cross_site.py)
             record.client_key_fingerprint = check_client_key(request, settings.api_key)
             tenant = Tenant(client_identity(request, settings.api_key), self.envelope_keys)
             body = await request.body()
@@ -129,7 +131,9 @@ class GenerationService:
             return error_response(room, err, headers)
         session = request.headers.get(settings.session_header) if settings.session_header else None
         try:
-            run = GenerationRun(room, parsed, policy, record, UpstreamAttempts(self.pool, self.upstream, policy, session, record.trace_context))
+            # a room may name its own run: the relayed routes' RelayedCall (gateway/relayed.py)
+            run_type = getattr(room, "run_type", GenerationRun)
+            run = run_type(room, parsed, policy, record, UpstreamAttempts(self.pool, self.upstream, policy, session, record.trace_context))
         except Exception as exc:
             err = internal_error(exc, record.request_id, "encoder")
             outcome.failed(err)
@@ -192,11 +196,12 @@ class GenerationService:
         self.running.discard(record.request_id)
         record.ended_at = time.time()
         record.duration_ms = (record.ended_at - record.started_at) * 1000
-        if run is not None:
-            note_run(record, run)
+        chat_run = run if isinstance(run, GenerationRun) else None  # a RelayedCall noted itself
+        if chat_run is not None:
+            note_run(record, chat_run)
         self.observer.on_finish(record)
-        if self.capture is not None and run is not None:
-            self.capture.submit(capture_record(run))
+        if self.capture is not None and chat_run is not None:
+            self.capture.submit(capture_record(chat_run))
 
 
 #: The old name, kept for imports elsewhere; it wires, it does not relay.

@@ -15,12 +15,15 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ENV_PREFIX = "CODEBUDDY2API_"
 
 Source = Literal["cli", "env", "saved", "default"]
+
+#: The shortest admin token or client key accepted (start-up refuses shorter ones).
+MIN_OPERATOR_SECRET = 16
 
 
 class StreamMode(StrEnum):
@@ -44,6 +47,9 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
+    allow_upstream_host: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="hosts allowed as upstreams although link-local or cloud metadata"
+    )  # before upstream_url: its validator reads this one
     upstream_url: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Upstream base URLs ending in /v1"
     )
@@ -84,6 +90,18 @@ class Settings(BaseSettings):
     ws_max_lifetime: float = Field(
         3600.0, gt=0, description="seconds a Responses WebSocket may live; closed after that once nothing is in flight"
     )
+    ws_max_connections_per_ip: int = Field(
+        32, ge=1, description="Responses WebSockets open at once from one client address (loopback included)"
+    )
+    max_connections_per_ip: int = Field(
+        256, ge=1, description="TCP connections open at once from one client address (HTTP and WebSocket; loopback included)"
+    )
+    header_timeout: float = Field(
+        10.0, gt=0, description="seconds a connection may take to send a request's headers (from connect, or from the last answer)"
+    )
+    cors_allow_origin: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="web origins allowed to call /v1 (real CORS); every other Origin is refused"
+    )
     data_dir: Path = Path("data")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     audit_retention_days: float = Field(30, ge=0, description="0 = keep audit rows forever")
@@ -109,12 +127,22 @@ class Settings(BaseSettings):
     )
 
 
-    @field_validator("upstream_url", "api_key", mode="before")
+    @field_validator("upstream_url", "api_key", "allow_upstream_host", mode="before")
     @classmethod
     def _split_list(cls, value: Any) -> Any:
         """Env values are comma-separated; flags arrive as lists."""
         if isinstance(value, str):
             return [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
+    @field_validator("api_key", "admin_token")
+    @classmethod
+    def _long_enough(cls, value: Any) -> Any:
+        """Operator secrets shorter than :data:`MIN_OPERATOR_SECRET` are refused: they can
+        be guessed, and the redaction point would not mask them (docs/configuration.md)."""
+        for secret in value if isinstance(value, list) else [value]:
+            if secret is not None and len(secret.get_secret_value()) < MIN_OPERATOR_SECRET:
+                raise ValueError(f"must be at least {MIN_OPERATOR_SECRET} characters (e.g. openssl rand -hex 16)")
         return value
 
     @field_validator("public_url", mode="before")
@@ -131,12 +159,28 @@ class Settings(BaseSettings):
                 raise ValueError(f"{url!r} is not an http(s) URL with a host name")
         return urls
 
+    @field_validator("cors_allow_origin", mode="before")
+    @classmethod
+    def _origins(cls, value: Any) -> Any:
+        """Repeatable and comma-separated alike; each an exact ``scheme://host[:port]``."""
+        from urllib.parse import urlsplit
+
+        items = [value] if isinstance(value, str) else list(value or [])
+        origins = [v.strip().rstrip("/").lower() for item in items for v in str(item).split(",") if v.strip()]
+        for origin in origins:
+            parts = urlsplit(origin)
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query:
+                raise ValueError(f"{origin!r} is not an origin (scheme://host[:port], e.g. https://app.example.com)")
+        return origins
+
     @field_validator("upstream_url")
     @classmethod
-    def _upstream_urls(cls, value: list[str]) -> list[str]:
-        """Every URL checked at start-up, not at the first request."""
+    def _upstream_urls(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        """Every URL checked at start-up, not at the first request (gateway.upstream.urls)."""
+        from gateway.upstream.urls import check_upstream_url
+
         for url in value:
-            check_base_url(url)
+            check_upstream_url(url, info.data.get("allow_upstream_host") or ())
         return value
 
     @field_validator("database_url")
@@ -189,17 +233,11 @@ class Settings(BaseSettings):
 
 
 def check_base_url(url: str) -> str:
-    """Raise ValueError unless ``url`` is an http(s) URL with a host (the path is free)."""
-    from urllib.parse import urlsplit
+    """Raise ValueError unless ``url`` is an http(s) URL httpx can send (the path is free;
+    the host is not judged: see gateway.upstream.urls.check_upstream_url)."""
+    from gateway.upstream.urls import check_upstream_url
 
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018  (raises on a bad port)
-    except ValueError as exc:
-        raise ValueError(f"{url!r} is not a URL: {exc}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{url!r} is not an http:// or https:// URL with a host, e.g. http://my-vllm:8000/v1")
-    return url
+    return check_upstream_url(url, None)
 
 
 def base_url_hint(url: str) -> str | None:
@@ -218,6 +256,8 @@ CLI_FIELDS: dict[str, str] = {
     "host": "address to bind",
     "port": "port to bind",
     "upstream_url": "upstream base URL ending in /v1 (repeatable)",
+    "allow_upstream_host": "a host that may be an upstream although it is link-local or a cloud metadata service"
+                           " (refused by default: 169.254.0.0/16, fe80::/10, fd00:ec2::254, metadata.google.internal; repeatable)",
     "simulator": "serve the built-in upstream simulator instead of a real upstream (demo, tests)",
     "upstream_api_key": "API key(s) sent to the upstream as a Bearer token (comma-separated = several credentials)",
     "upstream_api_key_file": "file with upstream API keys, one per line",
@@ -250,6 +290,14 @@ CLI_FIELDS: dict[str, str] = {
                           " inbox and remembered conversations)",
     "ws_max_lifetime": "seconds a Responses WebSocket may stay open; after that it is closed (1001) as soon as nothing"
                        " is in flight, never mid-answer (default 3600, OpenAI's own 60-minute limit; Codex reconnects)",
+    "ws_max_connections_per_ip": "Responses WebSockets open at once from one client address, loopback included"
+                                 " (past it: 503 too_many_websockets before the upgrade is accepted)",
+    "max_connections_per_ip": "TCP connections (HTTP and WebSocket) open at once from one peer address, loopback"
+                              " included; past it a new connection is answered 503 and closed",
+    "header_timeout": "seconds a connection may take to send a request's headers, from connect or from the"
+                      " previous answer (slow-header sockets are closed)",
+    "cors_allow_origin": "a web origin (scheme://host[:port]) allowed to call /v1 from a browser, with real CORS"
+                         " headers (repeatable or comma list); every other Origin is refused with 403 cross_origin",
     "data_dir": "directory for the SQLite store and other state",
     "log_level": "debug, info, warning or error",
     "audit_retention_days": "days to keep audit records (0 = forever)",
@@ -286,7 +334,8 @@ def _describe_error(exc: ValidationError, cli_keys: set[str], saved: bool = Fals
     annotation = Settings.model_fields[field].annotation if field in Settings.model_fields else None
     if isinstance(annotation, type) and issubclass(annotation, StrEnum):
         allowed = " (allowed: " + ", ".join(m.value for m in annotation) + ")"
-    shown = "[redacted]" if field in ("database_url", "upstream_api_key", "admin_token", "api_key", "otlp_endpoint") else err.get("input")
+    shown = "[redacted]" if field in ("database_url", "upstream_api_key", "admin_token", "api_key", "otlp_endpoint",
+                                      "upstream_url") else err.get("input")  # a URL's userinfo is a secret
     return f"invalid value {shown!r} for {where}: {err['msg'].removeprefix('Value error, ')}{allowed}"
 
 
@@ -334,6 +383,16 @@ class LockedSetting(SettingsError):
         super().__init__(f"{name} is {reason} and cannot be changed here")
         self.name = name
         self.reason = reason
+
+
+def _usable_keys(saved: Any) -> list[str]:
+    """The saved client keys still long enough; when none is, one random key nobody holds,
+    so a bad saved value (a key shorter than the minimum, saved before it existed) locks
+    ``/v1`` (401 for everyone until an operator saves new keys) instead of opening it."""
+    import secrets
+
+    keys = [k for k in saved if isinstance(k, str) and len(k) >= MIN_OPERATOR_SECRET] if isinstance(saved, list) else []
+    return keys or [secrets.token_urlsafe(32)]
 
 
 class LiveSettings:
@@ -387,6 +446,8 @@ class LiveSettings:
                     Settings.model_validate(base | good | {key: value})
                     good[key] = value
                 except ValidationError:
+                    if key == "api_key":  # fail closed: never open /v1 because a saved key is bad
+                        good[key] = _usable_keys(value)
                     continue
             usable = good
             new = Settings.model_validate(base | usable)

@@ -95,10 +95,14 @@ def test_serve_runs_on_the_builtin_simulator(tmp_path: Path) -> None:
                 pass
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()
             time.sleep(0.1)
-        # no --admin-token: one login URL on stderr (in the start-up banner), with a token generated for this run
+        # no --admin-token: a token generated for this run; the banner (no terminal: JSON) names
+        # the 0600 file holding its login URL and shows a prefix of it only
         [banner] = [json.loads(line) for line in (tmp_path / "stderr").read_text().splitlines() if '"startup"' in line]
-        url = banner["admin_login_url"]
+        login_file = Path(banner["admin_login_file"])
+        assert login_file == tmp_path / "data" / "admin-login-url" and login_file.stat().st_mode & 0o777 == 0o600
+        url = login_file.read_text().strip()
         assert url.startswith(f"http://127.0.0.1:{port}/ui/?token=")
+        assert banner["admin_token_prefix"] == url.rsplit("=", 1)[1][:6] + "..."
         token = url.rsplit("=", 1)[1]
         settings_api = f"http://127.0.0.1:{port}/admin/api/settings"
         assert httpx.get(settings_api).status_code == 401  # loopback alone is no credential
@@ -113,7 +117,7 @@ def test_serve_runs_on_the_builtin_simulator(tmp_path: Path) -> None:
         proc.terminate()
         proc.wait(10)
     logged = (tmp_path / "stderr").read_text()
-    assert logged.count(token) == 1  # printed once, never logged (the access line of /ui/?token= included)
+    assert logged.count(token) == 0  # never on stderr (the access line of /ui/?token= included)
 
 
 def test_public_url_is_repeatable_and_comma_separated() -> None:
@@ -134,9 +138,11 @@ def test_the_login_url_is_in_the_banner_only_for_a_generated_token() -> None:
     generated = AdminAccess.from_settings(None)
     url = admin_login_url(settings, generated)
     assert url == f"https://gw.example.com/ui/?token={generated.token}"
-    facts = startup_facts(settings, [], None, webui=True, admin_login_url=url)
-    assert facts["admin_login_url"] == url and json.dumps(facts).count(generated.token) == 1  # said once
-    assert render_text(facts).count(generated.token) == 1
+    facts = startup_facts(settings, [], None, webui=True, admin_login_url=url, admin_login_file=Path("/d/admin-login-url"))
+    assert generated.token not in json.dumps(facts)  # the facts are what a JSON log keeps: a prefix at most
+    assert facts["admin_token_prefix"] == generated.token[:6] + "..." and facts["admin_login_file"] == "/d/admin-login-url"
+    assert render_text(facts, login_url=url).count(generated.token) == 1  # a terminal shows it, once
+    assert generated.token not in render_text(facts) and "/d/admin-login-url" in render_text(facts)
     assert admin_login_url(settings, AdminAccess.from_settings(SecretStr("configured-admin-token"))) is None  # never printed
     local, _ = load_settings({"host": "0.0.0.0", "port": 9000})
     assert admin_login_url(local, generated) == f"http://127.0.0.1:9000/ui/?token={generated.token}"

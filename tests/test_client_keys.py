@@ -17,7 +17,7 @@ def chat_calls(sim: Simulator) -> list[dict]:
 
 @pytest.mark.parametrize("protocol", ["chat", "messages", "responses"])
 def test_client_keys_required_when_configured(server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory, protocol: str) -> None:
-    gateway = start_gateway(server_loop, simulator, tmp_path_factory, api_key=["ck-good-1", "ck-good-2"])
+    gateway = start_gateway(server_loop, simulator, tmp_path_factory, api_key=["ck-good-client-key-0001", "ck-good-client-key-0002"])
     route = {"chat": "/chat/completions", "messages": "/messages", "responses": "/responses"}[protocol]
     body = {"model": "text", "messages": MESSAGES, "input": "hi", "max_tokens": 10}
     simulator.clear()
@@ -28,13 +28,13 @@ def test_client_keys_required_when_configured(server_loop: ServerLoop, simulator
         assert error["type"] == "authentication_error"
         assert "ck-good" not in response.text
     assert chat_calls(simulator) == []
-    for headers in ({"authorization": "Bearer ck-good-2"}, {"x-api-key": "ck-good-1"}):
+    for headers in ({"authorization": "Bearer ck-good-client-key-0002"}, {"x-api-key": "ck-good-client-key-0001"}):
         assert httpx.post(gateway.base_url + route, json=body, headers=headers).status_code == 200
 
 
 def test_non_generation_routes_need_the_client_key_too(server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory) -> None:
-    gateway = start_gateway(server_loop, simulator, tmp_path_factory, api_key=["ck-good-3"])
-    good = {"authorization": "Bearer ck-good-3"}
+    gateway = start_gateway(server_loop, simulator, tmp_path_factory, api_key=["ck-good-client-key-0003"])
+    good = {"authorization": "Bearer ck-good-client-key-0003"}
     count = {"model": "text", "messages": MESSAGES}
     denied = httpx.post(gateway.base_url + "/messages/count_tokens", json=count)
     assert denied.status_code == 401 and denied.json()["type"] == "error"

@@ -180,9 +180,10 @@ def test_serve_with_two_workers_aggregates_metrics(tmp_path: Path) -> None:
             assert samples[("codebuddy2api_build_info", (("python", sys.version.split()[0]), ("version", "0.1.0")))] == 1
         # no --admin-token: the CLI generated one for this run, printed its login URL once,
         # and every worker accepts it (new connections: either worker may answer)
-        login = [json.loads(line)["admin_login_url"] for line in (tmp_path / "stderr").read_text().splitlines() if '"startup"' in line]
-        assert len(login) == 1, "one login URL on stderr (the parent's start-up banner)"
-        token = login[0].rsplit("?token=", 1)[1].strip()
+        login = [json.loads(line)["admin_login_file"] for line in (tmp_path / "stderr").read_text().splitlines() if '"startup"' in line]
+        assert len(login) == 1, "one banner on stderr (the parent's), naming the login URL's file"
+        token = Path(login[0]).read_text().rsplit("?token=", 1)[1].strip()
+        assert token not in (tmp_path / "stderr").read_text()
         admin = {"authorization": f"Bearer {token}", "connection": "close"}
         assert httpx.get(base + "/admin/api/audit", headers={"connection": "close"}).status_code == 401
         audit = httpx.get(base + "/admin/api/audit", headers=admin).json()

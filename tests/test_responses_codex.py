@@ -392,11 +392,11 @@ def test_compact_route_keys_and_audits_like_every_generation_route(
     from tests.conftest import start_gateway
     from tests.test_audit import audit_rows
 
-    gw = start_gateway(server_loop, simulator, tmp_path_factory, api_key=["sk-compact"])
+    gw = start_gateway(server_loop, simulator, tmp_path_factory, api_key=["sk-compact-client-key-0001"])
     body = {"model": "text", "input": HISTORY}
     refused = httpx.post(gw.base_url + "/responses/compact", json=body)
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
-    ok = httpx.post(gw.base_url + "/responses/compact", json=body, headers={"authorization": "Bearer sk-compact"})
+    ok = httpx.post(gw.base_url + "/responses/compact", json=body, headers={"authorization": "Bearer sk-compact-client-key-0001"})
     assert ok.status_code == 200 and ok.json()["object"] == "response.compaction"
     rows = audit_rows(gw, 2)
     assert sorted((r["protocol"], r["outcome"], r["streamed"]) for r in rows) == [

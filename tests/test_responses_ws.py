@@ -196,27 +196,35 @@ def test_mid_stream_failure_is_failed_then_a_clean_close(gateway: Gateway) -> No
 
 
 def test_client_key_comes_from_the_upgrade_request(server_loop: Any, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory) -> None:
-    gw = start_gateway(server_loop, simulator, tmp_path_factory, api_key=["sk-ws-client"])
+    """The key is checked on the upgrade headers, before the socket is accepted: without it
+    (or with a wrong one) the upgrade is a 401 with the OpenAI error body, no socket, no
+    slot and no audit record (no frame was read: no generation request)."""
+    from websockets.exceptions import InvalidStatus
+
+    key = "sk-ws-client-0123456789abcdef"
+    gw = start_gateway(server_loop, simulator, tmp_path_factory, api_key=[key])
     request = {"type": "response.create", "model": "text", "input": "hi"}
-    for frame in (request, {**request, "generate": False}):
-        with open_ws(gw) as ws:
-            error = _closing_error(ws, frame)
-        assert error["status"] == 401 and error["error"]["code"] == "invalid_api_key"
-    with open_ws(gw) as ws:  # a frame that is not even JSON: the key is checked first, as over HTTP
-        error = _closing_error(ws, "{not json")
-    assert error["status"] == 401 and error["error"]["code"] == "invalid_api_key"
-    with open_ws(gw, Authorization="Bearer sk-ws-client") as ws:  # with the key: what was wrong with the frame
+    for headers in ({}, {"Authorization": "Bearer sk-wrong-0123456789abcdefghij"}, {"x-api-key": key[:-1]}):
+        with pytest.raises(InvalidStatus) as refused:
+            open_ws(gw, **headers)
+        response = refused.value.response
+        assert response.status_code == 401 and response.headers["Content-Type"] == "application/json"
+        assert json.loads(response.body)["error"] == {
+            "message": "a valid API key is required (Authorization: Bearer or x-api-key)",
+            "type": "authentication_error", "param": None, "code": "invalid_api_key",
+        }
+    assert _open_websockets(gw) == (0, 0)  # refused before a slot was taken
+    with open_ws(gw, Authorization=f"Bearer {key}") as ws:  # with the key: what was wrong with the frame
         assert _closing_error(ws, "{not json")["error"]["code"] == "invalid_json"
-    rows = audit_rows(gw, 3)  # the generating request and the two unread frames (the prewarm leaves none)
-    assert sorted((r["outcome"], r["error_code"], r["transport"]) for r in rows) == [
-        ("invalid", "invalid_json", "websocket"),
-        ("refused", "invalid_api_key", "websocket"), ("refused", "invalid_api_key", "websocket"),
-    ]
-    with open_ws(gw, Authorization="Bearer sk-ws-client") as ws:
+    with open_ws(gw, **{"x-api-key": key}) as ws:
         events = exchange(ws, request)
         assert events[-1]["type"] == "response.completed"
         again = exchange(ws, {**request, "input": "again", "previous_response_id": events[0]["response"]["id"]})
         assert again[-1]["type"] == "response.completed"
+    rows = audit_rows(gw, 3)  # the unread frame and the two generating requests; no refused upgrade
+    assert sorted((r["outcome"], r["error_code"] or "", r["transport"]) for r in rows) == [
+        ("invalid", "invalid_json", "websocket"), ("success", "", "websocket"), ("success", "", "websocket"),
+    ]
 
 
 def test_keepalives_while_the_upstream_is_silent(gateway: Gateway) -> None:
@@ -461,40 +469,74 @@ def test_the_admin_audit_api_filters_by_transport(
 
 
 def test_connection_memory_is_bounded_in_bytes_and_keeps_the_newest() -> None:
-    import asyncio
+    from gateway.protocols.responses_ws import ConnectionMemory
 
-    from gateway.protocols.responses import ResponsesRoom
-    from gateway.protocols.responses_ws import ConnectionRoom
+    memory = ConnectionMemory(max_bytes=1000, max_count=3)
+    memory.put("a", b"a" * 400)
+    memory.put("b", b"b" * 500)
+    assert memory.bytes == 900 and list(memory.blobs) == ["a", "b"]
+    memory.put("c", b"c" * 300)  # 1200 > 1000: the oldest goes
+    assert list(memory.blobs) == ["b", "c"] and memory.bytes == 800
+    memory.put("c", b"C" * 100)  # the same id again replaces its bytes
+    assert memory.bytes == 600 and memory.get("c") == b"C" * 100
+    memory.put("d", b"d"), memory.put("e", b"e")  # past max_count
+    assert list(memory.blobs) == ["c", "d", "e"]
+    memory.put("f", b"f" * 5000)  # alone over the budget: kept, the rest goes
+    assert list(memory.blobs) == ["f"] and memory.bytes == 5000 and memory.get("a") is None
 
-    room = ConnectionRoom(ResponsesRoom(None), max_bytes=1000)  # type: ignore[arg-type]
 
-    def record(previous: str | None, history: list[Any]) -> dict[str, Any]:
-        return {"response": {"previous_response_id": previous}, "history": history, "output": []}
+def test_a_remembered_conversation_is_packed_and_bounded_when_inflated() -> None:
+    from gateway.protocols.responses_ws import pack, unpack
 
-    async def keep(response_id: str, frame_bytes: int, rec: dict[str, Any]) -> None:
-        room.frame_bytes = frame_bytes
-        await room.keep(response_id, rec, False, "anonymous")
+    record = {"response": {"id": "resp_1"}, "history": [{"role": "user", "content": "x"}] * 100_000, "output": []}
+    blob = pack(record, max_json_bytes=10 * 1024 * 1024)
+    assert blob is not None and len(blob) < 50_000 < len(orjson_dumps(record))  # 3.1 MB of JSON
+    assert unpack(blob, 10 * 1024 * 1024) == record
+    assert pack(record, max_json_bytes=1024 * 1024) is None  # over the bound: not remembered
+    with pytest.raises(ValueError):
+        unpack(blob, 1024 * 1024)  # never inflated past the bound
 
-    asyncio.run(keep("a", 400, record(None, [{"x": 1}])))
-    asyncio.run(keep("b", 100, record("a", [{"x": 1}, {"y": 2}])))  # carries a's 400
-    assert room.costs == {"a": 402, "b": 504} and room.bytes == 906  # "[]" output: 2 bytes
-    asyncio.run(keep("c", 300, record(None, [{"z": 3}])))  # 1208 > 1000: the oldest goes
-    assert list(room.conversations) == ["b", "c"] and room.bytes == 806
-    asyncio.run(keep("d", 5000, record(None, [{"big": 1}])))  # alone over the budget: kept
-    assert list(room.conversations) == ["d"] and room.bytes == 5002
+
+def orjson_dumps(value: Any) -> bytes:
+    import orjson
+
+    return orjson.dumps(value)
 
 
 def test_a_connection_forgets_its_oldest_conversations_past_the_byte_budget(
     server_loop: Any, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """--max-body-bytes 4096: a connection keeps about 8 KiB of conversations; the newest
-    continues, the oldest is gone (previous_response_not_found)."""
+    """--max-body-bytes 4096: a connection keeps about 4 KiB of packed conversations (random
+    text does not compress); the newest continues, the oldest is gone (previous_response_not_found)."""
+    import secrets
+
     gw = start_gateway(server_loop, simulator, tmp_path_factory, max_body_bytes=4096)
     with open_ws(gw) as ws:
-        ids = [exchange(ws, {**QUICK, "generate": False, "input": c * 3000})[0]["response"]["id"] for c in "abc"]
+        ids = [exchange(ws, {**QUICK, "generate": False, "input": secrets.token_urlsafe(2200)})[0]["response"]["id"]
+               for _ in range(3)]
         assert exchange(ws, {**QUICK, "model": "echo", "input": "next", "previous_response_id": ids[-1]})[-1]["type"] == "response.completed"
         error = _closing_error(ws, {**QUICK, "previous_response_id": ids[0]})
     assert error["status"] == 400 and error["error"]["code"] == "previous_response_not_found"
+
+
+def test_ignored_frames_do_not_extend_the_idle_timeout(server_loop: Any, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``response.processed`` every 0.2 s (the gateway answers nothing to it) does not keep a
+    socket with --ws-idle-timeout 1 open: it closes 1000 "idle timeout" about a second after
+    its last answer."""
+    import time
+
+    gw = start_gateway(server_loop, simulator, tmp_path_factory, ws_idle_timeout=1.0)
+    with open_ws(gw) as ws:
+        assert exchange(ws, QUICK)[-1]["type"] == "response.completed"
+        answered = time.monotonic()
+        with pytest.raises(ConnectionClosed) as closed:
+            for _ in range(100):  # 20 s of them, were they enough
+                ws.send(json.dumps({"type": "response.processed", "response_id": "resp_x"}))
+                time.sleep(0.2)
+        lasted = time.monotonic() - answered
+    assert closed.value.rcvd is not None
+    assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (1000, "idle timeout")
+    assert lasted < 10  # closed on the idle timeout, not at the end of the frames
 
 
 # -- connections: how many at once, how long each ---------------------------------------------
@@ -650,3 +692,32 @@ def test_an_idle_connection_past_its_lifetime_is_closed_1001(
     assert closed.value.rcvd is not None
     assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (1001, "max lifetime reached: reconnect")
     _wait_open(gw, 0)
+
+
+def test_keyless_sockets_cannot_take_a_slot_and_each_address_has_its_cap(
+    server_loop: Any, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """With --api-key and 2 slots: 50 upgrades without the key are 401s that hold nothing; the
+    Codex-style client with the key still connects. --ws-max-connections-per-ip 1: a second
+    socket from the same address is a 503 naming the per-address limit, the first serves on."""
+    from websockets.exceptions import InvalidStatus
+
+    key = "sk-ws-slots-0123456789abcdef"
+    gw = start_gateway(server_loop, simulator, tmp_path_factory, api_key=[key], ws_max_connections=2,
+                       ws_max_connections_per_ip=1)
+    for _ in range(50):
+        with pytest.raises(InvalidStatus) as refused:
+            open_ws(gw)
+        assert refused.value.response.status_code == 401
+    assert _open_websockets(gw) == (0, 0)
+    with open_ws(gw, Authorization=f"Bearer {key}") as ws:
+        _wait_open(gw, 1)
+        with pytest.raises(InvalidStatus) as refused:
+            open_ws(gw, Authorization=f"Bearer {key}")
+        response = refused.value.response
+        assert response.status_code == 503 and response.headers["Retry-After"] == "5"
+        assert json.loads(response.body)["error"]["message"].startswith(
+            "the gateway has its limit of 1 Responses WebSocket connections from your address")
+        assert exchange(ws, QUICK)[-1]["type"] == "response.completed"
+    _wait_open(gw, 0)
+    assert _open_websockets(gw)[1] == 1

@@ -151,7 +151,7 @@ def test_settings_api_toggle_lock_conflict_and_secret(server_loop: ServerLoop, s
 
 def test_offline_key_removal_bumps_the_revision_and_keeps_the_store_sound(server_loop: ServerLoop, simulator: Simulator, tmp_path: Path) -> None:
     gateway = gateway_on(server_loop, simulator, tmp_path)
-    put(gateway, {"revision": 0, "changes": {"api_key": ["ck-leaked-9"], "max_collect_bytes": 4096}})
+    put(gateway, {"revision": 0, "changes": {"api_key": ["ck-leaked-client-key-0009"], "max_collect_bytes": 4096}})
     body = {"model": "text", "messages": [{"role": "user", "content": "x"}]}
     assert httpx.post(gateway.base_url + "/chat/completions", json=body).status_code == 401
     result = subprocess.run([sys.executable, "-m", "gateway", "settings", "unset", "api_key", "--data-dir", str(tmp_path)],
@@ -169,19 +169,19 @@ def test_offline_key_removal_bumps_the_revision_and_keeps_the_store_sound(server
 
 
 def test_admin_token_login_cookie_and_origin(server_loop: ServerLoop, simulator: Simulator, tmp_path: Path) -> None:
-    gateway = gateway_on(server_loop, simulator, tmp_path, admin_token="adm-token-123")
+    gateway = gateway_on(server_loop, simulator, tmp_path, admin_token="adm-token-123-of-24-char")
     api = gateway.url + "/admin/api/settings"
     assert httpx.get(api).status_code == 401
     assert httpx.get(api, headers={"authorization": "Bearer wrong"}).status_code == 401
-    assert httpx.get(api, headers={"authorization": "Bearer adm-token-123"}).status_code == 200
+    assert httpx.get(api, headers={"authorization": "Bearer adm-token-123-of-24-char"}).status_code == 200
     assert httpx.post(gateway.url + "/admin/login", json={"token": "nope"}).status_code == 401
-    foreign = httpx.post(gateway.url + "/admin/login", json={"token": "adm-token-123"}, headers={"origin": "http://evil.example"})
+    foreign = httpx.post(gateway.url + "/admin/login", json={"token": "adm-token-123-of-24-char"}, headers={"origin": "http://evil.example"})
     assert foreign.status_code == 403
-    login = httpx.post(gateway.url + "/admin/login", json={"token": "adm-token-123"})
+    login = httpx.post(gateway.url + "/admin/login", json={"token": "adm-token-123-of-24-char"})
     assert login.status_code == 200
     cookie = login.headers["set-cookie"]
     assert "HttpOnly" in cookie and "SameSite=strict" in cookie.replace("Strict", "strict") and "Path=/admin" in cookie
-    assert "adm-token-123" not in cookie
+    assert "adm-token-123-of-24-char" not in cookie
     session = login.cookies["cb2a_admin"]
     jar = {"cb2a_admin": session}
     assert httpx.get(api, cookies=jar).status_code == 200
@@ -194,3 +194,17 @@ def test_admin_token_login_cookie_and_origin(server_loop: ServerLoop, simulator:
     assert httpx.get(gateway.url + "/admin/api/settings/history", cookies=jar).json()["history"][0]["actor"] == "admin-session"
     forged = {"cb2a_admin": session.split(".")[0] + ".deadbeef"}
     assert httpx.get(api, cookies=forged).status_code == 401
+
+
+def test_a_saved_client_key_under_the_minimum_locks_v1_instead_of_opening_it(tmp_path: Path) -> None:
+    """Keys saved before the 16-character minimum existed: the long ones stay, and when
+    none is left one random key nobody holds keeps /v1 closed (401), never open."""
+    db = tmp_path / "s.sqlite3"
+    saved = SavedSettings(Database(db))
+    saved.write(0, {"api_key": ["short"]}, [], "test")
+    live = live_on(db)
+    assert len(live.current.api_key) == 1
+    assert live.current.api_key[0].get_secret_value() != "short"
+    saved.write(1, {"api_key": ["short", "a-client-key-long-enough-0001"]}, [], "test")
+    live = live_on(db)
+    assert [k.get_secret_value() for k in live.current.api_key] == ["a-client-key-long-enough-0001"]

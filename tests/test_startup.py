@@ -60,8 +60,8 @@ def one_line_refusal(result: subprocess.CompletedProcess[str]) -> str:
 
 def test_banner_names_version_urls_mode_upstreams_store_and_auth(tmp_path: Path) -> None:
     settings = Settings(
-        host="0.0.0.0", port=9000, upstream_url=["http://gpu-1:8000/v1"], api_key=[SecretStr("client-secret")],
-        admin_token=SecretStr("admin-secret"), stream_mode="realtime", data_dir=tmp_path,
+        host="0.0.0.0", port=9000, upstream_url=["http://gpu-1:8000/v1"], api_key=[SecretStr("client-secret-key-0001")],
+        admin_token=SecretStr("admin-secret-token-0001"), stream_mode="realtime", data_dir=tmp_path,
         database_url=SecretStr("postgresql://app:pg-password@db.internal:5433/gw"),
     )
     upstreams = [Upstream("upstream", "http://gpu-1:8000/v1"), Upstream("mapped", "https://user:pw@api.example.com/v1", model_map={"qwen": "Qwen/Qwen2.5"})]
@@ -73,7 +73,7 @@ def test_banner_names_version_urls_mode_upstreams_store_and_auth(tmp_path: Path)
                      "1 client key(s) required", "admin token required"):
         assert expected in text, expected
     assert "SIMULATOR" not in text and not facts["simulator"]
-    for secret in ("client-secret", "admin-secret", "pg-password", "user:pw"):
+    for secret in ("client-secret-key-0001", "admin-secret-token-0001", "pg-password", "user:pw"):
         assert secret not in text and secret not in json.dumps(facts)
 
 
@@ -129,9 +129,9 @@ def test_serve_prints_the_banner_at_warning_level_and_marks_simulator_answers(tm
     assert banner["simulator"] is True and banner["listen_url"] == f"http://127.0.0.1:{port}"
     assert banner["webui_url"] == f"http://127.0.0.1:{port}/ui/" and banner["stream_mode"] == "compatible"
     assert banner["store"] == f"SQLite {tmp_path / 'codebuddy2api.sqlite3'}"
-    # no --admin-token: the one-time login URL is in the banner, and nowhere else
-    token = banner["admin_login_url"].removeprefix(f"http://127.0.0.1:{port}/ui/?token=")
-    assert token and "/" not in token and stderr.count(token) == 1
+    # no --admin-token: the one-time login URL is in its 0600 file, and nowhere on stderr
+    token = Path(banner["admin_login_file"]).read_text().strip().removeprefix(f"http://127.0.0.1:{port}/ui/?token=")
+    assert token and "/" not in token and stderr.count(token) == 0 and banner["admin_token_prefix"] == token[:6] + "..."
     assert [e for e in events if e.get("level") == "info" and e.get("event") != "startup"] == []
 
 
@@ -187,7 +187,7 @@ def test_banner_is_plain_text_on_a_terminal(tmp_path: Path) -> None:
 
 
 def test_non_loopback_bind_without_upstream_is_refused() -> None:
-    line = one_line_refusal(run_cli("serve", "--host", "0.0.0.0", "--api-key", "k", "--port", "1"))
+    line = one_line_refusal(run_cli("serve", "--host", "0.0.0.0", "--api-key", "a-client-key-of-24-chars", "--port", "1"))
     assert "no upstream configured" in line and "--upstream-url" in line and "--simulator" in line
 
 
@@ -386,7 +386,7 @@ def test_credentials_added_in_the_webui_count_as_an_upstream(tmp_path: Path) -> 
     db.close()
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve", "--host", "0.0.0.0", "--port", str(port), "--api-key", "client-key",
+        [sys.executable, "-m", "gateway", "serve", "--host", "0.0.0.0", "--port", str(port), "--api-key", "client-key-of-24-chars-01",
          "--data-dir", str(tmp_path), "--log-level", "error"],
         env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )

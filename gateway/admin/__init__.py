@@ -1,7 +1,7 @@
 """The admin JSON API under ``/admin/api`` (used by the WebUI), behind one access guard.
 
 Every admin route is mounted by :func:`admin_mount`, so access control lives in one place:
-:class:`AdminGuard`, which asks :func:`gateway.admin.auth.check_admin` (the admin token,
+:class:`AdminGuard`, which asks :func:`gateway.admin.auth.guarded_check` (the admin token,
 configured or generated at start-up, or the WebUI session cookie). Host, Origin and
 content-type are checked before that, for the whole admin surface, by
 :class:`gateway.admin.surface.AdminSurface`.
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Mount
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admin.audit_api import audit_routes
-from gateway.admin.auth import auth_routes, check_admin
+from gateway.admin.auth import auth_routes, guarded_check
 from gateway.admin.capture_api import capture_routes
 from gateway.admin.credentials_api import credential_routes
 from gateway.admin.envelope_keys_api import envelope_key_routes
@@ -35,7 +35,11 @@ class AdminGuard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             request = Request(scope)
-            allowed, actor, reason = check_admin(request)
+            checked = guarded_check(request)  # a 429 while this client must wait before a token attempt
+            if isinstance(checked, Response):
+                await checked(scope, receive, send)
+                return
+            allowed, actor, reason = checked
             if not allowed:
                 status = 403 if "origin" in reason else 401
                 kind = "permission_error" if status == 403 else "authentication_error"

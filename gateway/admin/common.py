@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 409: "invalid_request_error", 413: "invalid_request_error",
-               415: "invalid_request_error"}
+               415: "invalid_request_error", 429: "rate_limit_error"}
 
 
 def admin_error(status: int, code: str, message: str, param: str | None = None, **extra: Any) -> JSONResponse:

@@ -14,6 +14,7 @@ from gateway.admin.common import BAD_BODY, NotAnObject, admin_error, json_object
 from gateway.store import audit
 
 from gateway.upstream.pool import Credential, Upstream, UpstreamPool
+from gateway.upstream.urls import UpstreamURLError, check_upstream_url
 
 
 def _pool(request: Request) -> UpstreamPool:
@@ -41,10 +42,15 @@ async def add_credential(request: Request) -> Response:
         return admin_error(400, *BAD_BODY)
     base_url, api_key = payload.get("base_url"), payload.get("api_key")
     name = payload.get("upstream") or "admin"
-    if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
-        return admin_error(400, "invalid_value", "base_url must be an http(s) URL ending in /v1", "base_url")
-    if api_key is not None and (not isinstance(api_key, str) or not api_key):
-        return admin_error(400, "invalid_value", "api_key must be a non-empty string", "api_key")
+    try:  # the same check as --upstream-url (gateway.upstream.urls), and the path must end in /v1
+        check_upstream_url(base_url, request.app.state.live.current.allow_upstream_host, require_v1=True)
+    except UpstreamURLError as exc:
+        return admin_error(400, "invalid_upstream_url", str(exc), "base_url")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key or not api_key.isprintable()
+                                or any(c.isspace() for c in api_key)):
+        return admin_error(400, "invalid_value", "api_key must be a non-empty string without spaces or control characters", "api_key")
+    if not isinstance(name, str) or not name.isprintable():
+        return admin_error(400, "invalid_value", "upstream must be a printable string", "upstream")
     pool = _pool(request)
     upstream = next((c.upstream for c in pool.credentials if c.upstream.name == name and c.upstream.base_url == base_url), None)
     credential = Credential(upstream or Upstream(str(name), base_url), api_key)

@@ -56,6 +56,7 @@ from gateway.stream.events import (
     Event,
     Finish,
     Keepalive,
+    TokenLogprobs,
     Usage,
 )
 
@@ -114,6 +115,15 @@ class _Tool(BaseModel):
     function: _FunctionDef
 
 
+class _LegacyFunction(BaseModel):
+    """A legacy ``functions[]`` entry (the deprecated predecessor of ``tools``)."""
+
+    model_config = ConfigDict(extra="allow")
+    name: Name
+    description: StrictStr | None = None
+    parameters: ObjectSchema | None = None
+
+
 class _StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: StrictBool = False
@@ -152,6 +162,9 @@ class _ChatBody(BaseModel):
     tools: list[_Tool] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
+    functions: list[_LegacyFunction] | None = None  # legacy; answered as message.function_call
+    function_call: StrictStr | dict[str, Any] | None = None
+    modalities: list[StrictStr] | None = None
     # sampling and limits (OpenAI's ranges)
     max_tokens: OutputTokens | None = None
     max_completion_tokens: OutputTokens | None = None
@@ -180,7 +193,36 @@ class _ChatBody(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+def _legacy_rules(body: _ChatBody) -> ToolRules:
+    """``functions`` + ``function_call``: one call at most, answered in the legacy shape."""
+    declared = frozenset(f.name for f in body.functions or ())
+    choice: str = "auto"
+    if isinstance(body.function_call, str):
+        if body.function_call not in ("auto", "none"):
+            raise invalid_request("function_call must be 'auto', 'none' or {\"name\": ...}", param="function_call")
+        choice = body.function_call
+    elif isinstance(body.function_call, dict):
+        name = body.function_call.get("name")
+        if not isinstance(name, str) or name not in declared:
+            raise invalid_request("function_call.name must name a declared function", param="function_call")
+        choice = name
+    return ToolRules(declared=declared, choice=choice, parallel=False)
+
+
+def _legacy_to_tools(upstream: dict[str, Any]) -> None:
+    """Legacy ``functions``/``function_call`` -> ``tools``/``tool_choice`` in the upstream
+    body (servers such as vLLM know only tools); the answer goes back in the legacy shape."""
+    upstream["tools"] = [{"type": "function", "function": f} for f in upstream.pop("functions")]
+    choice = upstream.pop("function_call", None)
+    if isinstance(choice, dict):
+        upstream["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    elif isinstance(choice, str):
+        upstream["tool_choice"] = choice
+
+
 def _tool_rules(body: _ChatBody) -> ToolRules:
+    if body.functions and not body.tools:
+        return _legacy_rules(body)
     declared = frozenset(t.function.name for t in body.tools or ())
     choice: str = "auto"
     if isinstance(body.tool_choice, str):
@@ -206,6 +248,8 @@ class ChatFacts:
     """What the Chat encoder needs beyond the upstream body."""
 
     include_usage: bool = False  # stream_options.include_usage: a usage chunk before [DONE]
+    logprobs: bool = False  # the client asked for logprobs: relay the upstream's
+    legacy_functions: bool = False  # the client sent ``functions``: answer ``function_call``
 
 
 class ChatRoom:
@@ -226,8 +270,23 @@ class ChatRoom:
                 param="n",
                 code="n_not_supported",
             )
+        if "audio" in (parsed.modalities or ()) or raw.get("audio") is not None:
+            raise invalid_request(
+                "audio output is not supported by this gateway (its answers carry text only)",
+                param="modalities" if "audio" in (parsed.modalities or ()) else "audio",
+                code="audio_not_supported",
+            )
+        if parsed.functions and parsed.tools:
+            raise invalid_request("send either tools or the legacy functions, not both", param="functions")
         upstream = {k: v for k, v in raw.items() if k not in ("stream", "stream_options", "n")}
+        if parsed.functions and not parsed.tools:
+            _legacy_to_tools(upstream)
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+        facts = ChatFacts(
+            include_usage=include_usage,
+            logprobs=parsed.logprobs is True,
+            legacy_functions=bool(parsed.functions) and not parsed.tools,
+        )
         return ParsedRequest(
             tenant=tenant,
             protocol=self.name,
@@ -235,7 +294,7 @@ class ChatRoom:
             stream=parsed.stream,
             upstream_body=upstream,
             rules=_tool_rules(parsed),
-            facts=ChatFacts(include_usage=include_usage),
+            facts=facts,
         )
 
     def new_response_id(self) -> str:
@@ -248,18 +307,27 @@ class ChatRoom:
         return None
 
     def encoder(self, request: ParsedRequest, response_id: str) -> ChatEncoder:
-        return ChatEncoder(response_id, request.model, request.facts.include_usage)
+        facts: ChatFacts = request.facts
+        return ChatEncoder(response_id, request.model, facts.include_usage, facts.logprobs, facts.legacy_functions)
 
     def json_body(self, request: ParsedRequest, response_id: str, completion: Completion) -> dict:
+        facts: ChatFacts = request.facts
         message = assistant_message(completion)
+        finish: str = completion.finish_reason
+        if facts.legacy_functions and completion.tool_calls:
+            call = completion.tool_calls[0]  # the rules allow one
+            del message["tool_calls"]
+            message["function_call"] = {"name": call.name, "arguments": call.arguments}
+            finish = "function_call"
+        logprobs = None
+        if facts.logprobs and completion.token_data is not None and completion.token_data.logprobs:
+            logprobs = {"content": [token_logprob(e) for e in completion.token_data.logprobs], "refusal": None}
         body: dict[str, Any] = {
             "id": response_id,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": request.model,
-            "choices": [
-                {"index": 0, "message": message, "finish_reason": completion.finish_reason, "logprobs": None}
-            ],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
         }
         body["usage"] = usage_json(completion.usage or Usage())
         return body
@@ -268,19 +336,37 @@ class ChatRoom:
         return error_json(error)
 
 
-class ChatEncoder:
-    """Canonical events -> ``chat.completion.chunk`` frames; one id for the stream."""
+def token_logprob(entry: dict[str, Any]) -> dict[str, Any]:
+    """An upstream ``logprobs.content`` entry in the shape the SDK's type requires
+    (``bytes`` and ``top_logprobs`` present; vLLM and llama.cpp may leave them out)."""
+    out = {"token": str(entry.get("token", "")), "logprob": entry.get("logprob", 0.0), "bytes": entry.get("bytes")}
+    out["top_logprobs"] = [
+        {"token": str(t.get("token", "")), "logprob": t.get("logprob", 0.0), "bytes": t.get("bytes")}
+        for t in entry.get("top_logprobs") or () if isinstance(t, dict)
+    ]
+    return out
 
-    def __init__(self, response_id: str, model: str, include_usage: bool) -> None:
+
+class ChatEncoder:
+    """Canonical events -> ``chat.completion.chunk`` frames; one id for the stream.
+
+    ``legacy_functions``: the client declared ``functions``; its one call is sent as
+    ``delta.function_call`` and the answer ends ``function_call``."""
+
+    def __init__(
+        self, response_id: str, model: str, include_usage: bool, logprobs: bool = False, legacy_functions: bool = False
+    ) -> None:
         self.include_usage = include_usage
+        self.logprobs = logprobs
+        self.legacy_functions = legacy_functions
         self._tool_ordinal: dict[int, int] = {}  # block index -> tool_calls[].index
         self._prefix = (
             b'{"id":' + dumps(response_id) + b',"object":"chat.completion.chunk","created":'
             + str(int(time.time())).encode() + b',"model":' + dumps(model)
         )
 
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
-        choice = dumps({"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None})
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None) -> bytes:
+        choice = dumps({"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs})
         return b"data: " + self._prefix + b',"choices":[' + choice + b"]}\n\n"
 
     def start(self) -> bytes:
@@ -292,11 +378,17 @@ class ChatEncoder:
                 return self._chunk({"content": event.text})
             if event.kind == "reasoning":
                 return self._chunk({"reasoning_content": event.text})
+            if event.kind == "refusal":
+                return self._chunk({"refusal": event.text})
+            if self.legacy_functions:
+                return self._chunk({"function_call": {"arguments": event.text}})
             ordinal = self._tool_ordinal[event.index]
             return self._chunk({"tool_calls": [{"index": ordinal, "function": {"arguments": event.text}}]})
         if isinstance(event, BlockStart):
             if event.kind != "tool":
                 return b""
+            if self.legacy_functions:
+                return self._chunk({"function_call": {"name": event.name, "arguments": ""}})
             ordinal = self._tool_ordinal[event.index] = len(self._tool_ordinal)
             call = {
                 "index": ordinal,
@@ -305,8 +397,13 @@ class ChatEncoder:
                 "function": {"name": event.name, "arguments": ""},
             }
             return self._chunk({"tool_calls": [call]})
+        if isinstance(event, TokenLogprobs):
+            if not self.logprobs or not event.entries:
+                return b""
+            return self._chunk({}, logprobs={"content": [token_logprob(e) for e in event.entries], "refusal": None})
         if isinstance(event, Finish):
-            out = self._chunk({}, event.finish_reason)
+            finish = "function_call" if self.legacy_functions and event.finish_reason == "tool_calls" else event.finish_reason
+            out = self._chunk({}, finish)
             if self.include_usage:
                 usage = dumps(usage_json(event.usage or Usage()))
                 out += b"data: " + self._prefix + b',"choices":[],"usage":' + usage + b"}\n\n"

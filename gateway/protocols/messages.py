@@ -65,6 +65,7 @@ PING = sse(b'{"type":"ping"}', "ping")
 _BLOCK_SHAPES: dict[str, tuple[str, str]] = {  # kind -> (delta type, delta field)
     "reasoning": ("thinking_delta", "thinking"),
     "text": ("text_delta", "text"),
+    "refusal": ("text_delta", "text"),  # Messages has no refusal block: text, stop_reason "refusal"
     "tool": ("input_json_delta", "partial_json"),
 }
 
@@ -93,11 +94,28 @@ def usage_json(usage: Usage | None, estimate_in: Callable[[], int], estimate_out
     }
     if usage.cached_tokens:
         out["cache_read_input_tokens"] = usage.cached_tokens
+    written = usage.prompt_details.get("cache_write_tokens", 0)
+    if written:  # OpenAI-style upstreams that report cache writes (prompt_tokens_details)
+        out["cache_creation_input_tokens"] = written
+        out["input_tokens"] = max(0, out["input_tokens"] - written)
     if usage.reasoning_tokens:
         out["output_tokens_details"] = {
             "thinking_tokens": min(usage.reasoning_tokens, usage.completion_tokens)
         }
     return out
+
+
+def stop_fields(
+    finish_reason: str, stop_sequence: str | None, declared: tuple[str, ...], refused: bool = False
+) -> dict[str, Any]:
+    """``stop_reason`` + ``stop_sequence``: ``stop_sequence`` when the upstream named one of
+    the client's ``stop_sequences`` as the match (vLLM ``stop_reason``, SGLang ``matched_stop``);
+    ``refusal`` when the model refused (an upstream ``refusal``)."""
+    if refused and finish_reason == "stop":
+        return {"stop_reason": "refusal", "stop_sequence": None}
+    if finish_reason == "stop" and stop_sequence is not None and stop_sequence in declared:
+        return {"stop_reason": "stop_sequence", "stop_sequence": stop_sequence}
+    return {"stop_reason": STOP_REASONS[finish_reason], "stop_sequence": None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +129,7 @@ class MessagesFacts:
 
     input_estimate: int = 0
     dropped_tools: tuple[str, ...] = ()  # server tools the gateway cannot run, left out
+    stop_sequences: tuple[str, ...] = ()  # the client's, to name the one that matched
 
 
 def _input_counter(request: ParsedRequest[MessagesFacts]) -> Callable[[], int]:
@@ -134,7 +153,11 @@ class MessagesRoom:
             stream=t.stream,
             upstream_body=t.body,
             rules=t.rules,
-            facts=MessagesFacts(input_estimate=quick_token_estimate(t.body), dropped_tools=tuple(t.dropped_tools)),
+            facts=MessagesFacts(
+                input_estimate=quick_token_estimate(t.body),
+                dropped_tools=tuple(t.dropped_tools),
+                stop_sequences=tuple(t.body.get("stop") or ()),
+            ),
         )
 
     def new_response_id(self) -> str:
@@ -149,14 +172,17 @@ class MessagesRoom:
         return None
 
     def encoder(self, request: ParsedRequest, response_id: str) -> MessagesEncoder:
-        return MessagesEncoder(response_id, request.model, request.facts.input_estimate, _input_counter(request))
+        facts: MessagesFacts = request.facts
+        return MessagesEncoder(
+            response_id, request.model, facts.input_estimate, _input_counter(request), facts.stop_sequences
+        )
 
     def json_body(self, request: ParsedRequest, response_id: str, completion: Completion) -> dict:
         content: list[dict[str, Any]] = []
         for run in completion.runs():  # thinking and text blocks in the upstream's order
             if run.kind == "reasoning":
                 content.append({"type": "thinking", "thinking": run.text, "signature": SIGNATURE})
-            else:
+            else:  # text, or a refusal (said as text; stop_reason "refusal")
                 content.append({"type": "text", "text": run.text})
         for call in completion.tool_calls:
             content.append(
@@ -177,8 +203,9 @@ class MessagesRoom:
             "role": "assistant",
             "model": request.model,
             "content": content,
-            "stop_reason": STOP_REASONS[completion.finish_reason],
-            "stop_sequence": None,
+            **stop_fields(
+                completion.finish_reason, completion.stop_sequence, request.facts.stop_sequences, bool(completion.refusal)
+            ),
             "usage": usage_json(
                 completion.usage, _input_counter(request), estimate_out
             ),
@@ -191,12 +218,21 @@ class MessagesRoom:
 class MessagesEncoder:
     """Canonical events -> Messages SSE frames; one id; nothing after a terminal frame."""
 
-    def __init__(self, response_id: str, model: str, input_estimate: int, input_tokens: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        input_estimate: int,
+        input_tokens: Callable[[], int],
+        stop_sequences: tuple[str, ...] = (),
+    ) -> None:
         self.response_id = response_id
+        self.stop_sequences = stop_sequences
         self.model = model
         self.input_estimate = input_estimate
         self.input_tokens = input_tokens
         self._outputs: list[str] = []  # block contents, counted only if the upstream gives no usage
+        self._refused = False  # a refusal block was sent: stop_reason "refusal"
         self._ended = False
 
     def start(self) -> bytes:
@@ -229,7 +265,8 @@ class MessagesEncoder:
             block: dict[str, Any]
             if event.kind == "reasoning":
                 block = {"type": "thinking", "thinking": "", "signature": SIGNATURE}
-            elif event.kind == "text":
+            elif event.kind in ("text", "refusal"):
+                self._refused = self._refused or event.kind == "refusal"
                 block = {"type": "text", "text": ""}
             else:
                 block = {"type": "tool_use", "id": event.call_id, "name": event.name, "input": {}}
@@ -243,7 +280,7 @@ class MessagesEncoder:
         if isinstance(event, Finish):
             delta = {
                 "type": "message_delta",
-                "delta": {"stop_reason": STOP_REASONS[event.finish_reason], "stop_sequence": None},
+                "delta": stop_fields(event.finish_reason, event.stop_sequence, self.stop_sequences, self._refused),
                 "usage": usage_json(event.usage, self.input_tokens, lambda: sum(map(count_text, self._outputs))),
             }
             self._ended = True  # only once the frames exist: a failure above still gets its error event

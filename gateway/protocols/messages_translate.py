@@ -321,6 +321,11 @@ def _tools(tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]
         if description is not None:
             function["description"] = _str_field(tool, "description", param)
         function["parameters"] = schema
+        strict = tool.get("strict")
+        if strict is not None:
+            if not isinstance(strict, bool):
+                raise _bad(f"{param}.strict must be a boolean", f"{param}.strict", "invalid_type")
+            function["strict"] = strict
         functions.append({"type": "function", "function": function})
     return functions, dropped
 
@@ -361,6 +366,18 @@ def _tool_choice(choice: dict[str, Any] | None, declared: frozenset[str]) -> tup
         "tool_choice.type",
         "invalid_value",
     )
+
+
+def response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``output_config.format`` (the SDK's ``messages.parse``) -> Chat ``response_format``."""
+    fmt = (output_config or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise _bad("output_config.format.type must be 'json_schema'", "output_config.format.type", "invalid_value")
+    schema = fmt.get("schema")
+    check_object_schema(schema, "output_config.format.schema")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema, "strict": True}}
 
 
 def reasoning_effort(
@@ -430,6 +447,9 @@ def translate(body: bytes, *, count_only: bool = False) -> Translation:
     effort = reasoning_effort(parsed.thinking, parsed.output_config)
     if effort is not None:
         upstream["reasoning_effort"] = effort
+    fmt = response_format(parsed.output_config)
+    if fmt is not None:
+        upstream["response_format"] = fmt
     rules = ToolRules(
         declared=declared, choice=rule_choice if functions else "auto", parallel=parallel
     )

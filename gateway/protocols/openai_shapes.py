@@ -42,8 +42,8 @@ def usage_json(usage: Usage) -> dict[str, Any]:
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
-        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {**usage.completion_details, "reasoning_tokens": usage.reasoning_tokens},
+        "prompt_tokens_details": {**usage.prompt_details, "cached_tokens": usage.cached_tokens},
     }
 
 
@@ -52,6 +52,8 @@ def assistant_message(completion: Completion) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": completion.text or None}
     if completion.reasoning:
         message["reasoning_content"] = completion.reasoning
+    if completion.refusal:
+        message["refusal"] = completion.refusal
     if completion.tool_calls:
         message["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}

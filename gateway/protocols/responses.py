@@ -25,6 +25,7 @@ from gateway.protocols.responses_compaction import (
 from gateway.protocols.responses_encoder import (
     ResponsesEncoder,
     message_item,
+    output_logprobs,
     new_id,
     reasoning_item,
     response_object,
@@ -69,6 +70,7 @@ def _echo(raw: dict[str, Any], body: Any) -> dict[str, Any]:
         "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
         "tools": tools,
         "top_p": body.top_p,
+        "top_logprobs": body.top_logprobs,
         "truncation": truncation if truncation in _TRUNCATION else "disabled",
         "user": body.user,
     }
@@ -92,6 +94,7 @@ class ResponsesFacts:
     dropped_tools: tuple[str, ...] = ()
     resolved: bool = False  # previous_response_id already prepended
     compaction: bool = False  # a compaction turn: the answer is one compaction item
+    logprobs: bool = False  # include message.output_text.logprobs
 
 
 class ResponseStorage(Protocol):
@@ -136,6 +139,7 @@ class ResponsesRoom:
                 history=tuple(t.input_messages),
                 dropped_tools=tuple(t.dropped_tools),
                 compaction=t.compaction,
+                logprobs=t.include_logprobs,
             ),
         )
 
@@ -213,6 +217,7 @@ class ResponsesRoom:
             envelope=facts.envelope,
             compaction=facts.compaction,
             tenant=request.tenant,
+            logprobs=facts.logprobs,
         )
 
     def json_body(self, request: ParsedRequest[ResponsesFacts], response_id: str, completion: Completion) -> dict:
@@ -240,11 +245,14 @@ class ResponsesRoom:
         if facts.compaction:
             output.append(compaction_item(completion.text, request.tenant))
         else:
+            logprobs = output_logprobs(completion) if facts.logprobs else []
             for run in completion.runs():  # reasoning and message items in the upstream's order
                 if run.kind == "reasoning":
                     output.append(reasoning_item(new_id("rs_"), run.text, request.tenant if facts.envelope else None))
                 else:
-                    output.append(message_item(new_id("msg_"), run.text, "completed"))
+                    refusal = run.kind == "refusal"
+                    output.append(message_item(new_id("msg_"), run.text, "completed", refusal, logprobs))
+                    logprobs = logprobs if refusal else []  # all on the first text part, as streamed
         for call in completion.tool_calls:
             item_id = new_id("fc_" if call.name not in facts.tool_map.kinds else "ctc_")
             output.append(

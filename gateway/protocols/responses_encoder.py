@@ -26,10 +26,12 @@ from gateway.stream.events import (
     BlockDelta,
     BlockStart,
     BlockStop,
+    Completion,
     Error,
     Event,
     Finish,
     Keepalive,
+    TokenLogprobs,
     Usage,
 )
 
@@ -40,19 +42,46 @@ def usage_object(usage: Usage | None) -> dict[str, Any]:
     u = usage or Usage()
     return {
         "input_tokens": u.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
+        "input_tokens_details": {
+            "cached_tokens": u.cached_tokens, "cache_write_tokens": u.prompt_details.get("cache_write_tokens", 0)
+        },
         "output_tokens": u.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
         "total_tokens": u.total_tokens,
     }
 
 
-def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
-    content = (
-        []
-        if text is None
-        else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-    )
+def content_part(text: str, refusal: bool, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A message's one content part: ``output_text``, or ``refusal`` (what ``responses.parse``
+    reports instead of parsing)."""
+    if refusal:
+        return {"type": "refusal", "refusal": text}
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def logprob_object(entry: dict[str, Any]) -> dict[str, Any]:
+    """An upstream Chat ``logprobs.content`` entry as a Responses ``Logprob`` (its ``bytes``
+    are required: the token's UTF-8 when the upstream left them out)."""
+
+    def one(e: dict[str, Any]) -> dict[str, Any]:
+        token = str(e.get("token", ""))
+        raw = e.get("bytes")
+        return {"token": token, "bytes": raw if isinstance(raw, list) else list(token.encode()), "logprob": e.get("logprob", 0.0)}
+
+    tops = [one(t) for t in entry.get("top_logprobs") or () if isinstance(t, dict)]
+    return {**one(entry), "top_logprobs": tops}
+
+
+def output_logprobs(completion: Completion) -> list[dict[str, Any]]:
+    """The answer's logprobs as the JSON answer's output_text shows them."""
+    entries = completion.token_data.logprobs if completion.token_data is not None else []
+    return [logprob_object(e) for e in entries]
+
+
+def message_item(
+    item_id: str, text: str | None, status: str, refusal: bool = False, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    content = [] if text is None else [content_part(text, refusal, logprobs)]
     return {
         "id": item_id,
         "type": "message",
@@ -198,7 +227,14 @@ class ResponsesEncoder:
     (the Response and its sequence numbers are a :class:`StreamedResponse`)."""
 
     def __init__(
-        self, response_id: str, *, echo: dict[str, Any], tool_map: ToolMap, envelope: bool, compaction: bool,
+        self,
+        response_id: str,
+        *,
+        echo: dict[str, Any],
+        tool_map: ToolMap,
+        envelope: bool,
+        compaction: bool,
+        logprobs: bool = False,
         tenant: Tenant = ANONYMOUS_TENANT,
     ) -> None:
         self.response = StreamedResponse(response_id, echo)
@@ -213,6 +249,11 @@ class ResponsesEncoder:
         self._pending: set[int] = set()  # client-executed tool calls not yet announced
         self._custom: dict[int, CustomInputStream] = {}  # open custom calls' decoded input
         self._open: int | None = None
+        self._refusals: set[int] = set()  # output indexes of refusal messages
+        #: include message.output_text.logprobs: entries ride on the next output_text delta
+        self.logprobs = logprobs
+        self._logprobs_waiting: list[dict[str, Any]] = []
+        self._part_logprobs: dict[int, list[dict[str, Any]]] = {}  # output index -> its part's
         self.final: dict[str, Any] | None = None
 
     def start(self) -> bytes:
@@ -234,6 +275,10 @@ class ResponsesEncoder:
             return self._start(event)
         if isinstance(event, BlockStop):
             return self._stop(event.index, event.content, "completed")
+        if isinstance(event, TokenLogprobs):
+            if self.logprobs:
+                self._logprobs_waiting.extend(logprob_object(e) for e in event.entries)
+            return b""
         if isinstance(event, Keepalive):
             return self._event("response.in_progress", {"response": self.response.snapshot("in_progress")})
         if isinstance(event, Finish):
@@ -268,9 +313,11 @@ class ResponsesEncoder:
         index = event.index
         self._open = index
         self._parts[index] = []
-        if event.kind == "text":
+        if event.kind in ("text", "refusal"):
             item = message_item(new_id("msg_"), None, "in_progress")
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            if event.kind == "refusal":
+                self._refusals.add(index)
+            part = content_part("", event.kind == "refusal")
             return out + self._added_with_part(index, item, "response.content_part.added", "content_index", part)
         if event.kind == "reasoning":
             item = reasoning_item(new_id("rs_"), None, None)
@@ -316,10 +363,13 @@ class ResponsesEncoder:
             if not new:
                 return b""
             return self._event("response.custom_tool_call_input.delta", {**where, "delta": new})
+        if item["type"] == "message" and index in self._refusals:
+            return self._event("response.refusal.delta", {**where, "content_index": 0, "delta": text})
         if item["type"] == "message":
+            logprobs = self._take_logprobs(index)
             return self._event(
                 "response.output_text.delta",
-                {**where, "content_index": 0, "delta": text, "logprobs": []},
+                {**where, "content_index": 0, "delta": text, "logprobs": logprobs},
             )
         if item["type"] == "reasoning":
             return self._event(
@@ -327,6 +377,13 @@ class ResponsesEncoder:
                 {**where, "summary_index": 0, "delta": text},
             )
         return self._event("response.function_call_arguments.delta", {**where, "delta": text})
+
+    def _take_logprobs(self, index: int) -> list[dict[str, Any]]:
+        """The logprobs waiting for output, now the text part at ``index``'s."""
+        taken, self._logprobs_waiting = self._logprobs_waiting, []
+        if taken:
+            self._part_logprobs.setdefault(index, []).extend(taken)
+        return taken
 
     def _close_open(self, status: str) -> bytes:
         if self._open is None:
@@ -347,16 +404,23 @@ class ResponsesEncoder:
         text = "".join(self._parts[index])
         item = self.response.items[index]
         where = {"item_id": item["id"], "output_index": index}
-        if item["type"] == "message":
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        if item["type"] == "message" and index in self._refusals:
+            part = content_part(text, True)
+            out += self._event("response.refusal.done", {**where, "content_index": 0, "refusal": text})
+            out += self._event("response.content_part.done", {**where, "content_index": 0, "part": part})
+            final = message_item(item["id"], text, status, refusal=True)
+        elif item["type"] == "message":
+            self._take_logprobs(index)  # any that came after the last delta belong to this part
+            logprobs = self._part_logprobs.get(index, [])
+            part = content_part(text, False, logprobs)
             out += self._event(
                 "response.output_text.done",
-                {**where, "content_index": 0, "text": text, "logprobs": []},
+                {**where, "content_index": 0, "text": text, "logprobs": logprobs},
             )
             out += self._event(
                 "response.content_part.done", {**where, "content_index": 0, "part": part}
             )
-            final = message_item(item["id"], text, status)
+            final = message_item(item["id"], text, status, logprobs=logprobs)
         elif item["type"] == "reasoning":
             part = {"type": "summary_text", "text": text}
             out += self._event(

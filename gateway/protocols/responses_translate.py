@@ -28,6 +28,7 @@ from gateway.protocols.responses_tools import ToolMap, upstream_tool_choice, ups
 from gateway.protocols.responses_compaction import COMPACTION_ITEMS, SUMMARY_PROMPT, replayed_summary
 from gateway.protocols.fields import (
     MAX_NAME_CHARS,
+    Count,
     Name,
     OutputTokens,
     Probability,
@@ -51,6 +52,10 @@ def open_reasoning(value: object, tenant: Tenant, param: str | None = None) -> s
     return tenant.open("r", value, param, legacy=True)
 
 
+#: The ``include`` value that asks for the output text's token logprobs.
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
 class _ResponsesBody(BaseModel):
     """The keys the gateway must understand; the rest is accepted and ignored."""
 
@@ -69,6 +74,7 @@ class _ResponsesBody(BaseModel):
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
     include: list[StrictStr] | None = None
+    top_logprobs: Count | None = None
     previous_response_id: StrictStr | None = None
     metadata: dict[str, StrictStr] | None = None
     user: StrictStr | None = None
@@ -97,6 +103,7 @@ class Translation:
     dropped_tools: list[str]
     include_reasoning_envelope: bool
     compaction: bool = False  # a compaction turn: answer with one compaction item
+    include_logprobs: bool = False  # include: message.output_text.logprobs
 
 
 def parse_body(raw: dict[str, Any]) -> _ResponsesBody:
@@ -116,6 +123,12 @@ def parse_body(raw: dict[str, Any]) -> _ResponsesBody:
                 param=key,
                 code=f"{key}_not_supported",
             )
+    if raw.get("background") is True:
+        raise invalid_request(
+            "background responses are not supported by this gateway: stream the response, or wait for it",
+            param="background",
+            code="background_not_supported",
+        )
     if body.input is None and body.previous_response_id is None:
         raise invalid_request(
             "missing required parameter: 'input'", param="input", code="missing_required_parameter"
@@ -151,6 +164,7 @@ def translate(raw: dict[str, Any], compaction: bool = False, tenant: Tenant = AN
         dropped_tools=dropped,
         include_reasoning_envelope=not compaction and "reasoning.encrypted_content" in (body.include or []),
         compaction=compaction,
+        include_logprobs=not compaction and LOGPROBS_INCLUDE in (body.include or []),
     )
 
 
@@ -184,6 +198,18 @@ def _answer_upstream(
     response_format = _response_format(body.text)
     if response_format is not None:
         upstream["response_format"] = response_format
+    if LOGPROBS_INCLUDE in (body.include or []):
+        upstream["logprobs"] = True
+        if body.top_logprobs is not None:
+            upstream["top_logprobs"] = body.top_logprobs
+    verbosity = (body.text or {}).get("verbosity")
+    if verbosity is not None:
+        if verbosity not in ("low", "medium", "high"):
+            raise invalid_request(
+                "text.verbosity must be 'low', 'medium' or 'high'", param="text.verbosity", code="invalid_value"
+            )
+        if verbosity != "medium":  # medium is every API's default: left out, upstreams without it still answer
+            upstream["verbosity"] = verbosity
     effort = (body.reasoning or {}).get("effort")
     if effort is not None:
         if not isinstance(effort, str):

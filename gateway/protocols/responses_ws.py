@@ -20,12 +20,16 @@ wrapped 413 ``request_too_large`` and close 1009; while one request is answered 
 :data:`MAX_QUEUED_FRAMES` frames (and ``--max-body-bytes`` bytes in all) may wait, past
 that the wrapped 400 ``too_many_queued_frames``, the answer in flight is cut, and close
 1008; the socket is not read past either. A connection with nothing in flight and no
-frame for ``--ws-idle-timeout`` seconds is closed (1000). Codex sends one ``response.create``
+frame that asked for something for ``--ws-idle-timeout`` seconds is closed (1000): ignored
+frames (``response.processed``) do not extend it. What a connection remembers between turns
+(:class:`ConnectionMemory`) is packed and bounded by its real size. Codex sends one ``response.create``
 and waits for its terminal event (then at most a ``response.processed``), so it never
 comes near the queue bound; it reconnects after any close.
 
-Connections themselves are bounded too (:class:`ConnectionSlots`): past
-``--ws-max-connections`` open in this process an upgrade is refused before it is accepted,
+Connections themselves are bounded too (:class:`ConnectionSlots`): the client key is checked
+on the upgrade request first (without it: a 401 with the OpenAI error body, before accept and
+before a slot is taken); past ``--ws-max-connections`` open in this process, or
+``--ws-max-connections-per-ip`` from one address, an upgrade is refused before it is accepted,
 with an HTTP 503 and the OpenAI error body ``too_many_websockets`` (ASGI's
 ``websocket.http.response`` extension; without it: accepted, then closed 1013); a
 connection older than ``--ws-max-lifetime`` is closed 1001 once nothing is in flight (an
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import zlib
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,10 +61,11 @@ from gateway.relay import GenerationService, check_client_key, error_response
 
 log = structlog.get_logger("gateway.responses_ws")
 
-#: Conversations one connection remembers (oldest dropped first) ...
+#: Conversations one connection remembers (oldest dropped first), at most ``--max-body-bytes``
+#: of them as packed (compressed JSON) bytes ...
 CONNECTION_MEMORY = 64
-#: ... and their estimated bytes, in multiples of ``--max-body-bytes`` (the newest is kept
-#: whatever its size: it is the one a client continues from).
+#: ... and one whose JSON is over this many ``--max-body-bytes`` is not remembered at all
+#: (a later turn could not have sent it over HTTP either).
 CONNECTION_MEMORY_BODIES = 2
 
 #: Client frames that need no answer.
@@ -78,6 +84,31 @@ CLOSE_TRY_AGAIN_LATER = 1013
 
 #: Seconds a client refused for too many open connections is told to wait (Retry-After).
 REFUSED_RETRY_AFTER = 5
+
+
+#: A frame at least this big is followed by :func:`release_freed_memory`.
+TRIM_AFTER_BYTES = 4 * 1024 * 1024
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the system (glibc ``malloc_trim``; ctypes releases the
+    GIL meanwhile, so run it in a thread). A big frame parses into ~20 times its size in
+    small objects; freed, glibc keeps most of those pages, so the process would look as big
+    after the frame as during it."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,27 +176,36 @@ class ConnectionSlots:
 
     def __init__(self, on_open: Callable[[int], None] | None = None, on_refused: Callable[[], None] | None = None) -> None:
         self.open = 0
+        self.by_client: dict[str, int] = {}  # client address -> its open connections (no zero entries)
         self._on_open = on_open or (lambda count: None)
         self._on_refused = on_refused or (lambda: None)
 
-    def take(self, limit: int) -> bool:
-        """A slot for one more connection, or False (counted as refused) at ``limit``."""
-        if self.open >= limit:
+    def take(self, limit: int, client: str = "", per_client: int = 0) -> bool:
+        """A slot for one more connection, or False (counted as refused) at ``limit`` open
+        in all, or ``per_client`` (0: no such cap) open from ``client``."""
+        if self.open >= limit or (per_client and self.by_client.get(client, 0) >= per_client):
             self._on_refused()
             return False
         self.open += 1
+        self.by_client[client] = self.by_client.get(client, 0) + 1
         self._on_open(self.open)
         return True
 
-    def give_back(self) -> None:
+    def give_back(self, client: str = "") -> None:
         self.open -= 1
+        left = self.by_client.get(client, 1) - 1
+        if left > 0:
+            self.by_client[client] = left
+        else:
+            self.by_client.pop(client, None)
         self._on_open(self.open)
 
 
-def too_many_websockets(limit: int) -> GatewayError:
+def too_many_websockets(limit: int, per_client: bool = False) -> GatewayError:
+    whose = "from your address" if per_client else "open"
     return GatewayError(
         "overloaded", "too_many_websockets",
-        f"the gateway has its limit of {limit} Responses WebSocket connections open: retry later"
+        f"the gateway has its limit of {limit} Responses WebSocket connections {whose}: retry later"
         " (or send the request as POST /v1/responses)",
         retry_after=REFUSED_RETRY_AFTER,
     )
@@ -182,49 +222,77 @@ async def refuse_upgrade(websocket: WebSocket, room: ResponsesRoom, err: Gateway
     await websocket.close(CLOSE_TRY_AGAIN_LATER, err.message[:120])  # a close reason holds 123 bytes
 
 
+class ConnectionMemory:
+    """The conversations one connection remembers, each as compressed JSON, bounded by the
+    bytes they really take (and by :data:`CONNECTION_MEMORY` entries): oldest dropped first;
+    the newest is kept whatever its size (it is the one a client continues from).
+
+    Pure state: :meth:`put` takes the packed bytes, :meth:`get` hands them back. As parsed
+    objects a conversation costs ~20 times its JSON (one 28.6 MiB frame of 1 M tiny items
+    was 625 MiB); packed, a repetitive one costs far less than its JSON."""
+
+    def __init__(self, max_bytes: int, max_count: int = 64) -> None:
+        self.max_bytes = max_bytes
+        self.max_count = max_count
+        self.blobs: OrderedDict[str, bytes] = OrderedDict()
+        self.bytes = 0
+
+    def put(self, response_id: str, blob: bytes) -> None:
+        old = self.blobs.pop(response_id, None)
+        if old is not None:
+            self.bytes -= len(old)
+        self.blobs[response_id] = blob
+        self.bytes += len(blob)
+        while len(self.blobs) > 1 and (len(self.blobs) > self.max_count or self.bytes > self.max_bytes):
+            _, dropped = self.blobs.popitem(last=False)
+            self.bytes -= len(dropped)
+
+    def get(self, response_id: str) -> bytes | None:
+        return self.blobs.get(response_id)
+
+
+def pack(record: dict[str, Any], max_json_bytes: int) -> bytes | None:
+    """A record as compressed JSON (zlib releases the GIL: run it in a thread); None when
+    its JSON is over ``max_json_bytes`` (then it is not remembered)."""
+    raw = orjson.dumps(record)
+    if len(raw) > max_json_bytes:
+        return None
+    return zlib.compress(raw, 1)
+
+
+def unpack(blob: bytes, max_json_bytes: int) -> dict[str, Any]:
+    """The record :func:`pack` made (never inflated past ``max_json_bytes``)."""
+    inflater = zlib.decompressobj()
+    raw = inflater.decompress(blob, max_json_bytes + 1)
+    if len(raw) > max_json_bytes or inflater.unconsumed_tail:
+        raise ValueError("a remembered conversation inflates past its bound")
+    value: dict[str, Any] = orjson.loads(raw)
+    return value
+
+
 class ConnectionRoom(ResponsesRoom):
     """The Responses room for one WebSocket connection: the same parse, encoder and
     store, plus the connection's own conversations for ``previous_response_id``
     (Codex sends ``store: false`` and continues from the previous response anyway)."""
 
-    def __init__(self, base: ResponsesRoom, max_bytes: int) -> None:
+    def __init__(self, base: ResponsesRoom, max_bytes: int, max_json_bytes: int | None = None) -> None:
         super().__init__(base.store)
-        self.conversations: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        self.costs: dict[str, int] = {}  # response id -> its estimated bytes
-        self.bytes = 0
-        self.max_bytes = max_bytes
-        self.frame_bytes = 0  # the frame being answered (set by the connection)
+        self.memory = ConnectionMemory(max_bytes, CONNECTION_MEMORY)
+        self.max_json_bytes = max_json_bytes if max_json_bytes is not None else CONNECTION_MEMORY_BODIES * max_bytes
 
     async def load_conversation(self, response_id: str, owner: str) -> dict[str, Any] | None:
-        record = self.conversations.get(response_id)  # this connection's (one client key)
-        return record if record is not None else await super().load_conversation(response_id, owner)
+        blob = self.memory.get(response_id)  # this connection's (one client key)
+        if blob is None:
+            return await super().load_conversation(response_id, owner)
+        return await asyncio.to_thread(unpack, blob, self.max_json_bytes)
 
     async def keep(self, response_id: str, record: dict[str, Any], store: bool | None, owner: str) -> None:
-        self.conversations[response_id] = record
-        cost = self._cost(record)
-        self.costs[response_id] = cost
-        self.bytes += cost
-        while len(self.conversations) > 1 and (
-            len(self.conversations) > CONNECTION_MEMORY or self.bytes > self.max_bytes
-        ):
-            dropped, _ = self.conversations.popitem(last=False)
-            self.bytes -= self.costs.pop(dropped)
+        blob = await asyncio.to_thread(pack, record, self.max_json_bytes)
+        if blob is None:
+            log.warning("responses_ws_conversation_not_kept", response_id=response_id, limit=self.max_json_bytes)
+        else:
+            self.memory.put(response_id, blob)
         await super().keep(response_id, record, store, owner)
-
-    def _cost(self, record: dict[str, Any]) -> int:
-        """A record's bytes, estimated without serializing its history again: the frame
-        that asked for it, the conversation it continued (its history holds that one's
-        items), and its output. Shared items are counted once per record holding them,
-        so the sum only ever overestimates."""
-        history = record.get("history") or []
-        previous = (record.get("response") or {}).get("previous_response_id")
-        if not history or previous is None:  # nothing continued: its input is the frame's
-            carried = 0
-        elif previous in self.costs:
-            carried = self.costs[previous]
-        else:  # continued from the response store: a copy of its own
-            carried = len(orjson.dumps(history))
-        return self.frame_bytes + carried + len(orjson.dumps(record.get("output") or []))
 
 
 def wrapped_error(err: GatewayError) -> dict[str, Any]:
@@ -252,11 +320,13 @@ class ResponsesConnection:
     def __init__(self, relay: GenerationService, room: ResponsesRoom, websocket: WebSocket) -> None:
         settings = relay.live.current
         self.relay = relay
-        self.room = ConnectionRoom(room, CONNECTION_MEMORY_BODIES * settings.max_body_bytes)
+        self.room = ConnectionRoom(room, settings.max_body_bytes)
         self.websocket = websocket
         self.inbox = Inbox(MAX_QUEUED_FRAMES, settings.max_body_bytes)
         self.idle_timeout = settings.ws_idle_timeout
-        self.closes_at = asyncio.get_running_loop().time() + settings.ws_max_lifetime
+        now = asyncio.get_running_loop().time()
+        self.closes_at = now + settings.ws_max_lifetime
+        self.active_at = now  # the end of the last frame that asked for something (not an ignored one)
         self.arrived = asyncio.Event()  # set when the reader queued a frame or stopped
         self.disconnected = asyncio.Event()  # the client is gone
         self.refused: Refusal | None = None  # set once by the reader; it then stops reading
@@ -275,9 +345,14 @@ class ResponsesConnection:
                 if frame is None:
                     break
                 keep_open = await self._handle(*frame)
+                if frame[1] >= TRIM_AFTER_BYTES:  # its parsed objects are gone: give their pages back
+                    await asyncio.to_thread(release_freed_memory)
+                frame = None  # not held while waiting for the next one (a frame may be 32 MiB)
+                if keep_open is not None:  # an ignored frame does not extend --ws-idle-timeout
+                    self.active_at = asyncio.get_running_loop().time()
                 if self.stopped:
                     break
-                if not keep_open:
+                if keep_open is False:
                     await self._close(CLOSE_NORMAL)
                     return
             if self.refused is not None:
@@ -305,15 +380,14 @@ class ResponsesConnection:
             frame = self.inbox.take()
             if frame is not None:
                 return frame
-            self.arrived.clear()
-            try:
-                await asyncio.wait_for(self.arrived.wait(), min(self.idle_timeout, left))
-            except TimeoutError:
-                if left <= self.idle_timeout:
-                    continue  # the lifetime ran out first: closed above
+            idle_left = self.active_at + self.idle_timeout - loop.time()
+            if idle_left <= 0:
                 log.info("responses_ws_idle_closed", idle_timeout=self.idle_timeout)
                 await self._close(CLOSE_NORMAL, "idle timeout")
                 return None
+            self.arrived.clear()
+            with contextlib.suppress(TimeoutError):  # either deadline: checked above
+                await asyncio.wait_for(self.arrived.wait(), min(idle_left, left))
 
     async def _read(self) -> None:
         """The only reader of the socket: frames queue up (bounded) while a response streams."""
@@ -326,6 +400,7 @@ class ResponsesConnection:
                 if message["type"] != "websocket.receive":
                     continue
                 refusal = self.inbox.offer(message)
+                del message  # the inbox holds it now; this frame must not keep it while waiting
                 if refusal is not None:
                     log.warning("responses_ws_refused", code=refusal.error.code, close_code=refusal.close_code)
                     self.refused = refusal
@@ -352,16 +427,15 @@ class ResponsesConnection:
 
     # -- one client frame --------------------------------------------------------------
 
-    async def _handle(self, message: dict[str, Any], size: int) -> bool:
-        """Answer one frame; False: the connection is to be closed."""
-        self.room.frame_bytes = size
+    async def _handle(self, message: dict[str, Any], size: int) -> bool | None:
+        """Answer one frame; False: the connection is to be closed; None: an ignored frame."""
         try:
             request = self._request(message)
         except GatewayError as err:  # audited (and the key checked first) like the same body over HTTP
             await self._send_error(self.relay.refuse_unread(self.room, err, "websocket", self.websocket))
             return False
         if request is None:
-            return True
+            return None
         if request.get("generate") is False:
             return await self._prewarm(request)
         return await self._generate(request)
@@ -476,14 +550,25 @@ class _EventSink:
 
 def websocket_endpoint(relay: GenerationService, room: ResponsesRoom, slots: ConnectionSlots):  # type: ignore[no-untyped-def]
     async def endpoint(websocket: WebSocket) -> None:
-        limit = relay.live.current.ws_max_connections
-        if not slots.take(limit):  # not a generation request (no frame was read): no audit record
-            log.warning("responses_ws_upgrade_refused", open=slots.open, limit=limit)
-            await refuse_upgrade(websocket, room, too_many_websockets(limit))
+        """The client key, then a slot, both before the upgrade is accepted: a socket that
+        brings no key never holds a slot (a refusal is no generation request: no audit record)."""
+        settings = relay.live.current
+        try:
+            check_client_key(websocket, settings.api_key)
+        except GatewayError as err:
+            log.warning("responses_ws_upgrade_refused", code=err.code)
+            await refuse_upgrade(websocket, room, err)
+            return
+        client = websocket.client.host if websocket.client else ""
+        limit, per_client = settings.ws_max_connections, settings.ws_max_connections_per_ip
+        if not slots.take(limit, client, per_client):
+            log.warning("responses_ws_upgrade_refused", code="too_many_websockets", open=slots.open, limit=limit)
+            whole = slots.open >= limit
+            await refuse_upgrade(websocket, room, too_many_websockets(limit if whole else per_client, per_client=not whole))
             return
         try:
             await ResponsesConnection(relay, room, websocket).run()
         finally:
-            slots.give_back()
+            slots.give_back(client)
 
     return endpoint

@@ -32,7 +32,7 @@ from gateway.stream.signatures import Seal
 from gateway.stream.tool_calls import ToolArgs, ToolCallMerger, ToolIdentified, ToolSlot, object_or_empty, parse_arguments
 
 __all__ = [  # the tool-call names are re-exported: the rooms and the scheduler import them from here
-    "ChatSSEAccumulator", "FINISH_MAP", "Piece", "TextPiece", "ToolArgs", "ToolIdentified", "ToolRules",
+    "ChatSSEAccumulator", "FINISH_MAP", "LogprobsPiece", "Piece", "TextPiece", "ToolArgs", "ToolIdentified", "ToolRules",
     "ToolSlot", "UsageEstimator", "parse_arguments", "stream_error",
 ]
 
@@ -63,11 +63,18 @@ def stream_error(code: str, message: str) -> GatewayError:
 
 @dataclass(frozen=True, slots=True)
 class TextPiece:
-    kind: Literal["text", "reasoning"]
+    kind: Literal["text", "reasoning", "refusal"]
     text: str
 
 
-Piece = TextPiece | ToolIdentified | ToolArgs
+@dataclass(frozen=True, slots=True)
+class LogprobsPiece:
+    """One chunk's ``logprobs.content`` entries, released just before that chunk's output."""
+
+    entries: tuple[dict, ...]
+
+
+Piece = TextPiece | ToolIdentified | ToolArgs | LogprobsPiece
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +108,7 @@ class ChatSSEAccumulator:
         self.rules = rules or ToolRules()
         self.text_parts: list[str] = []
         self.reasoning_parts: list[str] = []
+        self.refusal_parts: list[str] = []
         self.segments: list[Segment] = []  # reasoning/text runs in the upstream's order
         self.tools = ToolCallMerger(seal_signature)
         self.finish_reason: str | None = None
@@ -112,6 +120,7 @@ class ChatSSEAccumulator:
         self.chunks = 0
         self.sealed_slots: list[ToolSlot] = []  # slots whose id was synthesized at the terminal
         self.token_data: TokenData | None = None  # only when the upstream sent any
+        self.stop_sequence: str | None = None  # the matched stop string, when the upstream names it
         self._splitter = ThinkTagSplitter(reasoning_tags) if reasoning_tags else None
         self._estimate_usage = estimate_usage
 
@@ -133,6 +142,9 @@ class ChatSSEAccumulator:
                 if self.token_data is None:
                     self.token_data = TokenData()
                 self.token_data.absorb(chunk, choice)
+            logprobs = object_or_empty(choice.get("logprobs")).get("content")
+            if logprobs and isinstance(logprobs, list):  # before the output they score: a room
+                pieces.append(LogprobsPiece(tuple(e for e in logprobs if isinstance(e, dict))))  # attaches them to it
             delta = object_or_empty(choice.get("delta"))
             # reasoning first when one delta carries both (it was thought before it was said)
             reasoning = delta.get("reasoning_content") or delta.get("reasoning")
@@ -147,12 +159,13 @@ class ChatSSEAccumulator:
                     self._add_text("text", content, pieces)
             refusal = delta.get("refusal")
             if refusal and isinstance(refusal, str):
-                self._add_text("text", refusal, pieces)
+                self._add_text("refusal", refusal, pieces)
             if delta.get("tool_calls") or delta.get("function_call") is not None:
                 pieces.extend(self.tools.feed(delta, self._retain))
             finish = choice.get("finish_reason")
             if isinstance(finish, str):
                 self._take_finish(finish)
+                self._take_stop_sequence(choice)
                 if self.finish_reason is not None:
                     pieces.extend(self._flush_splitter())
         return pieces
@@ -164,6 +177,15 @@ class ChatSSEAccumulator:
         if isinstance(raw, dict) and raw:
             self.usage = Usage.from_upstream(raw)
 
+    def _take_stop_sequence(self, choice: dict) -> None:
+        """vLLM's ``stop_reason`` and SGLang's ``matched_stop`` name the stop string that
+        ended the answer (an integer there is a stop *token*, not a client sequence)."""
+        for key in ("stop_reason", "matched_stop"):
+            value = choice.get(key)
+            if isinstance(value, str) and value:
+                self.stop_sequence = value
+                return
+
     def _take_finish(self, finish: str) -> None:
         value = finish.strip().lower()
         if not value:
@@ -173,9 +195,10 @@ class ChatSSEAccumulator:
             raise stream_error("upstream_error", "the upstream finished with finish_reason 'error'")
         self.finish_reason = value
 
-    def _add_text(self, kind: Literal["text", "reasoning"], text: str, pieces: list[Piece]) -> None:
+    def _add_text(self, kind: Literal["text", "reasoning", "refusal"], text: str, pieces: list[Piece]) -> None:
         self._retain(text)
-        (self.reasoning_parts if kind == "reasoning" else self.text_parts).append(text)
+        parts = {"reasoning": self.reasoning_parts, "refusal": self.refusal_parts}.get(kind, self.text_parts)
+        parts.append(text)
         if self.segments and self.segments[-1].kind == kind:
             self.segments[-1].parts.append(text)
         else:
@@ -230,7 +253,7 @@ class ChatSSEAccumulator:
             finish = "tool_calls"
         if finish == "tool_calls" and not calls:
             raise stream_error("tool_call_invalid", "finish_reason tool_calls without any tool call")
-        if finish == "stop" and not calls and not self.text_parts:
+        if finish == "stop" and not calls and not self.text_parts and not self.refusal_parts:
             raise stream_error("empty_response", "the upstream finished without any output")
         completion = Completion(
             reasoning=self.reasoning,
@@ -240,6 +263,8 @@ class ChatSSEAccumulator:
             usage=self.usage,
             token_data=self.token_data,
             segments=[Segment(s.kind, ["".join(s.parts)]) for s in self.segments],
+            stop_sequence=self.stop_sequence if finish == "stop" else None,
+            refusal="".join(self.refusal_parts),
         )
         if completion.usage is None and self._estimate_usage is not None:
             completion.usage = self._estimate_usage(completion)

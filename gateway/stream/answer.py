@@ -29,6 +29,7 @@ from typing import Any
 from gateway.stream.accumulator import ChatSSEAccumulator, ToolRules, UsageEstimator
 from gateway.stream.compatible import replay
 from gateway.stream.events import Completion, Event
+from gateway.stream.masking import DeltaMasker
 from gateway.stream.realtime import RealtimeScheduler
 from gateway.stream.signatures import Seal
 from gateway.stream.repair import RepairPolicy
@@ -59,6 +60,10 @@ class _Answer:
         self.estimate_usage: Callable[[dict[str, Any]], UsageEstimator] | None = None  # body -> estimator
         self.repair: RepairPolicy | None = None  # compatible mode's; realtime never repairs
         self.seal_signature: Seal | None = None  # thought signatures into call ids (the tenant's)
+        self.masker: DeltaMasker | None = None  # secrets masked across delta boundaries
+
+    def _masked(self, events: list[Event]) -> list[Event]:
+        return self.masker.feed(events) if self.masker is not None and events else events
 
     @property
     def retained_bytes(self) -> int:
@@ -92,12 +97,14 @@ class RealtimeAnswer(_Answer):
 
     def handle(self, item: AnswerItem) -> list[Event]:
         pieces = self._feed(item)
-        return self.scheduler.push(pieces) if pieces else []
+        return self._masked(self.scheduler.push(pieces)) if pieces else []
 
     def finish(self) -> list[Event]:
         assert self.acc is not None
         completion = self.completion = self.acc.seal()
-        return self.scheduler.finish(self.acc.sealed_slots, completion.finish_reason, completion.usage)
+        return self._masked(self.scheduler.finish(
+            self.acc.sealed_slots, completion.finish_reason, completion.usage, completion.stop_sequence
+        ))
 
 
 class CompatibleAnswer(_Answer):
@@ -116,6 +123,6 @@ class CompatibleAnswer(_Answer):
         decided = self.repair.decide(self.acc, len(self.bodies) - 1)
         if isinstance(decided, Completion):
             self.completion = decided
-            return replay(decided)
+            return self._masked(replay(decided))
         self._next = decided  # regenerate: begin() hands it out
         return []

@@ -8,7 +8,7 @@ upstream's order (thinking, text, thinking, text stay four blocks), then the too
 
 from __future__ import annotations
 
-from gateway.stream.events import BlockDelta, BlockStart, BlockStop, Completion, Event, Finish
+from gateway.stream.events import BlockDelta, BlockStart, BlockStop, Completion, Event, Finish, TokenLogprobs
 
 #: Replayed text is cut into deltas of at most this many characters, so that a client's
 #: incremental parser never has to hold one huge frame.
@@ -23,8 +23,12 @@ def replay(completion: Completion) -> list[Event]:
     """The events of a validated answer, block indexes from 0 in replay order."""
     events: list[Event] = []
     index = 0
+    logprobs = completion.token_data.logprobs if completion.token_data is not None else []
     for run in completion.runs():
         kind, text = run.kind, run.text
+        if logprobs and kind == "text":  # as realtime sends them: before the output they score
+            events.append(TokenLogprobs(tuple(logprobs)))
+            logprobs = []
         events.append(BlockStart(index, kind))  # type: ignore[arg-type]
         events.extend(BlockDelta(index, kind, piece) for piece in _pieces(text))  # type: ignore[arg-type]
         events.append(BlockStop(index, kind, text))  # type: ignore[arg-type]
@@ -34,5 +38,7 @@ def replay(completion: Completion) -> list[Event]:
         events.extend(BlockDelta(index, "tool", piece) for piece in _pieces(call.arguments))
         events.append(BlockStop(index, "tool", call.arguments))
         index += 1
-    events.append(Finish(completion.finish_reason, completion.usage))
+    if logprobs:  # no text block (a refusal, tool calls only): Chat still shows them
+        events.append(TokenLogprobs(tuple(logprobs)))
+    events.append(Finish(completion.finish_reason, completion.usage, completion.stop_sequence))
     return events

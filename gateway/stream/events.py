@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from gateway.errors import GatewayError
 
-BlockKind = Literal["reasoning", "text", "tool"]
+BlockKind = Literal["reasoning", "text", "refusal", "tool"]
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter"]
 
 
@@ -29,6 +29,10 @@ class Usage:
     reasoning_tokens: int = 0
     cached_tokens: int = 0
     estimated: bool = False  # the upstream reported none: the gateway counted (o200k)
+    # every integer detail the upstream reported (``completion_tokens_details``,
+    # ``prompt_tokens_details``), kept as sent so no room drops one
+    completion_details: dict[str, int] = field(default_factory=dict)
+    prompt_details: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_upstream(cls, raw: dict) -> Usage:
@@ -42,7 +46,17 @@ class Usage:
             total_tokens=int(raw.get("total_tokens") or prompt + completion),
             reasoning_tokens=int(details.get("reasoning_tokens") or 0),
             cached_tokens=int(prompt_details.get("cached_tokens") or 0),
+            completion_details=int_fields(details),
+            prompt_details=int_fields(prompt_details),
         )
+
+
+def int_fields(raw: object) -> dict[str, int]:
+    """The integer-valued fields of a usage details object (anything else is dropped:
+    the clients' types only have counts there)."""
+    if not isinstance(raw, dict):
+        return {}
+    return {k: v for k, v in raw.items() if isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)}
 
 
 @dataclass(slots=True)
@@ -58,7 +72,7 @@ class Segment:
     """One run of reasoning or text, in the upstream's order (reasoning may resume after
     text: thinking, text, thinking, text are four segments)."""
 
-    kind: Literal["reasoning", "text"]
+    kind: Literal["reasoning", "text", "refusal"]
     parts: list[str]
 
     @property
@@ -77,12 +91,14 @@ class Completion:
     usage: Usage | None = None
     token_data: TokenData | None = None
     segments: list[Segment] | None = None  # None: one reasoning run, then one text run
+    stop_sequence: str | None = None  # the stop string that ended it, when the upstream said
+    refusal: str = ""  # what the model said as a refusal (Chat ``refusal``: structured outputs)
 
     def runs(self) -> list[Segment]:
         """Reasoning and text runs in the order they were produced."""
         if self.segments is not None:
             return [s for s in self.segments if s.text]
-        runs = [Segment("reasoning", [self.reasoning]), Segment("text", [self.text])]
+        runs = [Segment("reasoning", [self.reasoning]), Segment("text", [self.text]), Segment("refusal", [self.refusal])]
         return [s for s in runs if s.text]
 
 
@@ -136,6 +152,15 @@ class BlockStop:
 class Finish:
     finish_reason: FinishReason
     usage: Usage | None = None
+    stop_sequence: str | None = None  # which stop string matched (vLLM stop_reason, SGLang matched_stop)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The upstream's ``logprobs.content`` entries for the output released so far (Chat
+    ``logprobs``); not a block event: rooms that show logprobs attach them, others ignore."""
+
+    entries: tuple[dict[str, Any], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +173,7 @@ class Keepalive:
     pass
 
 
-Event = BlockStart | BlockDelta | BlockStop | Finish | Error | Keepalive
+Event = BlockStart | BlockDelta | BlockStop | Finish | TokenLogprobs | Error | Keepalive
 
 KEEPALIVE = Keepalive()
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import jiter
 
-from gateway.stream.accumulator import Piece, TextPiece, ToolArgs, ToolIdentified, ToolSlot
+from gateway.stream.accumulator import LogprobsPiece, Piece, TextPiece, ToolArgs, ToolIdentified, ToolSlot
 from gateway.stream.events import (
     BlockDelta,
     BlockKind,
@@ -30,6 +30,7 @@ from gateway.stream.events import (
     BlockStop,
     Event,
     Finish,
+    TokenLogprobs,
     Usage,
 )
 from gateway.stream.events import FinishReason
@@ -95,9 +96,13 @@ class RealtimeScheduler:
                 self._tool_identified(piece.slot, out)
             elif isinstance(piece, ToolArgs):
                 self._tool_args(piece.slot, out)
+            elif isinstance(piece, LogprobsPiece):
+                out.append(TokenLogprobs(piece.entries))
         return out
 
-    def finish(self, sealed: list[ToolSlot], finish_reason: FinishReason, usage: Usage | None) -> list[Event]:
+    def finish(
+        self, sealed: list[ToolSlot], finish_reason: FinishReason, usage: Usage | None, stop_sequence: str | None = None
+    ) -> list[Event]:
         """Release slots identified only at the terminal, close everything, then Finish."""
         out: list[Event] = []
         for slot in sealed:
@@ -108,7 +113,7 @@ class RealtimeScheduler:
             block = self._held.pop(0)
             self._start(block, out)
             self._stop(block, out)
-        out.append(Finish(finish_reason, usage))
+        out.append(Finish(finish_reason, usage, stop_sequence))
         return out
 
     # -- cases -------------------------------------------------------------------------

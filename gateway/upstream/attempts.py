@@ -17,7 +17,7 @@ from typing import Any
 
 from gateway.errors import GatewayError
 from gateway.policy import StreamPolicy
-from gateway.upstream.client import ANSWERED, UpstreamClient, UpstreamItem
+from gateway.upstream.client import ANSWERED, Send, UpstreamClient, UpstreamItem
 from gateway.upstream.pool import UpstreamPool
 
 
@@ -38,9 +38,12 @@ class UpstreamAttempts:
         self.log: list[dict[str, Any]] = []
         self.upstream_model: str | None = None  # the model name the last attempt sent
 
-    async def stream(self, body: dict[str, Any]) -> AsyncIterator[UpstreamItem]:
+    async def stream(self, body: dict[str, Any], send: Send | None = None) -> AsyncIterator[UpstreamItem]:
         """Yield ANSWERED, then the chunks (and DONE) of one answer; raise GatewayError
-        when every allowed attempt failed or the answer broke after it began."""
+        when every allowed attempt failed or the answer broke after it began. ``send``:
+        the request of one attempt (default: a chat completion; the relayed routes pass
+        the client's ``stream_path``/``json_path``)."""
+        send = send or self.client.stream_chat
         pool = self.pool
         model = str(body.get("model", ""))
         tried: set[str] = set()
@@ -70,7 +73,7 @@ class UpstreamAttempts:
             answered = False
             try:
                 # closed here, at once, when this generator is (not whenever it is collected)
-                async with contextlib.aclosing(self.client.stream_chat(credential, upstream_body, self.policy, headers)) as items:  # type: ignore[type-var]
+                async with contextlib.aclosing(send(credential, upstream_body, self.policy, headers)) as items:  # type: ignore[type-var]
                     async for item in items:
                         if item is ANSWERED:
                             answered = True

@@ -12,7 +12,7 @@ import asyncio
 import email.utils
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -25,7 +25,7 @@ from gateway.stream.answer import DONE, Done
 from gateway.upstream.pool import Credential
 from gateway.upstream.sse import SSEDataParser
 
-__all__ = ["ANSWERED", "DONE", "Answered", "Done", "UpstreamClient", "UpstreamItem"]
+__all__ = ["ANSWERED", "DONE", "Answered", "Done", "Send", "UpstreamClient", "UpstreamItem"]
 
 
 class Answered:
@@ -35,6 +35,9 @@ class Answered:
 ANSWERED = Answered()
 
 UpstreamItem = dict[str, Any] | Done | Answered
+
+#: One attempt's request: (credential, body, policy, extra headers) -> its items.
+Send = Callable[[Credential, dict[str, Any], StreamPolicy, "dict[str, str] | None"], AsyncIterator[UpstreamItem]]
 
 
 def parse_retry_after(value: str | None) -> int | None:
@@ -169,6 +172,68 @@ class UpstreamClient:
             return self._request(credential, body, policy, policy.upstream_stream == "never", extra_headers)
         return self._stream_or_json(credential, body, policy, extra_headers)
 
+    def stream_path(self, path: str) -> Send:
+        """An attempt's send for a route relayed as the upstream streams it (``/completions``):
+        ANSWERED, the chunks as sent, DONE — the same reading as chat, another path."""
+
+        def send(credential: Credential, body: dict[str, Any], policy: StreamPolicy,
+                 extra_headers: dict[str, str] | None = None) -> AsyncIterator[UpstreamItem]:
+            return self._request(credential, body, policy, False, extra_headers, path)
+
+        return send
+
+    def json_path(self, path: str) -> Send:
+        """An attempt's send for one JSON answer relayed whole (``/embeddings``, a
+        ``/completions`` the client did not stream): ANSWERED, then the answer object."""
+
+        async def send(credential: Credential, body: dict[str, Any], policy: StreamPolicy,
+                       extra_headers: dict[str, str] | None = None) -> AsyncIterator[UpstreamItem]:
+            request = self._build(credential, path, body, policy, extra_headers, "application/json")
+            response = await self._answer_of(request, policy)
+            try:
+                if response.status_code != 200:
+                    content = await response.aread()
+                    raise status_error(response.status_code, content, parse_retry_after(response.headers.get("retry-after")))
+                answer = await _json_answer(response)
+                if answer.get("error"):
+                    raise GatewayError("upstream", "upstream_error", f"the upstream reported an error: {answer['error']}")
+                yield ANSWERED
+                yield answer
+            except httpx.TimeoutException:
+                raise GatewayError("timeout", "upstream_idle_timeout", "the upstream went silent mid-answer") from None
+            except httpx.HTTPError as exc:
+                raise GatewayError("upstream", "upstream_disconnected", f"the upstream connection broke: {type(exc).__name__}") from None
+            finally:
+                await response.aclose()
+
+        return send
+
+    def _build(
+        self, credential: Credential, path: str, payload: dict[str, Any], policy: StreamPolicy,
+        extra_headers: dict[str, str] | None, accept: str,
+    ) -> httpx.Request:
+        """The POST of one attempt: the upstream's headers, the credential's key."""
+        upstream = credential.upstream
+        # content-type: servers that parse by it (FastAPI: llama-cpp-python) refuse a body
+        # without it as "not a valid dictionary"
+        headers = {**upstream.headers, **(extra_headers or {}), "content-type": "application/json", "accept": accept}
+        if credential.api_key:
+            headers["authorization"] = f"Bearer {credential.api_key}"
+        timeout = httpx.Timeout(policy.idle_timeout, connect=policy.connect_timeout)
+        return self._http.build_request(
+            "POST", upstream.base_url.rstrip("/") + path, content=orjson.dumps(payload), headers=headers, timeout=timeout,
+        )
+
+    async def _answer_of(self, request: httpx.Request, policy: StreamPolicy) -> httpx.Response:
+        """The upstream's response head, within the first-byte timeout."""
+        try:
+            async with asyncio.timeout(policy.first_byte_timeout):
+                return await self._send(request)
+        except (TimeoutError, httpx.TimeoutException):
+            raise GatewayError("timeout", "upstream_timeout", "the upstream did not answer in time") from None
+        except httpx.HTTPError as exc:
+            raise GatewayError("upstream", "upstream_unreachable", f"cannot reach the upstream: {type(exc).__name__}") from None
+
     async def _stream_or_json(
         self, credential: Credential, body: dict[str, Any], policy: StreamPolicy,
         extra_headers: dict[str, str] | None,
@@ -202,31 +267,14 @@ class UpstreamClient:
 
     async def _request(
         self, credential: Credential, body: dict[str, Any], policy: StreamPolicy, buffered: bool,
-        extra_headers: dict[str, str] | None = None,
+        extra_headers: dict[str, str] | None = None, path: str = "/chat/completions",
     ) -> AsyncIterator[UpstreamItem]:
         if buffered:
             payload = dict(body, stream=False)
         else:
             payload = dict(body, stream=True, stream_options={"include_usage": True})
-        upstream = credential.upstream
-        # content-type: servers that parse by it (FastAPI: llama-cpp-python) refuse a body
-        # without it as "not a valid dictionary"
-        headers = {**upstream.headers, **(extra_headers or {}), "content-type": "application/json",
-                   "accept": "application/json" if buffered else "text/event-stream"}
-        if credential.api_key:
-            headers["authorization"] = f"Bearer {credential.api_key}"
-        timeout = httpx.Timeout(policy.idle_timeout, connect=policy.connect_timeout)
-        request = self._http.build_request(
-            "POST", upstream.base_url.rstrip("/") + "/chat/completions",
-            content=orjson.dumps(payload), headers=headers, timeout=timeout,
-        )
-        try:
-            async with asyncio.timeout(policy.first_byte_timeout):
-                response = await self._send(request)
-        except (TimeoutError, httpx.TimeoutException):
-            raise GatewayError("timeout", "upstream_timeout", "the upstream did not answer in time") from None
-        except httpx.HTTPError as exc:
-            raise GatewayError("upstream", "upstream_unreachable", f"cannot reach the upstream: {type(exc).__name__}") from None
+        accept = "application/json" if buffered else "text/event-stream"
+        response = await self._answer_of(self._build(credential, path, payload, policy, extra_headers, accept), policy)
         try:
             if response.status_code != 200:
                 content = await response.aread()

@@ -10,12 +10,16 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
+import structlog
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from gateway.settings import Settings, SettingsError, check_base_url
 from gateway.store.credentials import CredentialState
 from gateway.upstream.model_options import model_reasoning_tags
 from gateway.upstream.pool import Credential, Upstream, UpstreamPool
+from gateway.upstream.urls import UpstreamURLError, check_upstream_url
+
+log = structlog.get_logger("gateway.config")
 
 
 def _keys_from_settings(settings: Settings) -> list[str | None]:
@@ -136,9 +140,13 @@ def load_config_file(path: Path) -> ConfigFile:
         raise SettingsError(_error_line(path, text, exc)) from None
 
 
-def _upstreams_from_toml(path: Path) -> list[Credential]:
+def _upstreams_from_toml(path: Path, allowed_hosts: list[str]) -> list[Credential]:
     credentials: list[Credential] = []
     for i, entry in enumerate(load_config_file(path).upstreams):
+        try:
+            check_upstream_url(entry.base_url, allowed_hosts)
+        except UpstreamURLError as exc:
+            raise SettingsError(f"--config {path}: upstreams[{i}].base_url: {exc}") from None
         upstream = Upstream(
             name=entry.name or f"upstream{i}",
             base_url=entry.base_url,
@@ -177,13 +185,18 @@ def build_pool(settings: Settings, state: CredentialState | None, simulator_url:
         upstream = Upstream(name=f"upstream{i}" if len(settings.upstream_url) > 1 else "upstream", base_url=url)
         credentials += [Credential(upstream, key) for key in keys]
     if settings.config:
-        credentials += _upstreams_from_toml(settings.config)
+        credentials += _upstreams_from_toml(settings.config, settings.allow_upstream_host)
         model_reasoning_tags(settings.config)  # a bad [models] table fails at start-up
     if not credentials and simulator_url:
         credentials.append(Credential(Upstream("simulator", simulator_url), None))
     if state is not None:
         by_name = {c.upstream.name: c.upstream for c in credentials}
         for credential_id, name, base_url, key in state.added_credentials():
+            try:  # a row saved before the URL check (or by an older version): skipped, never a 500
+                check_upstream_url(base_url, settings.allow_upstream_host)
+            except UpstreamURLError as exc:
+                log.warning("stored_credential_skipped", credential_id=credential_id, upstream=name, reason=str(exc))
+                continue
             upstream = by_name.get(name) or Upstream(name, base_url)
             credentials.append(Credential(upstream, key, id=credential_id))
     return UpstreamPool(credentials, state, settings.max_in_flight_per_credential)

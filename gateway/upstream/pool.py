@@ -28,6 +28,7 @@ import structlog
 
 from gateway.errors import ErrorCode, GatewayError
 from gateway.upstream.pool_state import CredentialStateStore, CredentialStateSync
+from gateway.upstream.urls import check_upstream_url, without_userinfo
 
 log = structlog.get_logger("gateway.pool")
 
@@ -48,6 +49,16 @@ def fingerprint(secret: str | None) -> str:
     if not secret:
         return "none"
     return "fp_" + hashlib.sha256(secret.encode()).hexdigest()[:12]
+
+
+def _sendable(url: str) -> bool:
+    """A stored URL another replica added that this one could send (never a 500 later)."""
+    try:
+        check_upstream_url(url, None)
+    except ValueError:
+        log.warning("shared_credential_skipped", reason="its base URL cannot be sent")
+        return False
+    return True
 
 
 @dataclass(slots=True)
@@ -101,7 +112,7 @@ class Credential:
         return {
             "id": self.id,
             "upstream": self.upstream.name,
-            "base_url": self.upstream.base_url,
+            "base_url": without_userinfo(self.upstream.base_url),  # a URL's password is a key too
             "fingerprint": self.fingerprint,
             "disabled": self.disabled,
             "disabled_reason": self.disabled_reason,
@@ -195,7 +206,7 @@ class UpstreamPool:
         (id, upstream name, base_url, key), added here when unknown. Runs on the event loop."""
         known = {c.id for c in self.credentials}
         for credential_id, name, base_url, key in added:
-            if credential_id not in known:
+            if credential_id not in known and _sendable(base_url):
                 upstream = next((c.upstream for c in self.credentials if c.upstream.name == name
                                  and c.upstream.base_url == base_url), None) or Upstream(name, base_url)
                 self.credentials.append(Credential(upstream, key, id=credential_id))

@@ -26,6 +26,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway.upstream.pool import fingerprint
+from gateway.upstream import sim_completions
 from gateway.upstream.sim_reply import (  # noqa: F401  (re-exported for tests and tools)
     DEFAULT_TOOLS,
     GREETING,
@@ -324,6 +325,33 @@ class _HideDeliberateDrops(logging.Filter):
         return not isinstance(exc, SimulatedDrop)
 
 
+async def text_completions(request: Request) -> Response:
+    """``/v1/completions`` (legacy text completions; sim_completions says what it answers)."""
+    body = await _json_body(request)
+    _log_request(request, body)
+    if not isinstance(body, dict) or "prompt" not in body:
+        return _bad_request("request body must be a JSON object with a prompt")
+    if body.get("model") == sim_completions.COMPLETION_MODEL_ERROR:
+        return JSONResponse(error_body("simulated server error", "server_error", None), status_code=500)
+    answer_id, created = "cmpl-sim" + uuid.uuid4().hex[:12], int(time.time())
+    if body.get("stream") is not True:
+        return JSONResponse(sim_completions.completion_answer(body, answer_id, created))
+    chunks = sim_completions.completion_chunks(body, answer_id, created)
+    frames = [f"data: {json.dumps(c)}\n\n".encode() for c in chunks] + [b"data: [DONE]\n\n"]
+    return StreamingResponse(iter(frames), media_type="text/event-stream")
+
+
+async def embeddings(request: Request) -> Response:
+    """``/v1/embeddings``: deterministic vectors (sim_completions)."""
+    body = await _json_body(request)
+    _log_request(request, body)
+    if not isinstance(body, dict) or "input" not in body:
+        return _bad_request("request body must be a JSON object with an input")
+    if body.get("model") == sim_completions.COMPLETION_MODEL_ERROR:
+        return JSONResponse(error_body("simulated server error", "server_error", None), status_code=500)
+    return JSONResponse(sim_completions.embeddings_answer(body))
+
+
 def _quiet_deliberate_drops() -> None:
     """Idempotently attach the drop filter to uvicorn's error logger (whoever runs the app)."""
     error_logger = logging.getLogger("uvicorn.error")
@@ -335,6 +363,8 @@ def create_simulator_app() -> Starlette:
     """Build a fresh simulator app with its own isolated state."""
     app = Starlette(routes=[
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", text_completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/_sim/scripts", register_script, methods=["POST"]),
         Route("/_sim/requests", recorded_requests, methods=["GET", "DELETE"]),

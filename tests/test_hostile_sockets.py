@@ -1,0 +1,93 @@
+"""Issue #25's socket attacks against the real CLI gateway (a subprocess, measured from
+/proc): what 3 WebSockets that each sent a 28.6 MiB frame of a million tiny items leave in
+its memory, and /healthz while keyless, cross-origin, slow-header and ignored-frame sockets
+keep coming from another loopback address (tests/socket_attacks.py drives them, in a
+process of its own)."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests import socket_attacks as attacks
+from tests.processes import GatewayProcess
+
+KEY = "sk-hostile-sockets-0123456789abcdef"
+AUTH = {"authorization": f"Bearer {KEY}"}
+REPO = Path(__file__).resolve().parent.parent
+MiB = 1024
+
+
+def test_three_big_frames_leave_the_gateway_under_150_mib_more(tmp_path: Path) -> None:
+    """On main each such socket kept ~625 MiB until it closed (3: 1.73 GB). Now a socket
+    remembers its conversations packed (compressed JSON), bounded by their real size; each
+    still continues from what it sent."""
+    proc = GatewayProcess("--simulator", "--api-key", KEY, "--data-dir", str(tmp_path / "data"),
+                          "--log-level", "warning", log_dir=tmp_path)
+    try:
+        proc.wait_healthy()
+
+        async def attack() -> tuple[int, int, int, list[str], list[str]]:
+            warm, _ = await attacks.big_frames(proc.url, 1, items=10, headers=AUTH)  # the WebSocket path loaded
+            await warm[0].close()
+            await asyncio.sleep(1)
+            before = attacks.rss_kib(proc.proc.pid)
+            opened, answers = await attacks.big_frames(proc.url, 3, headers=AUTH)
+            await asyncio.sleep(2)  # idle, as a socket between turns
+            held = attacks.rss_kib(proc.proc.pid)
+            continued = []
+            for ws, answer in zip(opened, answers):  # a prewarm continuing the big one: resolved, not upstream
+                await ws.send(json.dumps({"type": "response.create", "model": "text", "generate": False, "input": "next",
+                                          "previous_response_id": answer["response"]["id"]}))
+                continued.append((await attacks.terminal(ws))["type"])
+            await asyncio.sleep(2)
+            after = attacks.rss_kib(proc.proc.pid)
+            for ws in opened:
+                await ws.close()
+            return before, held, after, [a["type"] for a in answers], continued
+
+        before, held, after, answers, continued = asyncio.run(attack())
+        assert answers == continued == ["response.completed"] * 3
+        assert (held - before) / MiB < 150, (before, held)
+        assert (after - before) / MiB < 150, (before, after)
+    finally:
+        proc.stop()
+
+
+def test_healthz_p99_under_100_ms_while_the_socket_attacks_run(tmp_path: Path) -> None:
+    """For 10 s, from 127.0.0.2 (a niced process): keyless upgrades 8 at a time, cross-origin upgrades, 200
+    slow-header sockets (one line a second) and a socket of ignored frames; from 127.0.0.1,
+    400 /healthz probes on fresh connections."""
+    proc = GatewayProcess("--simulator", "--api-key", KEY, "--data-dir", str(tmp_path / "data"),
+                          "--header-timeout", "2", "--ws-idle-timeout", "3", "--log-level", "error", log_dir=tmp_path)
+    try:
+        proc.wait_healthy()
+        attack = subprocess.Popen([sys.executable, "-m", "tests.socket_attacks", proc.url, "10", KEY, "127.0.0.2"],
+                                  cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        time.sleep(1.5)
+        took: list[float] = []
+        for _ in range(400):  # http.client: a fresh connection each, no client-side set-up to speak of
+            start = time.perf_counter()
+            conn = http.client.HTTPConnection("127.0.0.1", proc.port, timeout=10)
+            conn.request("GET", "/healthz")
+            response = conn.getresponse()
+            body = response.read()
+            conn.close()
+            took.append((time.perf_counter() - start) * 1000)
+            assert response.status == 200 and json.loads(body) == {"status": "ok"}
+            time.sleep(0.01)
+        out, err = attack.communicate(timeout=120)
+        assert attack.returncode == 0, err.decode()[-2000:]
+        report = json.loads(out)
+        assert report["rounds"]["keyless"] > 3 and report["rounds"]["cross_origin"] > 3  # the attacks did run
+        assert report["slow_headers"]["closed"] == 200  # every slow-header socket was closed
+        assert report["ignored_frames_closed_after_s"] is not None  # ignored frames did not keep it open
+        took.sort()
+        assert took[int(len(took) * 0.99) - 1] < 100, took[-10:]
+    finally:
+        proc.stop()
