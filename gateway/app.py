@@ -41,6 +41,7 @@ from gateway.routes import count_tokens_endpoint, generation_endpoint, retrieve_
 from gateway.servers import bind_loopback, on_server_exit, start_embedded, stop_embedded
 from gateway.shutdown import GracefulShutdown
 from gateway.store.db import open_database
+from gateway.store.envelope_keys import EnvelopeKeys
 from gateway.store.responses import ResponseStore
 from gateway.store.saved_settings import SavedSettings
 from gateway.settings import LiveSettings, Settings, Source, load_settings
@@ -184,6 +185,9 @@ def create_app(
     )
     observability.durable.statements.update(rollout_store.STATEMENTS)  # replayed like the audit
     relay.rollouts = RolloutRecorder(db, observability.durable, live, lambda: relay.pool)
+    envelope_keys = EnvelopeKeys(db)
+    envelope_keys.load()  # before serving: requests only read the in-memory keyring
+    relay.envelope_keys = envelope_keys
     credential_state = CredentialState(db)
     # several processes on one store (PostgreSQL replicas, --workers): shared cap and health
     replication = Replication(db, settings.replica_id, lambda: relay.in_flight) if db.shared or settings.workers > 1 else None
@@ -237,6 +241,7 @@ def create_app(
             settings.ready_max_loop_lag, publish_samples(observability.metrics, upstream)
         )
         await loop_lag.start()
+        await envelope_keys.start()
         shutdown = app.state.shutdown = GracefulShutdown(
             settings.shutdown_timeout, relay.running.abort_all, lambda: relay.in_flight, observability.metrics.shutdown_cut.inc
         )
@@ -254,6 +259,7 @@ def create_app(
             await shutdown.aclose()
             await loop_lag.stop()
             await prober.aclose()
+            await envelope_keys.aclose()
             await upstream.aclose()
             if relay.capture is not None:
                 relay.capture.close()  # drains: every finished call is on disk
@@ -320,6 +326,7 @@ def create_app(
     app.state.admin_login_url = access.login_url(login_base_url(settings.host, settings.port, settings.public_url))
     app.state.live = live
     app.state.db = db
+    app.state.envelope_keys = envelope_keys
     app.state.relay = relay
     app.state.credential_state = credential_state
     app.state.replication = replication

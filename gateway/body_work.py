@@ -20,6 +20,7 @@ Each way raises the room's :class:`GatewayError` for bad input, as ``room.parse`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import multiprocessing
 import threading
 from concurrent.futures import ProcessPoolExecutor
@@ -29,6 +30,7 @@ from typing import Any
 from gateway.errors import GatewayError
 from gateway.offload import BODIES, OffloadFull
 from gateway.protocols.base import ParsedRequest, ProtocolRoom
+from gateway.protocols.envelope import ANONYMOUS_TENANT, FixedKeys, Tenant
 
 #: Bodies up to this size are parsed on the event loop (~1 ms at most).
 SMALL_BODY = 64 * 1024
@@ -71,10 +73,10 @@ def _error_fields(err: GatewayError) -> tuple[Any, ...]:
     return (err.kind, err.code, err.message, err.param, err.status, err.retry_after)
 
 
-def _child_parse(kind: str, body: bytes, query: dict[str, str]) -> tuple[str, Any]:
+def _child_parse(kind: str, body: bytes, query: dict[str, str], tenant: Tenant) -> tuple[str, Any]:
     """In the worker process: ("ok", ParsedRequest) or ("error", the error's fields)."""
     try:
-        return "ok", _child_room(kind).parse(body, query)
+        return "ok", _child_room(kind).parse(body, query, tenant)
     except GatewayError as err:
         return "error", _error_fields(err)
 
@@ -170,15 +172,21 @@ def is_dense(body: bytes) -> bool:
 _SCAN = 1024 * 1024
 
 
-async def parse_request(room: ProtocolRoom, body: bytes, query: dict[str, str]) -> ParsedRequest:
-    """``room.parse(body, query)``, where it does not stall the loop (see the module)."""
+async def parse_request(
+    room: ProtocolRoom, body: bytes, query: dict[str, str], tenant: Tenant = ANONYMOUS_TENANT
+) -> ParsedRequest:
+    """``room.parse(body, query, tenant)``, where it does not stall the loop (see the module).
+    A worker process gets the tenant's keyring as it is now and the request comes back
+    with the live tenant on it."""
     if len(body) <= SMALL_BODY:
-        return room.parse(body, query)
+        return room.parse(body, query, tenant)
     kind = _room_kind(room)
     if kind is not None and is_dense(body):
-        return await PROCESSES.run(_child_parse, kind, body, query)  # type: ignore[no-any-return]
+        snapshot = Tenant(tenant.identity, FixedKeys(tenant.keys()))
+        parsed = await PROCESSES.run(_child_parse, kind, body, query, snapshot)
+        return dataclasses.replace(parsed, tenant=tenant)
     try:
-        return await BODIES.run(room.parse, body, query, timeout=PARSE_SECONDS)
+        return await BODIES.run(room.parse, body, query, tenant, timeout=PARSE_SECONDS)
     except (OffloadFull, TimeoutError):
         raise overloaded("parsing other large requests") from None
 

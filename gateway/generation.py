@@ -101,7 +101,9 @@ class GenerationRun:
         self.attempts = attempts
         self.response_id = room.new_response_id()
         self.encoder: StreamEncoder = room.encoder(parsed, self.response_id)
-        self.upstream_body = restore_thought_signatures(with_engine_extras(parsed.upstream_body, policy.engine_extras))
+        self.upstream_body = restore_thought_signatures(
+            with_engine_extras(parsed.upstream_body, policy.engine_extras), parsed.tenant.open_signature
+        )
         self.answer: RealtimeAnswer | CompatibleAnswer = self._answer_state(parsed.stream)
         self.committed = False  # the opening frames went out: errors are in-stream now
         self.terminated = False  # a terminal frame (finish or error) went out
@@ -129,6 +131,7 @@ class GenerationRun:
             answer = CompatibleAnswer(p.max_collect_bytes, self.parsed.rules, self.upstream_body, repair)
         answer.reasoning_tags = p.reasoning_tags_for(self.parsed.model)
         answer.estimate_usage = usage_estimator  # the one rule when the upstream reports none
+        answer.seal_signature = self.parsed.tenant.seal_signature
         answer.masker = DeltaMasker(SECRETS)  # a secret split across deltas is masked too
         return answer
 

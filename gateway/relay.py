@@ -28,10 +28,12 @@ from gateway.generation import GenerationRun, RunningGenerations, capture_record
 from gateway.outcome import RequestOutcome, internal_error
 from gateway.policy import StreamPolicy
 from gateway.protocols.base import ProtocolRoom
+from gateway.protocols.envelope import PROCESS_KEYRING, Keyring, Tenant
 from gateway.record import RequestObserver, RequestRecord
 from gateway.rollout.ids import rollout_of
 from gateway.rollout.tokens import with_token_fields
 from gateway.settings import LiveSettings
+from gateway.tenancy import client_identity, presented_key
 from gateway.upstream.attempts import UpstreamAttempts
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.pool import UpstreamPool, fingerprint
@@ -71,6 +73,12 @@ class GenerationService:
         self.recording: Callable[[], None] | None = None
         #: request-body bytes held by requests now (--max-body-bytes-in-flight)
         self.bodies = BodyBudget(live.current.max_body_bytes_in_flight)
+        #: the envelope keyring now (the store's EnvelopeKeys, set at start-up)
+        self.envelope_keys: Callable[[], Keyring] = lambda: PROCESS_KEYRING
+
+    def tenant(self, request: HTTPConnection) -> Tenant:
+        """The tenant of a request whose client key was checked."""
+        return Tenant(client_identity(request, self.live.current.api_key), self.envelope_keys)
 
     @property
     def in_flight(self) -> int:
@@ -104,6 +112,7 @@ class GenerationService:
             if self.recording is not None:
                 self.recording()
             held[0] = self._hold_body(_declared_length(request), settings.max_body_bytes_in_flight)
+            tenant = self.tenant(request)
             body = await request.body()
             if not held[0]:  # no Content-Length: what was read
                 held[0] = self._hold_body(len(body), settings.max_body_bytes_in_flight)
@@ -120,7 +129,7 @@ class GenerationService:
         if settings.audit_bodies:
             record.bodies = {"request": body.decode("utf-8", "replace")}
         try:
-            parsed = await parse_request(room, body, dict(request.query_params))  # off the loop when large
+            parsed = await parse_request(room, body, dict(request.query_params), tenant)  # off the loop when large
             record.model = parsed.model
             record.upstream_model = str(parsed.upstream_body.get("model", parsed.model))
             record.streamed = parsed.stream
@@ -268,10 +277,7 @@ def check_client_key(request: HTTPConnection, keys: list[Any]) -> str | None:
     Bearer`` or ``x-api-key``), compared in constant time. Returns its fingerprint."""
     if not keys:
         return None
-    presented = request.headers.get("x-api-key") or ""
-    auth = request.headers.get("authorization") or ""
-    if not presented and auth[:7].lower() == "bearer ":
-        presented = auth[7:].strip()
+    presented = presented_key(request)
     matched = False
     for key in keys:
         matched |= hmac.compare_digest(presented.encode(), key.get_secret_value().encode())

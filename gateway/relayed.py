@@ -27,6 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 
 from gateway.errors import GatewayError, invalid_request
+from gateway.protocols.envelope import ANONYMOUS_TENANT, Tenant
 from gateway.policy import StreamPolicy
 from gateway.settings import StreamMode
 from gateway.protocols.base import ParsedRequest, dumps, load_json_object, sse, validation_error
@@ -151,7 +152,7 @@ class CompletionsRoute(_RelayedRoute):
     path = "/completions"
     id_prefix = "cmpl-"
 
-    def parse(self, body: bytes, query: dict[str, str]) -> ParsedRequest[bool]:
+    def parse(self, body: bytes, query: dict[str, str], tenant: Tenant = ANONYMOUS_TENANT) -> ParsedRequest[bool]:
         parsed, raw = _validated(_CompletionsBody, body)
         assert isinstance(parsed, _CompletionsBody)
         include_usage = bool((parsed.stream_options or {}).get("include_usage"))
@@ -166,7 +167,7 @@ class EmbeddingsRoute(_RelayedRoute):
     path = "/embeddings"
     id_prefix = "emb-"
 
-    def parse(self, body: bytes, query: dict[str, str]) -> ParsedRequest[bool]:
+    def parse(self, body: bytes, query: dict[str, str], tenant: Tenant = ANONYMOUS_TENANT) -> ParsedRequest[bool]:
         parsed, raw = _validated(_EmbeddingsBody, body)
         if raw.get("stream") is not None:
             raise invalid_request("embeddings are not streamed", param="stream", code="stream_not_supported")

@@ -19,6 +19,7 @@ from gateway.protocols.messages import error_json as anthropic_error
 from gateway.protocols.openai_shapes import error_json as openai_error
 from gateway.protocols.responses import ResponseStorage
 from gateway.relay import GenerationService
+from gateway.tenancy import client_identity
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -33,12 +34,13 @@ def generation_endpoint(service: GenerationService, room: ProtocolRoom) -> Endpo
 
 
 def retrieve_response_endpoint(store: ResponseStorage) -> Endpoint:
-    """``GET /v1/responses/{response_id}``: a stored response, or an OpenAI 404."""
+    """``GET /v1/responses/{response_id}``: a stored response of the asking client key, or
+    an OpenAI 404 (the same for another key's: existence does not leak)."""
 
     async def retrieve(request: Request) -> Response:
         response_id = request.path_params["response_id"]
         try:
-            record = await store.load(response_id)
+            record = await store.load(response_id, client_identity(request, request.app.state.live.current.api_key))
         except GatewayError as err:  # the store cannot be read now: 503 store_unavailable
             headers = {"retry-after": str(err.retry_after)} if err.retry_after is not None else None
             return JSONResponse(openai_error(err), status_code=err.status, headers=headers)

@@ -4,6 +4,7 @@ matrix (tests/test_integrity.py) cannot show in one request."""
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 from gateway.errors import GatewayError
 from gateway.policy import StreamPolicy
+from gateway.protocols.envelope import PROCESS_KEYRING, Tenant
 from gateway.redact import SECRETS
 from gateway.protocols.tokens import count_chat_tokens, count_text
 from gateway.settings import Settings, SettingsError
@@ -180,20 +182,35 @@ def test_200_error_bodies_pass_the_redaction_point() -> None:
 
 
 def test_signature_ids_round_trip() -> None:
-    shown = client_call_id("call_1", "a+b/c==")
+    """The signature is sealed into the id for one client and one call: it opens for them
+    only; any other suffix is stripped (the upstream never gets client text as a signature)."""
+    alice = Tenant("client:aaaaaaaaaaaaaaaa", lambda: PROCESS_KEYRING)
+    bob = Tenant("client:bbbbbbbbbbbbbbbb", lambda: PROCESS_KEYRING)
+    shown = client_call_id("call_1", "a+b/c==", alice.seal_signature)
     assert shown.startswith("call_1__gts_") and all(c.isalnum() or c in "_-" for c in shown)
-    assert split_call_id(shown) == ("call_1", "a+b/c==")
+    assert "a+b/c" not in shown and split_call_id(shown)[0] == "call_1"
     assert split_call_id("call_plain") == ("call_plain", None)
-    body = {"messages": [
-        {"role": "assistant", "tool_calls": [{"id": shown, "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": shown, "content": "x"},
-    ]}
-    restored = restore_thought_signatures(body)
+    assert client_call_id("call_1", "sig", None) == "call_1"  # no sealer: not carried
+
+    def body(call_id: str) -> dict[str, Any]:
+        return {"messages": [
+            {"role": "assistant", "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": "x"},
+        ]}
+
+    restored = restore_thought_signatures(body(shown), alice.open_signature)
     call = restored["messages"][0]["tool_calls"][0]
     assert call["id"] == "call_1" and call["extra_content"] == {"google": {"thought_signature": "a+b/c=="}}
     assert restored["messages"][1]["tool_call_id"] == "call_1"
+    token = split_call_id(shown)[1]
+    forged = "call_1__gts_" + base64.urlsafe_b64encode(b"client text").decode().rstrip("=")
+    for other, opener in ((shown, bob.open_signature), ("call_2__gts_" + token, alice.open_signature),
+                          (forged, alice.open_signature), (shown[:-4], alice.open_signature)):
+        stripped = restore_thought_signatures(body(other), opener)
+        call = stripped["messages"][0]["tool_calls"][0]
+        assert call["id"] == other.partition("__gts_")[0] and "extra_content" not in call
     untouched = {"messages": [{"role": "user", "content": "hi"}]}
-    assert restore_thought_signatures(untouched) is untouched
+    assert restore_thought_signatures(untouched, alice.open_signature) is untouched
 
 
 def _second_turn(protocol: str, gateway: Gateway, ids: list[str], names: list[str]) -> None:
@@ -227,7 +244,8 @@ def _second_turn(protocol: str, gateway: Gateway, ids: list[str], names: list[st
 def test_gemini_signature_goes_back_with_its_call(gateway: Gateway, simulator: Simulator, protocol: str) -> None:
     outcome = DRIVERS[protocol](gateway.url, "gemini_signature;chunk=6")
     assert outcome.ok, outcome.error
-    assert outcome.tool_ids == [client_call_id("call_sim_0", THOUGHT_SIGNATURE), "call_sim_1"]
+    assert outcome.tool_ids[0].startswith("call_sim_0__gts_") and outcome.tool_ids[1] == "call_sim_1"
+    assert THOUGHT_SIGNATURE.rstrip("=") not in outcome.tool_ids[0]  # sealed, not readable
     simulator.clear()
     _second_turn(protocol, gateway, outcome.tool_ids, [name for name, _ in outcome.tools])
     sent = simulator.requests()[-1]["body"]["messages"]

@@ -28,10 +28,10 @@ class DictStore:
     def __init__(self) -> None:
         self.saved: dict[str, dict[str, Any]] = {}
 
-    async def save(self, response_id: str, record: dict[str, Any]) -> None:
+    async def save(self, response_id: str, record: dict[str, Any], owner: str) -> None:
         self.saved[response_id] = record
 
-    async def load(self, response_id: str) -> dict[str, Any] | None:
+    async def load(self, response_id: str, owner: str) -> dict[str, Any] | None:
         return self.saved.get(response_id)
 
 

@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.protocols.envelope import PREFIX
+from gateway.errors import GatewayError
+from gateway.protocols.envelope import PREFIX, PROCESS_KEYRING, Tenant
 from gateway.protocols.responses_compaction import SUMMARY_PROMPT, compaction_item
 from gateway.protocols.responses_translate import translate
 from tests.conftest import Gateway, Simulator
@@ -332,14 +333,21 @@ def test_bad_compaction_items_are_named_400s(gateways: dict[str, Gateway], simul
     assert upstream_bodies(simulator) == []
 
 
-def test_compaction_envelope_from_before_a_restart_still_expands() -> None:
-    """The key is per process; a well-formed gateway envelope with a stale signature
-    still yields its summary (losing it would end the client's session)."""
-    item = compaction_item("the summary")
-    payload = item["encrypted_content"].rpartition(".")[0]
-    stale = {**item, "encrypted_content": payload + ".0123456789abcdef0123456789abcdef"}
-    t = translate({"model": "m", "input": [stale]})
-    assert t.upstream["messages"][0]["content"].endswith("the summary")
+def test_compaction_envelope_altered_or_from_before_encryption_is_a_named_400() -> None:
+    """Envelopes are encrypted and authenticated now (tests/test_envelopes.py): one whose
+    tag does not match, or an unencrypted ``cb2a1.`` one of earlier versions, is refused
+    before anything goes upstream instead of being read as the summary."""
+    tenant = Tenant("client:0123456789abcdef", lambda: PROCESS_KEYRING)
+    item = compaction_item("the summary", tenant)
+    assert translate({"model": "m", "input": [item]}, tenant=tenant).upstream["messages"][0]["content"].endswith("the summary")
+    sealed = item["encrypted_content"]
+    altered = sealed[:-6] + ("AAAAAA" if not sealed.endswith("AAAAAA") else "BBBBBB")
+    legacy = "cb2a1.eyJjIjogInN1bW1hcnkifQ==.0123456789abcdef0123456789abcdef"
+    for value in (altered, legacy):
+        with pytest.raises(GatewayError) as caught:
+            translate({"model": "m", "input": [{**item, "encrypted_content": value}]}, tenant=tenant)
+        assert caught.value.code == "invalid_encrypted_content" and caught.value.status == 400
+        assert caught.value.param == "input[0].encrypted_content"
 
 
 # -- count_tokens ------------------------------------------------------------------------

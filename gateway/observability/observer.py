@@ -20,7 +20,7 @@ from gateway.observability.logging import route_uvicorn_logs
 from gateway.observability.metrics import Metrics
 from gateway.store.audit import AUDIT_UPSERT, AuditWriter
 from gateway.store.db import Database
-from gateway.store.responses import RESPONSE_UPSERT
+from gateway.store.responses import RESPONSE_STATEMENTS, SPILL_KINDS
 from gateway.store.spill import DurableWriter, SpillJournal
 
 if TYPE_CHECKING:
@@ -104,10 +104,10 @@ class Observability:
         m = self.metrics
         self.journal = journal
         self.durable = DurableWriter(
-            db, journal, {"audit": AUDIT_UPSERT, "response": RESPONSE_UPSERT},
-            on_spilled=lambda kind, n: m.records_spilled.labels(kind).inc(n),
-            on_lost=lambda kind, n: m.records_lost.labels(kind).inc(n),
-            on_replayed=lambda kind, n: m.records_replayed.labels(kind).inc(n),
+            db, journal, {"audit": AUDIT_UPSERT, **RESPONSE_STATEMENTS},
+            on_spilled=lambda kind, n: m.records_spilled.labels(SPILL_KINDS.get(kind, kind)).inc(n),
+            on_lost=lambda kind, n: m.records_lost.labels(SPILL_KINDS.get(kind, kind)).inc(n),
+            on_replayed=lambda kind, n: m.records_replayed.labels(SPILL_KINDS.get(kind, kind)).inc(n),
         )
         self.audit = AuditWriter(
             db,

@@ -15,6 +15,7 @@ import orjson
 from pydantic import ValidationError
 
 from gateway.errors import GatewayError, invalid_request
+from gateway.protocols.envelope import ANONYMOUS_TENANT, Tenant
 from gateway.protocols.fields import check_item_limits, check_value_limits
 from gateway.stream.accumulator import ToolRules
 from gateway.stream.events import Completion, Event
@@ -36,6 +37,8 @@ class ParsedRequest(Generic[FactsT]):
     #: the room's own facts for its encoder and JSON answer: a frozen dataclass per room
     #: (``ChatFacts``, ``MessagesFacts``, ``ResponsesFacts``)
     facts: FactsT = None  # type: ignore[assignment]
+    #: who asked (its client identity owns stored state) and the keys its envelopes use
+    tenant: Tenant = ANONYMOUS_TENANT
 
 
 class StreamEncoder(Protocol):
@@ -53,7 +56,8 @@ class ProtocolRoom(Protocol):
     #: True when a block must close before the next starts (realtime holds back).
     sequential_blocks: bool
 
-    def parse(self, body: bytes, query: dict[str, str]) -> ParsedRequest: ...
+    def parse(self, body: bytes, query: dict[str, str], tenant: Tenant = ANONYMOUS_TENANT) -> ParsedRequest:
+        """``tenant``: the client's, whose envelopes (if the room has any) are opened here."""
 
     async def resolve(self, request: ParsedRequest) -> ParsedRequest:
         """The request completed with stored state (e.g. previous_response_id), as a new

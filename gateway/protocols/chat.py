@@ -28,6 +28,7 @@ from pydantic import (
 
 from gateway.errors import GatewayError, invalid_request
 from gateway.protocols.base import ParsedRequest, dumps, load_json_object, sse, validation_error
+from gateway.protocols.envelope import ANONYMOUS_TENANT, Tenant
 from gateway.protocols.fields import (
     MAX_OUTPUT_TOKENS,
     Count,
@@ -257,7 +258,7 @@ class ChatRoom:
     name = "chat"
     sequential_blocks = False
 
-    def parse(self, body: bytes, query: dict[str, str]) -> ParsedRequest[ChatFacts]:
+    def parse(self, body: bytes, query: dict[str, str], tenant: Tenant = ANONYMOUS_TENANT) -> ParsedRequest[ChatFacts]:
         raw = load_json_object(body)
         try:
             parsed = _ChatBody.model_validate(raw)
@@ -287,6 +288,7 @@ class ChatRoom:
             legacy_functions=bool(parsed.functions) and not parsed.tools,
         )
         return ParsedRequest(
+            tenant=tenant,
             protocol=self.name,
             model=parsed.model,
             stream=parsed.stream,

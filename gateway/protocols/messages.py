@@ -21,6 +21,7 @@ from typing import Any
 
 from gateway.errors import GatewayError
 from gateway.protocols.base import ParsedRequest, dumps, sse
+from gateway.protocols.envelope import ANONYMOUS_TENANT, Tenant
 from gateway.protocols.messages_translate import translate
 from gateway.protocols.tokens import count_chat_tokens, count_text, quick_token_estimate
 from gateway.stream.accumulator import parse_arguments
@@ -142,10 +143,11 @@ class MessagesRoom:
     name = "messages"
     sequential_blocks = True
 
-    def parse(self, body: bytes, query: dict[str, str]) -> ParsedRequest[MessagesFacts]:
+    def parse(self, body: bytes, query: dict[str, str], tenant: Tenant = ANONYMOUS_TENANT) -> ParsedRequest[MessagesFacts]:
         # ``?beta=true`` (Claude Code, SDK beta client) changes nothing here.
         t = translate(body)
         return ParsedRequest(
+            tenant=tenant,
             protocol=self.name,
             model=t.model,
             stream=t.stream,

@@ -15,6 +15,7 @@ import structlog
 
 from gateway.errors import GatewayError, invalid_request
 from gateway.protocols.base import ParsedRequest, load_json_object
+from gateway.protocols.envelope import ANONYMOUS_TENANT, Tenant
 from gateway.protocols.openai_shapes import assistant_message, error_json
 from gateway.protocols.responses_compaction import (
     compacted_response,
@@ -98,11 +99,12 @@ class ResponsesFacts:
 
 class ResponseStorage(Protocol):
     """Where stored responses live (``gateway.store.responses.ResponseStore``; tests may
-    pass a dict-backed one)."""
+    pass a dict-backed one). ``owner``: the client identity (gateway/tenancy.py) a record
+    belongs to; ``load`` answers None to anyone else, as for an unknown id."""
 
-    async def save(self, response_id: str, record: dict[str, Any]) -> None: ...
+    async def save(self, response_id: str, record: dict[str, Any], owner: str) -> None: ...
 
-    async def load(self, response_id: str) -> dict[str, Any] | None: ...
+    async def load(self, response_id: str, owner: str) -> dict[str, Any] | None: ...
 
 
 class ResponsesRoom:
@@ -115,12 +117,13 @@ class ResponsesRoom:
         self.store = store
         self._built: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
-    def parse(self, body: bytes, query: dict[str, str]) -> ParsedRequest[ResponsesFacts]:
+    def parse(self, body: bytes, query: dict[str, str], tenant: Tenant = ANONYMOUS_TENANT) -> ParsedRequest[ResponsesFacts]:
         raw = load_json_object(body)
-        return self._parsed(raw, translate(raw))
+        return self._parsed(raw, translate(raw, tenant=tenant), tenant)
 
-    def _parsed(self, raw: dict[str, Any], t: Translation) -> ParsedRequest[ResponsesFacts]:
+    def _parsed(self, raw: dict[str, Any], t: Translation, tenant: Tenant) -> ParsedRequest[ResponsesFacts]:
         return ParsedRequest(
+            tenant=tenant,
             protocol=self.name,
             model=t.body.model,
             stream=t.body.stream,
@@ -150,8 +153,8 @@ class ResponsesRoom:
         previous = facts.previous_response_id
         if not previous or facts.resolved:
             return request
-        record = await self.load_conversation(previous)
-        if record is None:
+        record = await self.load_conversation(previous, request.tenant.identity)
+        if record is None:  # unknown, or another client key's: the same answer
             raise invalid_request(
                 f"previous response {previous!r} was not found"
                 " (it may have been sent with store: false)",
@@ -173,7 +176,8 @@ class ResponsesRoom:
             final = encoder.final
         else:
             final = self._final(request, response_id, completion)
-        await self.keep(response_id, self.stored_record(request, final, completion), request.facts.store)
+        record = self.stored_record(request, final, completion)
+        await self.keep(response_id, record, request.facts.store, request.tenant.identity)
 
     @staticmethod
     def stored_record(
@@ -189,16 +193,18 @@ class ResponsesRoom:
             "output": [assistant_message(completion)],
         }
 
-    async def load_conversation(self, response_id: str) -> dict[str, Any] | None:
-        """The stored record a ``previous_response_id`` names (None: unknown)."""
-        return await self.store.load(response_id)
+    async def load_conversation(self, response_id: str, owner: str) -> dict[str, Any] | None:
+        """The stored record a ``previous_response_id`` names (None: unknown, or not
+        ``owner``'s)."""
+        return await self.store.load(response_id, owner)
 
-    async def keep(self, response_id: str, record: dict[str, Any], store: bool | None) -> None:
-        """Keep a finished response for later turns (here: only with ``store``)."""
+    async def keep(self, response_id: str, record: dict[str, Any], store: bool | None, owner: str) -> None:
+        """Keep a finished response for later turns (here: only with ``store``), as
+        ``owner``'s."""
         if not store:
             return
         try:
-            await self.store.save(response_id, record)
+            await self.store.save(response_id, record, owner)
         except Exception:  # the answer was delivered; a failed save must not turn it into an error
             log.exception("response_store_failed", response_id=response_id)
 
@@ -210,6 +216,7 @@ class ResponsesRoom:
             tool_map=facts.tool_map,
             envelope=facts.envelope,
             compaction=facts.compaction,
+            tenant=request.tenant,
             logprobs=facts.logprobs,
         )
 
@@ -236,12 +243,12 @@ class ResponsesRoom:
         facts = request.facts
         output: list[dict[str, Any]] = []
         if facts.compaction:
-            output.append(compaction_item(completion.text))
+            output.append(compaction_item(completion.text, request.tenant))
         else:
             logprobs = output_logprobs(completion) if facts.logprobs else []
             for run in completion.runs():  # reasoning and message items in the upstream's order
                 if run.kind == "reasoning":
-                    output.append(reasoning_item(new_id("rs_"), run.text, facts.envelope))
+                    output.append(reasoning_item(new_id("rs_"), run.text, request.tenant if facts.envelope else None))
                 else:
                     refusal = run.kind == "refusal"
                     output.append(message_item(new_id("msg_"), run.text, "completed", refusal, logprobs))
@@ -274,10 +281,10 @@ class ResponsesCompactRoom(ResponsesRoom):
     compacted item list (one compaction item) out, as a ``response.compaction`` object.
     Always a JSON answer; nothing is stored."""
 
-    def parse(self, body: bytes, query: dict[str, str]) -> ParsedRequest[ResponsesFacts]:
+    def parse(self, body: bytes, query: dict[str, str], tenant: Tenant = ANONYMOUS_TENANT) -> ParsedRequest[ResponsesFacts]:
         raw = load_json_object(body)
         raw.pop("stream", None)  # not part of this endpoint: always one JSON answer
-        parsed = self._parsed(raw, translate(raw, compaction=True))
+        parsed = self._parsed(raw, translate(raw, compaction=True, tenant=tenant), tenant)
         return dataclasses.replace(parsed, facts=dataclasses.replace(parsed.facts, store=False))
 
     def json_body(self, request: ParsedRequest[ResponsesFacts], response_id: str, completion: Completion) -> dict:

@@ -5,10 +5,13 @@ with a trailing ``{"type": "compaction_trigger"}`` item (or, older versions, ``P
 /v1/responses/compact``) and expects exactly one ``{"type": "compaction",
 "encrypted_content": ...}`` output item, which it replays instead of the history in later
 requests. Here the upstream writes the summary (the caller's instructions first, then the
-history, then :data:`SUMMARY_PROMPT`); the item carries it in a signed gateway envelope,
-and a replayed item becomes :func:`summary_message` for the upstream.
+history, then :data:`SUMMARY_PROMPT`); the item carries it in a gateway envelope
+(encrypted and authenticated for the client that asked, protocols/envelope.py, shared with
+reasoning items), and a replayed item becomes :func:`summary_message` for the upstream.
 
-Pure: no I/O (a replayed item this gateway did not seal is a named 400). The envelope format (protocols/envelope.py) is shared with reasoning items.
+Pure: no I/O. A replayed item that is no gateway envelope is a named 400
+(``invalid_compaction_item``); one that does not open for this client (altered, truncated,
+another client key's, from before encryption) is ``invalid_encrypted_content``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import time
 from typing import Any
 
 from gateway.errors import invalid_request
-from gateway.protocols.envelope import open_envelope, seal_envelope
+from gateway.protocols.envelope import Tenant
 
 #: Item types Codex uses for a compacted history (``compaction_summary`` is its alias).
 COMPACTION_ITEMS = frozenset({"compaction", "compaction_summary"})
@@ -37,17 +40,14 @@ SUMMARY_PROMPT = (
 _SUMMARY_INTRO = "Summary of the earlier conversation (it was compacted; continue from here):\n\n"
 
 
-def seal_summary(summary: str) -> str:
-    return seal_envelope(_FIELD, summary)
+def seal_summary(summary: str, tenant: Tenant) -> str:
+    return tenant.seal(_FIELD, summary)
 
 
-def open_summary(value: object) -> str | None:
-    """The summary of a compaction envelope of this gateway, else None.
-
-    An envelope with a bad signature (sealed before a restart: the key is per process)
-    still yields its text with ``lenient``: the summary is the client's own context,
-    not a secret, and losing it would end the session."""
-    return open_envelope(_FIELD, value, lenient=True)
+def open_summary(value: object, tenant: Tenant, param: str | None = None) -> str | None:
+    """The summary of a compaction envelope sealed for ``tenant``; None when ``value`` is
+    no gateway envelope; a named 400 when it is one that does not open."""
+    return tenant.open(_FIELD, value, param)
 
 
 def summary_message(summary: str) -> dict[str, Any]:
@@ -55,10 +55,10 @@ def summary_message(summary: str) -> dict[str, Any]:
     return {"role": "user", "content": _SUMMARY_INTRO + summary}
 
 
-def replayed_summary(item: dict[str, Any], param: str) -> dict[str, Any]:
+def replayed_summary(item: dict[str, Any], param: str, tenant: Tenant) -> dict[str, Any]:
     """A replayed compaction item as the upstream reads it, or a 400 when this gateway did
-    not seal it."""
-    summary = open_summary(item.get("encrypted_content"))
+    not seal it for this client."""
+    summary = open_summary(item.get("encrypted_content"), tenant, f"{param}.encrypted_content")
     if summary is None:
         raise invalid_request(
             "this compaction item was not produced by this gateway (its encrypted_content"
@@ -69,12 +69,12 @@ def replayed_summary(item: dict[str, Any], param: str) -> dict[str, Any]:
     return summary_message(summary)
 
 
-def compaction_item(summary: str, item_id: str | None = None) -> dict[str, Any]:
+def compaction_item(summary: str, tenant: Tenant, item_id: str | None = None) -> dict[str, Any]:
     """The one output item of a compaction turn."""
     return {
         "id": item_id or "cmp_" + secrets.token_hex(16),
         "type": "compaction",
-        "encrypted_content": seal_summary(summary),
+        "encrypted_content": seal_summary(summary, tenant),
     }
 
 

@@ -20,6 +20,7 @@ from gateway.errors import GatewayError
 from gateway.protocols.base import dumps, sse
 from gateway.protocols.responses_compaction import compaction_item
 from gateway.protocols.responses_tools import CustomInputStream, ToolMap, call_item
+from gateway.protocols.envelope import ANONYMOUS_TENANT, Tenant
 from gateway.protocols.responses_translate import seal_reasoning
 from gateway.stream.events import (
     BlockDelta,
@@ -107,12 +108,13 @@ def function_call_item(
     return item
 
 
-def reasoning_item(item_id: str, text: str | None, envelope: bool) -> dict[str, Any]:
+def reasoning_item(item_id: str, text: str | None, envelope: Tenant | None) -> dict[str, Any]:
+    """``envelope``: the tenant to seal ``encrypted_content`` for (include asked), else None."""
     item: dict[str, Any] = {"id": item_id, "type": "reasoning", "summary": []}
     if text is not None:
         item["summary"] = [{"type": "summary_text", "text": text}]
-        if envelope:
-            item["encrypted_content"] = seal_reasoning(text)
+        if envelope is not None:
+            item["encrypted_content"] = seal_reasoning(text, envelope)
     return item
 
 
@@ -233,11 +235,13 @@ class ResponsesEncoder:
         envelope: bool,
         compaction: bool,
         logprobs: bool = False,
+        tenant: Tenant = ANONYMOUS_TENANT,
     ) -> None:
         self.response = StreamedResponse(response_id, echo)
         self._event = self.response.event  # bound once: the per-delta call stays one call
         self.tool_map = tool_map
         self.envelope = envelope  # include reasoning.encrypted_content
+        self.tenant = tenant  # whom envelopes are sealed for
         #: A compaction turn: the answer's text becomes one compaction item, nothing else.
         self.compaction = compaction
         self._summary: list[str] = []
@@ -299,7 +303,7 @@ class ResponsesEncoder:
             self._summary.append(event.content)
         if not isinstance(event, Finish):
             return b""
-        item = compaction_item("".join(self._summary))
+        item = compaction_item("".join(self._summary), self.tenant)
         out = self.response.added(0, item) + self.response.finished(0, item)
         self.final = self.response.snapshot("completed", usage=usage_object(event.usage))
         return out + self._event("response.completed", {"response": self.final})
@@ -316,7 +320,7 @@ class ResponsesEncoder:
             part = content_part("", event.kind == "refusal")
             return out + self._added_with_part(index, item, "response.content_part.added", "content_index", part)
         if event.kind == "reasoning":
-            item = reasoning_item(new_id("rs_"), None, False)
+            item = reasoning_item(new_id("rs_"), None, None)
             part = {"type": "summary_text", "text": ""}
             return out + self._added_with_part(
                 index, item, "response.reasoning_summary_part.added", "summary_index", part
@@ -425,7 +429,7 @@ class ResponsesEncoder:
             out += self._event(
                 "response.reasoning_summary_part.done", {**where, "summary_index": 0, "part": part}
             )
-            final = reasoning_item(item["id"], text, self.envelope)
+            final = reasoning_item(item["id"], text, self.tenant if self.envelope else None)
         else:
             out += self._event(
                 "response.function_call_arguments.done", {**where, "arguments": text}

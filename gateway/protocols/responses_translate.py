@@ -22,7 +22,7 @@ from pydantic import (
 
 from gateway.errors import invalid_request
 from gateway.protocols.base import validation_error
-from gateway.protocols.envelope import open_envelope, seal_envelope
+from gateway.protocols.envelope import ANONYMOUS_TENANT, Tenant
 from gateway.protocols import responses_tools as client_tools
 from gateway.protocols.responses_tools import ToolMap, upstream_tool_choice, upstream_tools
 from gateway.protocols.responses_compaction import COMPACTION_ITEMS, SUMMARY_PROMPT, replayed_summary
@@ -38,14 +38,18 @@ from gateway.protocols.fields import (
 from gateway.stream.accumulator import ToolRules
 
 
-def seal_reasoning(text: str) -> str:
-    """An opaque, signed carrier for reasoning text (not secret: the summary shows it)."""
-    return seal_envelope("r", text)
+def seal_reasoning(text: str, tenant: Tenant) -> str:
+    """The envelope of reasoning text, for ``tenant`` only (the summary shows the text; the
+    envelope is what restores it upstream, so it must be this gateway's, for this client)."""
+    return tenant.seal("r", text)
 
 
-def open_reasoning(value: object) -> str | None:
-    """The reasoning text of an envelope this process sealed, else None."""
-    return open_envelope("r", value)
+def open_reasoning(value: object, tenant: Tenant, param: str | None = None) -> str | None:
+    """The reasoning text of a gateway envelope sealed for ``tenant``; None when ``value``
+    is none (absent, another provider's, or an unencrypted one of earlier versions: the
+    item's own summary text is used, which the client could send anyway); a named 400
+    when it is one that does not open."""
+    return tenant.open("r", value, param, legacy=True)
 
 
 #: The ``include`` value that asks for the output text's token logprobs.
@@ -132,15 +136,16 @@ def parse_body(raw: dict[str, Any]) -> _ResponsesBody:
     return body
 
 
-def translate(raw: dict[str, Any], compaction: bool = False) -> Translation:
+def translate(raw: dict[str, Any], compaction: bool = False, tenant: Tenant = ANONYMOUS_TENANT) -> Translation:
     """``compaction``: a compaction turn whatever the input says (``/v1/responses/compact``);
-    otherwise a trailing ``compaction_trigger`` input item makes one."""
+    otherwise a trailing ``compaction_trigger`` input item makes one. ``tenant``: whose
+    envelopes (reasoning, compaction items) the input may carry."""
     body = parse_body(raw)
     tool_map = ToolMap()
     tools, dropped = upstream_tools(body.tools or [], tool_map)
     rules, choice = upstream_tool_choice(body.tool_choice, body.parallel_tool_calls, tool_map, dropped)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    builder = _input_messages(body.input, tool_map)
+    builder = _input_messages(body.input, tool_map, tenant)
     messages = builder.messages
     compaction = compaction or builder.compaction_trigger
     if compaction:
@@ -319,8 +324,9 @@ def _flatten(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
 class _Builder:
     """Accumulates chat messages from input items, merging tool calls into assistant turns."""
 
-    def __init__(self, tool_map: ToolMap) -> None:
+    def __init__(self, tool_map: ToolMap, tenant: Tenant) -> None:
         self.tool_map = tool_map
+        self.tenant = tenant
         self.messages: list[dict[str, Any]] = []
         self.reasoning: list[str] = []  # waiting for the next assistant message
         self.images: list[dict[str, Any]] = []  # tool-output images, sent after the tool messages
@@ -425,7 +431,7 @@ class _Builder:
     def compaction(self, item: dict[str, Any], param: str) -> None:
         """A replayed compaction item: the summary it carries, as the upstream reads it."""
         self._flush_images()
-        self.messages.append(replayed_summary(item, param))
+        self.messages.append(replayed_summary(item, param, self.tenant))
 
     def function_call_output(self, item: dict[str, Any], param: str) -> None:
         call_id, output = item.get("call_id"), item.get("output")
@@ -454,7 +460,7 @@ class _Builder:
                     param=f"{param}.{key}",
                     code="invalid_type",
                 )
-        text = open_reasoning(item.get("encrypted_content"))
+        text = open_reasoning(item.get("encrypted_content"), self.tenant, f"{param}.encrypted_content")
         if text is None:
             pieces = [p.get("text") for p in (item.get("content") or []) if isinstance(p, dict)]
             if not any(isinstance(p, str) and p for p in pieces):
@@ -464,8 +470,8 @@ class _Builder:
             self.reasoning.append(text)
 
 
-def _input_messages(value: str | list[Any] | None, tool_map: ToolMap) -> _Builder:
-    builder = _Builder(tool_map)
+def _input_messages(value: str | list[Any] | None, tool_map: ToolMap, tenant: Tenant) -> _Builder:
+    builder = _Builder(tool_map, tenant)
     if value is None:
         return builder
     if isinstance(value, str):

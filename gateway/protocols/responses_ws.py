@@ -281,19 +281,19 @@ class ConnectionRoom(ResponsesRoom):
         self.memory = ConnectionMemory(max_bytes, CONNECTION_MEMORY)
         self.max_json_bytes = max_json_bytes if max_json_bytes is not None else CONNECTION_MEMORY_BODIES * max_bytes
 
-    async def load_conversation(self, response_id: str) -> dict[str, Any] | None:
-        blob = self.memory.get(response_id)
+    async def load_conversation(self, response_id: str, owner: str) -> dict[str, Any] | None:
+        blob = self.memory.get(response_id)  # this connection's (one client key)
         if blob is None:
-            return await super().load_conversation(response_id)
+            return await super().load_conversation(response_id, owner)
         return await asyncio.to_thread(unpack, blob, self.max_json_bytes)
 
-    async def keep(self, response_id: str, record: dict[str, Any], store: bool | None) -> None:
+    async def keep(self, response_id: str, record: dict[str, Any], store: bool | None, owner: str) -> None:
         blob = await asyncio.to_thread(pack, record, self.max_json_bytes)
         if blob is None:
             log.warning("responses_ws_conversation_not_kept", response_id=response_id, limit=self.max_json_bytes)
         else:
             self.memory.put(response_id, blob)
-        await super().keep(response_id, record, store)
+        await super().keep(response_id, record, store, owner)
 
 
 def wrapped_error(err: GatewayError) -> dict[str, Any]:
@@ -469,7 +469,8 @@ class ResponsesConnection:
         with no output; nothing goes upstream and no audit record is written."""
         try:
             check_client_key(self.websocket, self.relay.live.current.api_key)
-            parsed = await self.room.resolve(await parse_request(self.room, self._body(request), {}))
+            tenant = self.relay.tenant(self.websocket)
+            parsed = await self.room.resolve(await parse_request(self.room, self._body(request), {}, tenant))
         except GatewayError as err:
             await self._send_error(err)
             return False
@@ -479,7 +480,7 @@ class ResponsesConnection:
         for data in sse_data(frames):
             await self._send(data)
         final = encoder.final or {}
-        await self.room.keep(response_id, self._prewarm_record(parsed, final), store=False)
+        await self.room.keep(response_id, self._prewarm_record(parsed, final), False, tenant.identity)
         return True
 
     @staticmethod

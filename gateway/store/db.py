@@ -169,6 +169,21 @@ MIGRATIONS: list[Migration] = [
         },
     ),
     (
+        8,
+        # responses.owner: the client identity (gateway/tenancy.py) that created the row;
+        # NULL for rows from before (readable only while no client key is configured).
+        # envelope_keys: the keyring of gateway/protocols/envelope.py, shared by replicas.
+        """
+        ALTER TABLE responses ADD COLUMN owner TEXT;
+        CREATE TABLE envelope_keys (
+            key_number INTEGER PRIMARY KEY,
+            secret TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            active_from REAL NOT NULL
+        );
+        """,
+    ),
+    (
         9,
         # rollouts (gateway/rollout/store.py): one row per model call of a rollout (the
         # call record as JSON), and marks on a rollout (frozen, incomplete: why).

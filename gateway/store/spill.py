@@ -117,7 +117,7 @@ class DurableWriter:
         retry_interval: float = 1.0,
         write_timeout: float = STORE_WRITE_TIMEOUT,
         read_timeout: float = STORE_READ_TIMEOUT,
-        indexed: frozenset[str] = frozenset({"response"}),
+        indexed: frozenset[str] = frozenset({"response", "owned_response"}),
         on_spilled: Callable[[str, int], None] | None = None,
         on_lost: Callable[[str, int], None] | None = None,
         on_replayed: Callable[[str, int], None] | None = None,

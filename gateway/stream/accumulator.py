@@ -28,6 +28,7 @@ from typing import Literal
 from gateway.errors import GatewayError
 from gateway.stream.events import Completion, FinishReason, Segment, TokenData, ToolCall, Usage
 from gateway.stream.think_tags import Start, ThinkTagSplitter
+from gateway.stream.signatures import Seal
 from gateway.stream.tool_calls import ToolArgs, ToolCallMerger, ToolIdentified, ToolSlot, object_or_empty, parse_arguments
 
 __all__ = [  # the tool-call names are re-exported: the rooms and the scheduler import them from here
@@ -101,6 +102,7 @@ class ChatSSEAccumulator:
         rules: ToolRules | None = None,
         reasoning_tags: Start | None = None,
         estimate_usage: UsageEstimator | None = None,
+        seal_signature: Seal | None = None,
     ) -> None:
         self.max_collect_bytes = max_collect_bytes
         self.rules = rules or ToolRules()
@@ -108,7 +110,7 @@ class ChatSSEAccumulator:
         self.reasoning_parts: list[str] = []
         self.refusal_parts: list[str] = []
         self.segments: list[Segment] = []  # reasoning/text runs in the upstream's order
-        self.tools = ToolCallMerger()
+        self.tools = ToolCallMerger(seal_signature)
         self.finish_reason: str | None = None
         self._empty_finish = False  # saw finish_reason "" (some servers' "not yet")
         self.usage: Usage | None = None

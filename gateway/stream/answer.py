@@ -31,6 +31,7 @@ from gateway.stream.compatible import replay
 from gateway.stream.events import Completion, Event
 from gateway.stream.masking import DeltaMasker
 from gateway.stream.realtime import RealtimeScheduler
+from gateway.stream.signatures import Seal
 from gateway.stream.repair import RepairPolicy
 from gateway.stream.think_tags import Start
 
@@ -58,6 +59,7 @@ class _Answer:
         self.reasoning_tags: Start | None = None  # <think> splitting for this model
         self.estimate_usage: Callable[[dict[str, Any]], UsageEstimator] | None = None  # body -> estimator
         self.repair: RepairPolicy | None = None  # compatible mode's; realtime never repairs
+        self.seal_signature: Seal | None = None  # thought signatures into call ids (the tenant's)
         self.masker: DeltaMasker | None = None  # secrets masked across delta boundaries
 
     def _masked(self, events: list[Event]) -> list[Event]:
@@ -72,7 +74,7 @@ class _Answer:
         body, self._next = self._next, None
         if body is not None:
             estimate = self.estimate_usage(body) if self.estimate_usage is not None else None
-            acc = ChatSSEAccumulator(self.max_collect_bytes, self.rules, self.reasoning_tags, estimate)
+            acc = ChatSSEAccumulator(self.max_collect_bytes, self.rules, self.reasoning_tags, estimate, self.seal_signature)
             acc.retained_bytes = self.retained_bytes
             self.acc = acc
             self.bodies.append(body)

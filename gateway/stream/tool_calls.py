@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from gateway.errors import GatewayError
-from gateway.stream.signatures import client_call_id
+from gateway.stream.signatures import Seal, client_call_id
 
 
 @dataclass(slots=True)
@@ -42,14 +42,19 @@ class ToolSlot:
     thought_signature: str | None = None  # Gemini's, sent back with this call next turn
     shown_id: str | None = None  # the id a client has already been shown (realtime)
     announced: bool = False  # handed to the scheduler (ToolIdentified)
+    seal: Seal | None = None  # seals the signature into the id (the request's tenant's)
+    _sealed: tuple[str, str | None, str] | None = None  # (id, signature, client id) last built
 
     @property
     def client_id(self) -> str | None:
-        """The id clients see: the upstream's, carrying its thought signature (once shown,
-        it never changes; a signature arriving after that is not carried)."""
+        """The id clients see: the upstream's, carrying its sealed thought signature (once
+        shown, it never changes; a signature arriving after that is not carried). Built
+        once per (id, signature): sealing is randomised, the id must not be."""
         if self.shown_id is not None or self.id is None:
             return self.shown_id or self.id
-        return client_call_id(self.id, self.thought_signature)
+        if self._sealed is None or self._sealed[:2] != (self.id, self.thought_signature):
+            self._sealed = (self.id, self.thought_signature, client_call_id(self.id, self.thought_signature, self.seal))
+        return self._sealed[2]
 
     @property
     def arguments(self) -> str:
@@ -107,7 +112,8 @@ class ToolCallMerger:
     accumulator) is told of every argument fragment before it is kept: the output-byte
     budget, which raises to refuse one."""
 
-    def __init__(self) -> None:
+    def __init__(self, seal: Seal | None = None) -> None:
+        self.seal = seal  # thought signatures into ids; None: not carried (unit uses)
         self.slots: list[ToolSlot] = []
         self._slot_by_key: dict[tuple[str, object], ToolSlot] = {}
         self._saw_tool_calls = False  # legacy function_call deltas are ignored from then on
@@ -181,7 +187,7 @@ class ToolCallMerger:
                 key = (key[0], (key[1], len(self.slots)))
                 slot = None
         if slot is None:
-            slot = ToolSlot(ordinal=len(self.slots))
+            slot = ToolSlot(ordinal=len(self.slots), seal=self.seal)
             self.slots.append(slot)
             self._slot_by_key[key] = slot
         return slot
