@@ -34,11 +34,12 @@ def ws_url(url: str) -> str:
     return url.replace("http://", "ws://") + "/v1/responses"
 
 
-def tiny_items_frame(items: int = 1_000_000) -> bytes:
-    """A ``response.create`` prewarm (``generate: false``) of ``items`` tiny input messages:
-    28.6 MiB for a million, 72,866 bytes on the wire with permessage-deflate."""
+def tiny_items_frame(items: int = 1_000_000, content: str = "x") -> bytes:
+    """A ``response.create`` prewarm (``generate: false``) of ``items`` input messages of
+    ``content``: 28.6 MiB for a million tiny ones, 72,866 bytes on the wire with
+    permessage-deflate (past the 50,000-item limit: refused by name since issue #25)."""
     return orjson.dumps({"type": "response.create", "model": "text", "generate": False, "store": False,
-                         "input": [{"role": "user", "content": "x"}] * items})
+                         "input": [{"role": "user", "content": content}] * items})
 
 
 def rss_kib(pid: int) -> int:
@@ -48,11 +49,11 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
-async def big_frames(url: str, sockets: int = 3, items: int = 1_000_000, headers: dict[str, str] | None = None
-                     ) -> tuple[list[Any], list[dict[str, Any]]]:
+async def big_frames(url: str, sockets: int = 3, items: int = 1_000_000, headers: dict[str, str] | None = None,
+                     content: str = "x") -> tuple[list[Any], list[dict[str, Any]]]:
     """Open ``sockets`` WebSockets, each sends one big prewarm frame and reads its answer;
     returns the open connections (the caller closes them) and each answer's last event."""
-    frame = tiny_items_frame(items).decode()
+    frame = tiny_items_frame(items, content).decode()
     opened: list[Any] = []
     answers: list[dict[str, Any]] = []
     for _ in range(sockets):  # one at a time: the gateway parses each on its loop

@@ -24,9 +24,10 @@ MiB = 1024
 
 
 def test_three_big_frames_leave_the_gateway_under_150_mib_more(tmp_path: Path) -> None:
-    """On main each such socket kept ~625 MiB until it closed (3: 1.73 GB). Now a socket
-    remembers its conversations packed (compressed JSON), bounded by their real size; each
-    still continues from what it sent."""
+    """On main each such socket kept ~625 MiB until it closed (3: 1.73 GB). Now the issue's
+    frame (1 M tiny items) is refused by the item limit and leaves the gateway under +150 MiB
+    while its sockets stay open; a frame under the limit is remembered packed (compressed
+    JSON, bounded by its real size) and each socket continues from what it sent."""
     proc = GatewayProcess("--simulator", "--api-key", KEY, "--data-dir", str(tmp_path / "data"),
                           "--log-level", "warning", log_dir=tmp_path)
     try:
@@ -37,9 +38,16 @@ def test_three_big_frames_leave_the_gateway_under_150_mib_more(tmp_path: Path) -
             await warm[0].close()
             await asyncio.sleep(1)
             before = attacks.rss_kib(proc.proc.pid)
-            opened, answers = await attacks.big_frames(proc.url, 3, headers=AUTH)
+            # the issue's frame (1 M tiny items) is now refused by the item limit, by name
+            refused, errors = await attacks.big_frames(proc.url, 3, headers=AUTH)
             await asyncio.sleep(2)  # idle, as a socket between turns
-            held = attacks.rss_kib(proc.proc.pid)
+            held = attacks.rss_kib(proc.proc.pid)  # the issue's bar: 3 sockets, each sent a 28.6 MiB frame
+            for ws in refused:
+                await ws.close()
+            assert all(e["type"] == "error" and "too_many_input_items" in json.dumps(e) for e in errors), errors
+            # frames under the limit (45,000 items, 4.4 MiB each) are remembered, packed, and continued
+            opened, answers = await attacks.big_frames(proc.url, 3, items=45_000, headers=AUTH, content="y" * 80)
+            await asyncio.sleep(2)
             continued = []
             for ws, answer in zip(opened, answers):  # a prewarm continuing the big one: resolved, not upstream
                 await ws.send(json.dumps({"type": "response.create", "model": "text", "generate": False, "input": "next",
