@@ -225,10 +225,8 @@ class UpstreamClient:
                     raise GatewayError("upstream", "upstream_error", f"the upstream reported an error: {answer['error']}")
                 yield ANSWERED
                 yield answer
-            except httpx.TimeoutException:
-                raise GatewayError("timeout", "upstream_idle_timeout", "the upstream went silent mid-answer") from None
             except httpx.HTTPError as exc:
-                raise GatewayError("upstream", "upstream_disconnected", f"the upstream connection broke: {type(exc).__name__}") from None
+                raise read_failed(exc) from None
             finally:
                 self.open_responses -= 1
                 await response.aclose()
@@ -358,13 +356,18 @@ class UpstreamClient:
                         yield SECRETS.mask_value(chunk) if chunk.get("error") else chunk
             if not got_data:
                 raise empty_answer()
-        except httpx.TimeoutException:
-            raise GatewayError("timeout", "upstream_idle_timeout", "the upstream went silent mid-answer") from None
         except httpx.HTTPError as exc:
-            raise GatewayError("upstream", "upstream_disconnected", f"the upstream connection broke: {type(exc).__name__}") from None
+            raise read_failed(exc) from None
         finally:
             self.open_responses -= 1
             await response.aclose()
+
+
+def read_failed(exc: httpx.HTTPError) -> GatewayError:
+    """An answer's body that stopped coming (a read timeout) or broke off, after its head."""
+    if isinstance(exc, httpx.TimeoutException):
+        return GatewayError("timeout", "upstream_idle_timeout", "the upstream went silent mid-answer")
+    return GatewayError("upstream", "upstream_disconnected", f"the upstream connection broke: {type(exc).__name__}")
 
 
 def pool_exhausted(waited: float) -> GatewayError:
