@@ -26,6 +26,13 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+.PHONY: test-faults
+
+## Real gateway processes under induced faults and attacks (store and upstream faults, SIGKILL,
+## full disks, hostile sockets, /healthz under attack): minutes long, so not in `make test`
+test-faults: $(STAMP)
+	$(BIN)/python -m pytest -q -m faults
+
 clean:
 	rm -rf $(VENV) data .pytest_cache
 

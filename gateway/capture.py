@@ -122,33 +122,37 @@ class CaptureWriter:
                 return
 
     def _flush_held(self, lines: list[bytes]) -> None:
-        """Write what is held, then ``lines``; on failure hold them all (within the bound)."""
-        for line in lines:
-            self._held.append(line)
-            self._held_bytes += len(line)
-        if not self._held:
+        """Write what is held, then ``lines``; on failure hold them all (within the bound).
+
+        ``held`` changes in one step, after the write's outcome is known (a reader on another
+        thread never sees lines counted as held that are about to be lost)."""
+        pending = [*self._held, *lines]
+        if not pending:
             return
         try:
-            self._write(list(self._held))
+            self._write(pending)
         except OSError as exc:  # disk full, read-only: keep the lines, try again later
             if not self._failing:
-                log.error("capture_write_failed", held=len(self._held), error=f"{type(exc).__name__}: {exc}")
+                log.error("capture_write_failed", held=len(pending), error=f"{type(exc).__name__}: {exc}")
             self._failing = True
-            overflow = 0
-            while self._held_bytes > self.hold_max_bytes and self._held:
-                self._held_bytes -= len(self._held.popleft())
-                overflow += 1
-            self._lose(overflow, "the hold is full")
+            kept: collections.deque[bytes] = collections.deque()
+            kept_bytes = 0
+            for line in reversed(pending):  # the newest lines are kept
+                if kept_bytes + len(line) > self.hold_max_bytes:
+                    break
+                kept.appendleft(line)
+                kept_bytes += len(line)
+            self._held, self._held_bytes = kept, kept_bytes
+            self._lose(len(pending) - len(kept), "the hold is full")
             return
-        written = len(self._held)
         if self._failing:
-            log.info("capture_write_recovered", written=written)
+            log.info("capture_write_recovered", written=len(pending))
         self._failing = False
-        self._held.clear()
+        self._held = collections.deque()
         self._held_bytes = 0
-        self.written += written
+        self.written += len(pending)
         if self._on_written is not None:
-            self._on_written(written)
+            self._on_written(len(pending))
 
     def _lose(self, count: int, why: str) -> None:
         if not count:

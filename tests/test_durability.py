@@ -26,6 +26,9 @@ from gateway.upstream.sim_reply import TEXT
 from tests.conftest import ServerLoop, Simulator, wait_for
 from tests.processes import GatewayProcess, own_simulator
 
+# real processes and induced faults: `make test-faults` (CI runs it), not the default suite
+pytestmark = pytest.mark.faults
+
 
 ADMIN_TOKEN = "durability-admin-token-0123456789"
 ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -158,14 +161,13 @@ def postgres_processes(url: str) -> list[int]:
     every child of it. The server runs on this machine (loopback)."""
     import psycopg
 
-    with psycopg.connect(url) as conn:
-        backend = conn.execute("SELECT pg_backend_pid()").fetchone()[0]  # type: ignore[index]
-
     def parent(pid: int) -> int:
         stat = Path(f"/proc/{pid}/stat").read_text()
         return int(stat.rsplit(")", 1)[1].split()[1])
 
-    postmaster = parent(backend)
+    with psycopg.connect(url) as conn:  # our backend exits with the connection: read it while open
+        backend = conn.execute("SELECT pg_backend_pid()").fetchone()[0]  # type: ignore[index]
+        postmaster = parent(backend)
     children = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():

@@ -28,6 +28,9 @@ from tests.conftest import Simulator, wait_for
 from tests.processes import GatewayProcess
 from tests.test_durability import tmpfs
 
+# real processes and induced faults: `make test-faults` (CI runs it), not the default suite
+pytestmark = pytest.mark.faults
+
 CLIENT_KEY = "store-faults-client-key-0123456789"
 ADMIN_TOKEN = "store-faults-admin-token-0123456789"
 

@@ -26,6 +26,9 @@ from tests.drivers import DRIVERS, UNARY_DRIVERS, Ask
 from tests.processes import GatewayProcess
 from tests.scripted_upstream import ScriptedUpstream
 
+# real processes and induced faults: `make test-faults` (CI runs it), not the default suite
+pytestmark = pytest.mark.faults
+
 CLIENT_KEY = "upfaults-client-key-0123456789abcdef"
 ADMIN_TOKEN = "upfaults-admin-token-0123456789abcdef"
 PROTOCOLS = ("chat", "responses", "messages")
