@@ -315,3 +315,18 @@ def test_a_key_with_limits_is_refused_when_the_store_cannot_answer(gw: Gateway) 
         release.set()
         holder.join()
         limiter.reserve_timeout = original
+
+
+def test_relayed_routes_reserve_too_and_embeddings_get_no_output_cap(gw: Gateway, simulator: Simulator) -> None:
+    key = create_key(gw, name="relayed", daily_tokens=100000, max_output_tokens=64)
+    client = oai(gw, key["key"])
+    simulator.clear()
+    completion = client.completions.create(model="text", prompt="hello there")
+    embedding = client.embeddings.create(model="text", input="hello", encoding_format="float")
+    assert completion.choices and embedding.data
+    bodies = {r["path"].rsplit("/", 1)[-1]: r["body"] for r in simulator.requests()}
+    assert bodies["completions"]["max_tokens"] == 64 and "max_tokens" not in bodies["embeddings"]
+    rows = audit_rows(gw, 2, key_id=key["id"])
+    assert sorted(r["protocol"] for r in rows) == ["completions", "embeddings"]
+    used = sum(r["usage"].get("prompt_tokens", 0) + r["usage"].get("completion_tokens", 0) for r in rows)
+    wait_for(lambda: listed(gw)[key["id"]]["usage"] == {"requests_today": 2, "tokens_today": used})

@@ -40,7 +40,10 @@ SETTLE_TIMEOUT = 10.0
 
 
 def input_bound(body: dict[str, Any]) -> int:
-    """At least the input tokens of an upstream chat body (see the module docstring)."""
+    """At least the input tokens of an upstream body (see the module docstring): a chat
+    body's messages and tools, else (``/v1/completions``, ``/v1/embeddings``) the whole body."""
+    if "messages" not in body:
+        return len(orjson.dumps(body))
     return len(orjson.dumps(body.get("messages") or [])) + len(orjson.dumps(body.get("tools") or []))
 
 
@@ -54,7 +57,9 @@ def output_cap(body: dict[str, Any]) -> int | None:
 
 def with_output_cap(parsed: ParsedRequest, key: ManagedKey) -> tuple[ParsedRequest, int]:
     """The request with an upstream ``max_tokens`` (the key's cap when it named none), and
-    the output tokens it may spend."""
+    the output tokens it may spend (none for embeddings)."""
+    if parsed.protocol == "embeddings":
+        return parsed, 0
     cap = output_cap(parsed.upstream_body)
     if cap is not None:
         return parsed, cap
