@@ -53,11 +53,10 @@ def run_all(n: int = 20000, store_n: int = 2000) -> dict[str, float]:
         keys, secret = [], ""
         for i in range(KEYS):
             secret = new_secret()
-            limits = KeyLimits(models=("gpt-4o*", "claude-*", "text"), rpm=10**9, tpm=10**12, daily_tokens=10**12)
+            limits = KeyLimits(models=("gpt-4o*", "claude-*", "text"), rpm=60, daily_tokens=10**12)
             keys.append(ManagedKey(new_key_id(), f"k{i}", secret[:12], hash_secret(secret), limits, time.time()))
         registry.replace(keys)
         key = keys[-1]
-        store.insert(db, key)
         static = [SecretStr("ck-static-client-key-0123456789abcdef")]
         static_request = _request(static[0].get_secret_value())
         out["static_key_check_us"] = round(_cpu_us(lambda: check_client_key(static_request, static), n), 2)
@@ -72,19 +71,30 @@ def run_all(n: int = 20000, store_n: int = 2000) -> dict[str, float]:
 
         out["managed_key_check_us"] = round(_cpu_us(managed, n) - _cpu_us(baseline, n), 2)
         ids = iter(range(10**9))
+        budget_only = ManagedKey(new_key_id(), "budget", "sk-cb2a-xxxx", "0" * 64,
+                                 KeyLimits(daily_tokens=10**12), time.time())
+        store.insert(db, budget_only)
 
-        def reserve_settle() -> None:
+        def reserve_settle(which: ManagedKey = budget_only) -> None:
             request_id = f"req_{next(ids)}"
-            assert store.reserve(db, key, request_id, 133) is None
+            assert store.reserve(db, which, request_id, 133) is None
             store.settle(db, request_id, 27)
 
         out["reserve_settle_sqlite_us"] = round(_cpu_us(reserve_settle, store_n), 1)
+        # rpm 60 + tpm + daily + max_concurrent, each key's minute filled to its rpm
+        full: list[float] = []
+        for i in range(store_n // 60):
+            rated = ManagedKey(new_key_id(), f"rated{i}", "sk-cb2a-xxxx", f"{i + 1:064d}",
+                               KeyLimits(rpm=60, tpm=10**9, max_concurrent=100, daily_tokens=10**12), time.time())
+            store.insert(db, rated)
+            full.append(_cpu_us(lambda: reserve_settle(rated), 60))
+        out["reserve_settle_sqlite_rpm60_us"] = round(sum(full) / len(full), 1)
 
         async def threaded() -> float:
             start = time.process_time()
             for _ in range(store_n):
                 request_id = f"req_{next(ids)}"
-                await asyncio.to_thread(store.reserve, db, key, request_id, 133)
+                await asyncio.to_thread(store.reserve, db, budget_only, request_id, 133)
                 await asyncio.to_thread(store.settle, db, request_id, 27)
             return (time.process_time() - start) / store_n * 1e6
 

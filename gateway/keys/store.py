@@ -90,7 +90,7 @@ def revoke(db: Store, key_id: str) -> bool:
     """Mark a key revoked (kept, so its audit history still names it); False if unknown."""
 
     def run(conn: Any) -> bool:
-        now = _now(conn, db)
+        now = _clock(conn, db)
         cursor = conn.execute(
             "UPDATE client_keys SET revoked_at = COALESCE(revoked_at, ?), updated_at = ? WHERE key_id = ?",
             (now, now, key_id),
@@ -104,7 +104,7 @@ def usage_today(db: Store) -> dict[str, dict[str, int]]:
     """Requests and settled tokens of every key today (open reservations left out)."""
 
     def run(conn: Any) -> dict[str, dict[str, int]]:
-        day = day_of(_now(conn, db))
+        day = day_of(_clock(conn, db))
         rows = conn.execute("SELECT key_id, requests, tokens FROM client_key_usage WHERE day = ?", (day,)).fetchall()
         held = dict(conn.execute(
             "SELECT key_id, SUM(reserved) FROM client_key_requests WHERE open = 1 AND day = ? GROUP BY key_id", (day,)
@@ -123,56 +123,69 @@ class Refusal:
     retry_after: int
 
 
+#: One scan of the key's recent rows (ended ones are deleted after KEEP_ENDED, so the
+#: scan holds the last two minutes and the open ones): requests and tokens in the window,
+#: its oldest request, the open requests; and the day's tokens.
+_COUNTS = (
+    "SELECT COUNT(CASE WHEN at > ? THEN 1 END),"
+    " COALESCE(SUM(CASE WHEN at > ? THEN (CASE WHEN open = 1 THEN reserved ELSE used END) ELSE 0 END), 0),"
+    " MIN(CASE WHEN at > ? THEN at END), COALESCE(SUM(open), 0),"
+    " (SELECT tokens FROM client_key_usage WHERE key_id = ? AND day = ?)"
+    " FROM client_key_requests WHERE key_id = ? AND at > ?"
+)
+_DAY_TOKENS = "SELECT tokens FROM client_key_usage WHERE key_id = ? AND day = ?"
+_USAGE_ADD = (
+    "INSERT INTO client_key_usage (key_id, day, requests, tokens) VALUES (?, ?, ?, ?)"
+    " ON CONFLICT (key_id, day) DO UPDATE SET requests = client_key_usage.requests + excluded.requests,"
+    " tokens = client_key_usage.tokens + excluded.tokens"
+)
+
+
+def _clock(conn: Any, db: Store) -> float:
+    """Replicas on several machines share the database's clock; one machine its own."""
+    return _now(conn, db) if db.shared else time.time()
+
+
 def reserve(db: Store, key: ManagedKey, request_id: str, tokens: int) -> Refusal | None:
     """Count one request and hold ``tokens`` for it, or say which limit refuses it."""
     limits = key.limits
+    k = key.key_id
 
     def run(conn: Any) -> Refusal | None:
         if db.dialect == "postgres":  # one reservation per key at a time, on every replica
-            conn.execute("SELECT key_id FROM client_keys WHERE key_id = ? FOR UPDATE", (key.key_id,))
-        now = _now(conn, db)
+            conn.execute("SELECT key_id FROM client_keys WHERE key_id = ? FOR UPDATE", (k,))
+        now = _clock(conn, db)
         day = day_of(now)
-        conn.execute(
-            "INSERT INTO client_key_usage (key_id, day, requests, tokens) VALUES (?, ?, 0, 0) ON CONFLICT (key_id, day) DO NOTHING",
-            (key.key_id, day),
-        )
-        if limits.rpm is not None or limits.tpm is not None:
-            count, window_tokens, oldest = conn.execute(
-                "SELECT COUNT(*), COALESCE(SUM(CASE WHEN open = 1 THEN reserved ELSE used END), 0), MIN(at)"
-                " FROM client_key_requests WHERE key_id = ? AND at > ?", (key.key_id, now - WINDOW),
+        window = now - WINDOW
+        if limits.rpm is None and limits.tpm is None and limits.max_concurrent is None:
+            count = window_tokens = open_now = 0  # a budget alone: the day's row is enough
+            oldest = None
+            row = conn.execute(_DAY_TOKENS, (k, day)).fetchone()
+            used = row[0] if row else 0
+        else:
+            count, window_tokens, oldest, open_now, used = conn.execute(
+                _COUNTS, (window, window, window, k, day, k, now - STALE_OPEN)
             ).fetchone()
-            wait = max(1, math.ceil(float(oldest) + WINDOW - now)) if oldest is not None else 1
-            if limits.rpm is not None and int(count) + 1 > limits.rpm:
-                return Refusal("rate_limited", f"this API key is limited to {limits.rpm} requests per minute", wait)
-            if limits.tpm is not None and int(window_tokens) + tokens > limits.tpm:
-                return Refusal("rate_limited", f"this API key is limited to {limits.tpm} tokens per minute "
-                               f"(this request reserves {tokens})", wait)
-        if limits.max_concurrent is not None:
-            (open_now,) = conn.execute(
-                "SELECT COUNT(*) FROM client_key_requests WHERE key_id = ? AND open = 1 AND at > ?",
-                (key.key_id, now - STALE_OPEN),
-            ).fetchone()
-            if int(open_now) + 1 > limits.max_concurrent:
-                return Refusal("concurrency_limited",
-                               f"this API key is limited to {limits.max_concurrent} concurrent requests", 1)
-        if limits.daily_tokens is not None:
-            (used,) = conn.execute(
-                "SELECT tokens FROM client_key_usage WHERE key_id = ? AND day = ?", (key.key_id, day)
-            ).fetchone()
-            if int(used) + tokens > limits.daily_tokens:
-                return Refusal("budget_exceeded", f"this API key's daily budget of {limits.daily_tokens} tokens "
-                               f"cannot hold this request's {tokens} (used or held: {int(used)})",
-                               seconds_to_midnight(now))
+        wait = max(1, math.ceil(float(oldest) + WINDOW - now)) if oldest is not None else 1
+        if limits.rpm is not None and int(count) + 1 > limits.rpm:
+            return Refusal("rate_limited", f"this API key is limited to {limits.rpm} requests per minute", wait)
+        if limits.tpm is not None and int(window_tokens) + tokens > limits.tpm:
+            return Refusal("rate_limited", f"this API key is limited to {limits.tpm} tokens per minute "
+                           f"(this request reserves {tokens})", wait)
+        if limits.max_concurrent is not None and int(open_now) + 1 > limits.max_concurrent:
+            return Refusal("concurrency_limited",
+                           f"this API key is limited to {limits.max_concurrent} concurrent requests", 1)
+        used = int(used or 0)
+        if limits.daily_tokens is not None and used + tokens > limits.daily_tokens:
+            return Refusal("budget_exceeded", f"this API key's daily budget of {limits.daily_tokens} tokens "
+                           f"cannot hold this request's {tokens} (used or held: {used})",
+                           seconds_to_midnight(now))
         conn.execute(
             "INSERT INTO client_key_requests (request_id, key_id, at, day, reserved, used, open) VALUES (?, ?, ?, ?, ?, 0, 1)",
-            (request_id, key.key_id, now, day, tokens),
+            (request_id, k, now, day, tokens),
         )
-        conn.execute(
-            "UPDATE client_key_usage SET requests = requests + 1, tokens = tokens + ? WHERE key_id = ? AND day = ?",
-            (tokens, key.key_id, day),
-        )
-        conn.execute("DELETE FROM client_key_requests WHERE key_id = ? AND open = 0 AND at < ?",
-                     (key.key_id, now - KEEP_ENDED))
+        conn.execute(_USAGE_ADD, (k, day, 1, tokens))
+        conn.execute("DELETE FROM client_key_requests WHERE key_id = ? AND open = 0 AND at < ?", (k, now - KEEP_ENDED))
         return None
 
     return db.run_tx(run)
@@ -202,12 +215,6 @@ def count_usage(db: Store, key_id: str, used: int) -> None:
     """A request of a key without counted limits: its usage, after the fact."""
 
     def run(conn: Any) -> None:
-        day = day_of(_now(conn, db))
-        conn.execute(
-            "INSERT INTO client_key_usage (key_id, day, requests, tokens) VALUES (?, ?, 1, ?)"
-            " ON CONFLICT (key_id, day) DO UPDATE SET requests = client_key_usage.requests + 1,"
-            " tokens = client_key_usage.tokens + excluded.tokens",
-            (key_id, day, used),
-        )
+        conn.execute(_USAGE_ADD, (key_id, day_of(_clock(conn, db)), 1, used))
 
     db.run_tx(run)
