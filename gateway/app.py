@@ -322,7 +322,8 @@ def create_app(
         Middleware(RolloutPaths),  # /rollouts/{id}/v1/... -> /v1/... with the id in the scope
         Middleware(RedactingSend),
         Middleware(CrossSiteGuard, live=live, public_urls=settings.public_url,
-                   bind_host=settings.host, allow_origins=settings.cors_allow_origin),
+                   bind_host=settings.host, allow_origins=settings.cors_allow_origin,
+                   managed_keys=lambda: client_keys.exists),
         Middleware(AdminSurface, public_urls=settings.public_url, bind_host=settings.host),
         Middleware(BodyLimit, limit=settings.max_body_bytes, render=error_for_path),
     ]

@@ -277,7 +277,12 @@ def test_revoking_the_last_managed_key_does_not_open_the_gateway(server_loop: Se
                                                                   tmp_path_factory: pytest.TempPathFactory) -> None:
     gw = start_gateway(server_loop, simulator, tmp_path_factory)  # no --api-key: open
     assert httpx.post(gw.base_url + "/chat/completions", json={"model": "text", "messages": MESSAGES}).status_code == 200
+    foreign = {"host": "gateway.example.com"}  # keyless: only loopback names (DNS rebinding)
+    refused = httpx.post(gw.base_url + "/chat/completions", json={"model": "text", "messages": MESSAGES}, headers=foreign)
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "forbidden_host"
     key = create_key(gw, name="only")
+    keyed = {**foreign, "authorization": f"Bearer {key['key']}"}  # a key is required now: any Host
+    assert httpx.post(gw.base_url + "/chat/completions", json={"model": "text", "messages": MESSAGES}, headers=keyed).status_code == 200
     keyless = httpx.post(gw.base_url + "/chat/completions", json={"model": "text", "messages": MESSAGES})
     assert keyless.status_code == 401 and keyless.json()["error"]["code"] == "invalid_api_key"
     revoke(gw, key["id"])
