@@ -335,3 +335,16 @@ def test_relayed_routes_reserve_too_and_embeddings_get_no_output_cap(gw: Gateway
     assert sorted(r["protocol"] for r in rows) == ["completions", "embeddings"]
     used = sum(r["usage"].get("prompt_tokens", 0) + r["usage"].get("completion_tokens", 0) for r in rows)
     wait_for(lambda: listed(gw)[key["id"]]["usage"] == {"requests_today": 2, "tokens_today": used})
+
+
+def test_stored_responses_belong_to_the_managed_key_that_made_them(gw: Gateway) -> None:
+    alice, bob = create_key(gw, name="owner-alice")["key"], create_key(gw, name="owner-bob")["key"]
+    stored = oai(gw, alice).responses.create(model="text", input="hi")
+    assert oai(gw, alice).responses.retrieve(stored.id).id == stored.id
+    with pytest.raises(openai.NotFoundError):
+        oai(gw, bob).responses.retrieve(stored.id)
+    with pytest.raises(openai.BadRequestError) as other:
+        oai(gw, bob).responses.create(model="text", input="more", previous_response_id=stored.id)
+    assert other.value.body["code"] == "previous_response_not_found"  # type: ignore[index]
+    follow = oai(gw, alice).responses.create(model="text", input="more", previous_response_id=stored.id)
+    assert follow.status == "completed"
