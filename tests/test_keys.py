@@ -348,3 +348,21 @@ def test_stored_responses_belong_to_the_managed_key_that_made_them(gw: Gateway) 
     assert other.value.body["code"] == "previous_response_not_found"  # type: ignore[index]
     follow = oai(gw, alice).responses.create(model="text", input="more", previous_response_id=stored.id)
     assert follow.status == "completed"
+
+
+def test_over_tpm_is_429_and_the_window_never_holds_more_than_tpm(gw: Gateway) -> None:
+    """Each request reserves its input bound (the messages' JSON bytes) + max_tokens, and
+    is settled to its real usage: the minute admits requests until the next reservation
+    would pass tpm."""
+    key = create_key(gw, name="tpm300", tpm=300)
+    client = oai(gw, key["key"])
+    served: list[int] = []
+    with pytest.raises(openai.RateLimitError) as refused:
+        for _ in range(20):
+            answer = client.chat.completions.create(model="text", messages=MESSAGES, max_tokens=100)  # type: ignore[arg-type]
+            assert answer.usage is not None
+            served.append(answer.usage.total_tokens)
+    assert refused.value.body["code"] == "rate_limited" and "300 tokens per minute" in refused.value.message  # type: ignore[index]
+    assert 1 <= int(refused.value.response.headers["retry-after"]) <= 60
+    reservation = len(json.dumps(MESSAGES, separators=(",", ":"))) + 100
+    assert sum(served) <= 300 < sum(served) + reservation  # refused exactly when it would not fit
