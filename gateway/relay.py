@@ -26,7 +26,7 @@ from gateway.cross_site import raise_refusal
 from gateway.errors import ErrorCode, GatewayError
 from gateway.generation import GenerationRun, RunningGenerations, capture_record, note_run
 from gateway.keys.limiter import KeyLimiter
-from gateway.keys.registry import KeyRegistry, managed_key
+from gateway.keys.registry import KeyRegistry, managed_key, named_key
 from gateway.outcome import RequestOutcome, internal_error
 from gateway.policy import StreamPolicy
 from gateway.protocols.base import ProtocolRoom
@@ -115,8 +115,7 @@ class GenerationService:
             raise_refusal(request.scope)  # a web page's request (gateway/cross_site.py)
             record.client_key_fingerprint = check_client_key(request, settings.api_key, self.keys)
             key = managed_key(request)
-            if key is not None:
-                record.key_id, record.key_name = key.key_id, key.name
+            _name_key(record, request)
             if self.recording is not None:
                 self.recording()
             held[0] = self._hold_body(_declared_length(request), settings.max_body_bytes_in_flight)
@@ -125,6 +124,7 @@ class GenerationService:
             if not held[0]:  # no Content-Length: what was read
                 held[0] = self._hold_body(len(body), settings.max_body_bytes_in_flight)
         except GatewayError as err:
+            _name_key(record, request)
             outcome.refused(err)
             return error_response(room, err, headers)
         except BodyTooLarge as exc:
@@ -204,12 +204,11 @@ class GenerationService:
         outcome = RequestOutcome(record, lambda: self._report(record, None))
         try:
             record.client_key_fingerprint = check_client_key(client, settings.api_key, self.keys)
-            key = managed_key(client)
-            if key is not None:
-                record.key_id, record.key_name = key.key_id, key.name
         except GatewayError as refused:
+            _name_key(record, client)
             outcome.refused(refused)
             return refused
+        _name_key(record, client)
         outcome.invalid(error)
         return error
 
@@ -284,6 +283,13 @@ def _stream_outcome(outcome: RequestOutcome, run: GenerationRun, complete: bool)
         outcome.failed(run.error, committed=run.committed)
     else:
         outcome.succeeded()
+
+
+def _name_key(record: RequestRecord, request: HTTPConnection) -> None:
+    """The managed key a request presented (also a revoked one), on its record."""
+    key = named_key(request)
+    if key is not None:
+        record.key_id, record.key_name = key.key_id, key.name
 
 
 def _declared_length(request: HTTPConnection) -> int:

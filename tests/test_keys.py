@@ -366,3 +366,29 @@ def test_over_tpm_is_429_and_the_window_never_holds_more_than_tpm(gw: Gateway) -
     assert 1 <= int(refused.value.response.headers["retry-after"]) <= 60
     reservation = len(json.dumps(MESSAGES, separators=(",", ":"))) + 100
     assert sum(served) <= 300 < sum(served) + reservation  # refused exactly when it would not fit
+
+
+def test_the_secret_is_stored_hashed_and_never_logged(gw: Gateway, caplog: pytest.LogCaptureFixture) -> None:
+    import hashlib
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        key = create_key(gw, name="never-logged", rpm=1)
+        secret = key["key"]
+        assert oai(gw, secret).chat.completions.create(model="text", messages=MESSAGES).choices  # type: ignore[arg-type]
+        with pytest.raises(openai.RateLimitError):
+            oai(gw, secret).chat.completions.create(model="text", messages=MESSAGES)  # type: ignore[arg-type]
+        revoke(gw, key["id"])
+        with pytest.raises(openai.AuthenticationError):
+            oai(gw, secret).chat.completions.create(model="text", messages=MESSAGES)  # type: ignore[arg-type]
+        rows = audit_rows(gw, 3, key_id=key["id"])
+    assert sorted((r["outcome"], r["error_code"] or "") for r in rows) == [
+        ("refused", "invalid_api_key"), ("refused", "rate_limited"), ("success", "")]  # the revoked key is named too
+    lines = [r.getMessage() for r in caplog.records]
+    events = [r.msg for r in caplog.records if isinstance(r.msg, dict) and r.msg.get("event") == "request"]
+    assert sum(e.get("key_id") == key["id"] for e in events) == 3  # served, rate-limited, refused as revoked
+    assert not [line for line in lines if secret in line or secret[12:] in line]
+    rows = gw.app.state.db.execute("SELECT * FROM client_keys WHERE key_id = ?", (key["id"],))
+    stored = " ".join(str(v) for v in rows[0])
+    assert secret not in stored and secret[12:] not in stored
+    assert hashlib.sha256(secret.encode()).hexdigest() in stored

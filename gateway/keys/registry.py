@@ -23,11 +23,18 @@ log = structlog.get_logger("gateway.keys")
 REFRESH_SECONDS = 1.0
 #: Where a request's managed key rides, once authenticated (``managed_key(request)``).
 SCOPE_KEY = "codebuddy2api.managed_key"
+#: Where a revoked or expired key rides once refused: its audit record still names it.
+REFUSED_SCOPE_KEY = "codebuddy2api.refused_key"
 
 
 def managed_key(request: HTTPConnection) -> ManagedKey | None:
     """The managed key a request was authenticated with (None: a static key, or none)."""
     return request.scope.get(SCOPE_KEY)
+
+
+def named_key(request: HTTPConnection) -> ManagedKey | None:
+    """The managed key a request presented, authenticated or refused (for its record)."""
+    return request.scope.get(SCOPE_KEY) or request.scope.get(REFUSED_SCOPE_KEY)
 
 
 class KeyRegistry:
@@ -70,6 +77,7 @@ class KeyRegistry:
             return None
         refused = key.refusal(time.time() if now is None else now)
         if refused is not None:
+            request.scope[REFUSED_SCOPE_KEY] = key
             raise refused
         request.scope[SCOPE_KEY] = key
         return key
