@@ -55,7 +55,8 @@ def _limits_json(limits: KeyLimits) -> str:
 
 def _key(row: Any) -> ManagedKey:
     key_id, name, prefix, secret_hash, limits, metadata, created_at, revoked_at = row
-    data = orjson.loads(limits)
+    known = {f.name for f in fields(KeyLimits)}
+    data = {k: v for k, v in orjson.loads(limits).items() if k in known}  # a newer version's fields: ignored
     if data.get("models") is not None:
         data["models"] = tuple(data["models"])
     return ManagedKey(str(key_id), str(name), str(prefix), str(secret_hash), KeyLimits(**data),
