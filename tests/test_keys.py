@@ -293,7 +293,8 @@ def test_revoking_the_last_managed_key_does_not_open_the_gateway(server_loop: Se
 def test_a_key_with_limits_is_refused_when_the_store_cannot_answer(gw: Gateway) -> None:
     """Fail closed: the reservation is bounded; past it the request is a 503, not served."""
     limiter = gw.app.state.relay.limiter
-    secret = create_key(gw, name="store-stalls", rpm=100)["key"]
+    stalled = create_key(gw, name="store-stalls", rpm=100)
+    secret = stalled["key"]
     unlimited = create_key(gw, name="store-stalls-free")["key"]
     db = gw.app.state.db
     original, limiter.reserve_timeout = limiter.reserve_timeout, 0.2
@@ -320,6 +321,9 @@ def test_a_key_with_limits_is_refused_when_the_store_cannot_answer(gw: Gateway) 
         release.set()
         holder.join()
         limiter.reserve_timeout = original
+    # the late reservation committed after the refusal: given back, nothing stays held
+    held = "SELECT COUNT(*), COALESCE(SUM(open), 0) FROM client_key_requests WHERE key_id = ?"
+    wait_for(lambda: db.execute(held, (stalled["id"],))[0] == (1, 0))
 
 
 def test_relayed_routes_reserve_too_and_embeddings_get_no_output_cap(gw: Gateway, simulator: Simulator) -> None:
