@@ -262,6 +262,25 @@ def micro_section(d: dict[str, Any] | None) -> str:
     return "\n\n".join(parts)
 
 
+KEY_CHECK_ROWS = (
+    ("static_key_check_us", "static `--api-key` check (constant-time compare), for comparison"),
+    ("managed_key_check_us", "managed key check: SHA-256 lookup among 1,000 keys, revoked/expired, model globs"),
+    ("reserve_settle_sqlite_us", "a key with a daily budget: reservation + settlement on SQLite (called directly)"),
+    ("reserve_settle_sqlite_rpm60_us", "a key with rpm 60, tpm, max_concurrent and a budget, its minute full: the same"),
+    ("reserve_settle_sqlite_threaded_us", "the same through `asyncio.to_thread`, as the request path runs it"),
+)
+
+
+def key_check_section(d: dict[str, Any] | None) -> str:
+    """Issue #28: the CPU a managed client key adds per request (bench/key_check.py)."""
+    if not d:
+        return "_not measured in this run_"
+    rows = [[what, f(d[name], 1)] for name, what in KEY_CHECK_ROWS if name in d]
+    target = d.get("managed_key_check_us")
+    met = "" if target is None else f"\n\nTarget < 200 µs added CPU per request for the key check: {verdict(target < 200)}."
+    return table(["what", "µs CPU per request"], rows) + met
+
+
 def verdict(ok: bool | None) -> str:
     return "–" if ok is None else ("**met**" if ok else "**not met**")
 
@@ -656,6 +675,10 @@ def render() -> int:
         "Single stages priced in isolation, so each proposal below says what it can save at most.",
         "",
         micro_section(data.get("micro")),
+        "",
+        "## Managed client keys (`bench/key_check.py`, issue #28)",
+        "",
+        key_check_section(data.get("key_check")),
         "",
         analysis.strip(),
         "",

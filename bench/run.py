@@ -551,6 +551,10 @@ def main() -> int:
 
             print("micro-measurements", flush=True)
             res["micro"] = run_all()
+            from key_check import run_all as key_check
+
+            print("managed key check (issue #28)", flush=True)
+            res["key_check"] = key_check()
         res["meta"]["duration_s"] = round(time.monotonic() - started, 1)
         res["meta"]["quick"] = args.quick
         logs = {name: s.log_path.read_text()[-3000:] for name, s in bench.servers.items() if s.log_path.exists()}

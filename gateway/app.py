@@ -30,6 +30,8 @@ from gateway.admin.throttle import AttemptThrottle
 from gateway.body_limit import BodyLimit
 from gateway.cross_site import CrossSiteGuard
 from gateway.errors import GatewayError
+from gateway.keys.limiter import KeyLimiter
+from gateway.keys.registry import KeyRegistry
 from gateway.redact import SECRETS, RedactingSend
 from gateway.observability.observer import Observability, metrics_endpoint
 from gateway.models_api import keyed, list_models, retrieve_model, route_error_handlers
@@ -188,6 +190,10 @@ def create_app(
     envelope_keys = EnvelopeKeys(db)
     envelope_keys.load()  # before serving: requests only read the in-memory keyring
     relay.envelope_keys = envelope_keys
+    client_keys = relay.keys = KeyRegistry(db)
+    client_keys.on_load = observability.metrics.declare_keys
+    client_keys.load()  # before serving: requests authenticate against the in-memory keys
+    relay.limiter = KeyLimiter(db)
     credential_state = CredentialState(db)
     # several processes on one store (PostgreSQL replicas, --workers): shared cap and health
     replication = Replication(db, settings.replica_id, lambda: relay.in_flight) if db.shared or settings.workers > 1 else None
@@ -242,6 +248,7 @@ def create_app(
         )
         await loop_lag.start()
         await envelope_keys.start()
+        await client_keys.start()
         shutdown = app.state.shutdown = GracefulShutdown(
             settings.shutdown_timeout, relay.running.abort_all, lambda: relay.in_flight, observability.metrics.shutdown_cut.inc
         )
@@ -260,9 +267,11 @@ def create_app(
             await loop_lag.stop()
             await prober.aclose()
             await envelope_keys.aclose()
+            await client_keys.aclose()
             await upstream.aclose()
             if relay.capture is not None:
                 relay.capture.close()  # drains: every finished call is on disk
+            await relay.limiter.drain()  # settlements under way, before the store closes
             await relay.rollouts.aclose()  # failed calls' records, before the writer closes
             await observability.aclose()  # drains the audit queue
             await state_writer.aclose()
@@ -313,7 +322,8 @@ def create_app(
         Middleware(RolloutPaths),  # /rollouts/{id}/v1/... -> /v1/... with the id in the scope
         Middleware(RedactingSend),
         Middleware(CrossSiteGuard, live=live, public_urls=settings.public_url,
-                   bind_host=settings.host, allow_origins=settings.cors_allow_origin),
+                   bind_host=settings.host, allow_origins=settings.cors_allow_origin,
+                   managed_keys=lambda: client_keys.exists),
         Middleware(AdminSurface, public_urls=settings.public_url, bind_host=settings.host),
         Middleware(BodyLimit, limit=settings.max_body_bytes, render=error_for_path),
     ]
@@ -327,6 +337,7 @@ def create_app(
     app.state.live = live
     app.state.db = db
     app.state.envelope_keys = envelope_keys
+    app.state.client_keys = client_keys
     app.state.relay = relay
     app.state.credential_state = credential_state
     app.state.replication = replication

@@ -28,7 +28,7 @@ missing key.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -101,9 +101,12 @@ class CrossSiteGuard:
         public_urls: Iterable[str] = (),
         bind_host: str = "",
         allow_origins: Iterable[str] = (),
+        managed_keys: Callable[[], bool] = lambda: False,
     ) -> None:
         self.app = app
-        self.keyed = bool(live.current.api_key)
+        self.static_keyed = bool(live.current.api_key)
+        #: whether any managed client key exists (gateway/keys/): then /v1 needs a key too
+        self.managed_keys = managed_keys
         live.listeners.append(self._settings_changed)
         urls = list(public_urls)
         self.hosts = set(LOOPBACK_NAMES) | {name for u in urls if (name := urlsplit(u).hostname)}
@@ -117,7 +120,11 @@ class CrossSiteGuard:
         )
 
     def _settings_changed(self, current: Settings) -> None:
-        self.keyed = bool(current.api_key)
+        self.static_keyed = bool(current.api_key)
+
+    @property
+    def keyed(self) -> bool:
+        return self.static_keyed or self.managed_keys()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or not is_api_path(scope.get("path", "")):

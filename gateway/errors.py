@@ -21,13 +21,16 @@ invalid_request    400     invalid_json, invalid_request, invalid_type, invalid_
                            too_many_stop_sequences, too_many_content_parts,
                            too_many_tool_calls, too_many_values (fields.py item limits);
                    405     method_not_allowed (a known route, another method)
-authentication     401     invalid_api_key
+authentication     401     invalid_api_key (also a revoked or expired managed key)
 permission         403     cross_origin, forbidden_host (a web page's request on /v1:
-                           gateway/cross_site.py)
+                           gateway/cross_site.py), model_not_allowed (outside the
+                           managed key's model globs: gateway/keys/)
 not_found          404     upstream_not_found, response_not_found, model_not_found,
                            not_found (no such route)
 too_large          413     request_too_large (the body is over --max-body-bytes)
-rate_limit         429     upstream_rate_limited, no_upstream_available (all cool down)
+rate_limit         429     upstream_rate_limited, no_upstream_available (all cool down),
+                           rate_limited (a managed key's rpm / tpm), budget_exceeded
+                           (its daily_tokens), concurrency_limited (its max_concurrent)
 upstream           502     upstream_error, upstream_unreachable, upstream_disconnected,
                            upstream_bad_frame, upstream_auth_failed, upstream_incomplete,
                            tool_call_invalid, tool_identity_changed, empty_response,
@@ -41,7 +44,9 @@ overloaded         503     capacity_exceeded, upstream_unavailable, upstream_cap
                            workers full), too_many_websockets (a WebSocket
                            upgrade past --ws-max-connections: no request, no record),
                            store_unavailable (a stored response cannot be read now),
-                           recording_unavailable (no record could be kept: refused)
+                           recording_unavailable (no record could be kept: refused),
+                           key_store_unavailable (a managed key with limits could
+                           not reserve in time: refused, fail closed)
 internal           500     internal_error
 (no status)        499     client_disconnected (audit only: the client went away)
 =================  ======  ==========================================================

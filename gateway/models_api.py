@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.errors import GatewayError
 from gateway.protocols.openai_shapes import error_json as openai_error
 from gateway.protocols.messages import error_json as anthropic_error
+from gateway.keys.registry import managed_key
 from gateway.relay import check_client_key
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -34,7 +35,7 @@ def keyed(endpoint: Endpoint, error_body: Callable[[GatewayError], dict[str, Any
 
     async def guarded(request: Request) -> Response:
         try:
-            check_client_key(request, request.app.state.live.current.api_key)
+            check_client_key(request, request.app.state.live.current.api_key, request.app.state.relay.keys)
         except GatewayError as err:
             return JSONResponse(error_body(err), status_code=err.status)
         return await endpoint(request)
@@ -84,8 +85,9 @@ def _model(name: str, owner: str, anthropic: bool) -> dict[str, Any]:
 
 
 async def list_models(request: Request) -> Response:
-    """``GET /v1/models``."""
-    names = sorted((await model_names(request)).items())
+    """``GET /v1/models`` (a managed key sees only the models its globs allow)."""
+    key = managed_key(request)
+    names = sorted((n, o) for n, o in (await model_names(request)).items() if key is None or key.allows(n))
     anthropic = _anthropic_client(request)
     data = [_model(n, o, anthropic) for n, o in names]
     if anthropic:
@@ -98,6 +100,9 @@ async def retrieve_model(request: Request) -> Response:
     """``GET /v1/models/{id}``: one entry of the list, or the protocol's 404."""
     model_id = request.path_params["model_id"]
     owner = (await model_names(request)).get(model_id)
+    key = managed_key(request)
+    if key is not None and not key.allows(model_id):  # another key's model: as if it did not exist
+        owner = None
     anthropic = _anthropic_client(request)
     if owner is None:
         error = GatewayError("not_found", "model_not_found", f"The model '{model_id}' does not exist", status=404)

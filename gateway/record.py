@@ -39,6 +39,8 @@ class RequestRecord:
     keepalives: int = 0
     budget_exceeded: bool = False
     client_key_fingerprint: str | None = None
+    key_id: str | None = None  # the managed client key (gateway/keys/), when one was used
+    key_name: str | None = None
     usage: dict[str, int] = field(default_factory=dict)
     upstream_attempts: list[dict[str, Any]] = field(default_factory=list)  # fingerprint, status, ms
     repairs: list[dict[str, Any]] = field(default_factory=list)  # kind, outcome, usage

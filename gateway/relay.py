@@ -25,6 +25,8 @@ from gateway.capture import CaptureWriter
 from gateway.cross_site import raise_refusal
 from gateway.errors import ErrorCode, GatewayError
 from gateway.generation import GenerationRun, RunningGenerations, capture_record, note_run
+from gateway.keys.limiter import KeyLimiter
+from gateway.keys.registry import KeyRegistry, managed_key, named_key
 from gateway.outcome import RequestOutcome, internal_error
 from gateway.policy import StreamPolicy
 from gateway.protocols.base import ProtocolRoom
@@ -75,6 +77,9 @@ class GenerationService:
         self.bodies = BodyBudget(live.current.max_body_bytes_in_flight)
         #: the envelope keyring now (the store's EnvelopeKeys, set at start-up)
         self.envelope_keys: Callable[[], Keyring] = lambda: PROCESS_KEYRING
+        #: managed client keys (gateway/keys/): who may ask, and their reservations
+        self.keys: KeyRegistry | None = None
+        self.limiter: KeyLimiter | None = None
 
     def tenant(self, request: HTTPConnection) -> Tenant:
         """The tenant of a request whose client key was checked."""
@@ -108,7 +113,9 @@ class GenerationService:
         outcome = RequestOutcome(record, lambda: self._report(record, run, held[0]))
         try:  # from the headers, before a byte of the body is read
             raise_refusal(request.scope)  # a web page's request (gateway/cross_site.py)
-            record.client_key_fingerprint = check_client_key(request, settings.api_key)
+            record.client_key_fingerprint = check_client_key(request, settings.api_key, self.keys)
+            key = managed_key(request)
+            _name_key(record, request)
             if self.recording is not None:
                 self.recording()
             held[0] = self._hold_body(_declared_length(request), settings.max_body_bytes_in_flight)
@@ -117,6 +124,7 @@ class GenerationService:
             if not held[0]:  # no Content-Length: what was read
                 held[0] = self._hold_body(len(body), settings.max_body_bytes_in_flight)
         except GatewayError as err:
+            _name_key(record, request)
             outcome.refused(err)
             return error_response(room, err, headers)
         except BodyTooLarge as exc:
@@ -149,6 +157,12 @@ class GenerationService:
             err = internal_error(exc, record.request_id, "parse")
             outcome.failed(err)
             return error_response(room, err, headers)
+        if key is not None and self.limiter is not None:
+            try:  # its models, then a reservation in the store (before anything goes upstream)
+                parsed = await self.limiter.admit(key, parsed, policy, record.request_id)
+            except GatewayError as err:
+                outcome.refused(err)
+                return error_response(room, err, headers)
         limit = settings.max_concurrent if self.capacity is None else self.capacity.limit(settings.max_concurrent)
         if self.in_flight >= limit:
             err = GatewayError(
@@ -189,10 +203,12 @@ class GenerationService:
         self.observer.on_start(record)
         outcome = RequestOutcome(record, lambda: self._report(record, None))
         try:
-            record.client_key_fingerprint = check_client_key(client, settings.api_key)
+            record.client_key_fingerprint = check_client_key(client, settings.api_key, self.keys)
         except GatewayError as refused:
+            _name_key(record, client)
             outcome.refused(refused)
             return refused
+        _name_key(record, client)
         outcome.invalid(error)
         return error
 
@@ -244,6 +260,10 @@ class GenerationService:
         chat_run = run if isinstance(run, GenerationRun) else None  # a RelayedCall noted itself
         if chat_run is not None:
             note_run(record, chat_run)
+        if record.key_id and self.limiter is not None and self.keys is not None:
+            key = self.keys.get(record.key_id)
+            if key is not None:
+                self.limiter.finished(key, record)  # settles its reservation (a task: no wait)
         self.observer.on_finish(record)
         if self.capture is not None and chat_run is not None:
             self.capture.submit(capture_record(chat_run))
@@ -265,6 +285,13 @@ def _stream_outcome(outcome: RequestOutcome, run: GenerationRun, complete: bool)
         outcome.succeeded()
 
 
+def _name_key(record: RequestRecord, request: HTTPConnection) -> None:
+    """The managed key a request presented (also a revoked one), on its record."""
+    key = named_key(request)
+    if key is not None:
+        record.key_id, record.key_name = key.key_id, key.name
+
+
 def _declared_length(request: HTTPConnection) -> int:
     """The body's ``Content-Length`` (0 when absent or not a number; BodyLimit refuses the
     body past --max-body-bytes however it is declared)."""
@@ -272,12 +299,18 @@ def _declared_length(request: HTTPConnection) -> int:
     return int(raw) if raw.isdigit() and len(raw) < 19 else 0
 
 
-def check_client_key(request: HTTPConnection, keys: list[Any]) -> str | None:
-    """With client keys configured, the request must present one (``Authorization:
-    Bearer`` or ``x-api-key``), compared in constant time. Returns its fingerprint."""
-    if not keys:
+def check_client_key(request: HTTPConnection, keys: list[Any], registry: KeyRegistry | None = None) -> str | None:
+    """With client keys configured (``--api-key``, or any managed key ever created), the
+    request must present one (``Authorization: Bearer`` or ``x-api-key``): a managed key
+    is found by its hash in memory (a revoked or expired one: its 401) and rides in the
+    scope (``gateway.keys.managed_key``); static keys are compared in constant time.
+    Returns the key's fingerprint."""
+    managed = registry is not None and registry.exists
+    if not keys and not managed:
         return None
     presented = presented_key(request)
+    if managed and registry.authenticate(request, presented) is not None:  # type: ignore[union-attr]
+        return fingerprint(presented)
     matched = False
     for key in keys:
         matched |= hmac.compare_digest(presented.encode(), key.get_secret_value().encode())

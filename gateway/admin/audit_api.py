@@ -75,6 +75,7 @@ async def list_audit(request: Request) -> Response:
         return _bad(err)
     filters = {c: request.query_params.get(c) or None for c in audit.FILTER_COLUMNS}
     filters["upstream"] = request.query_params.get("upstream") or None  # any attempt's upstream name
+    filters["key_id"] = request.query_params.get("key_id") or None  # the managed client key
     rows, total = await audit.query(_db(request), since=since, until=until, limit=limit, offset=offset, **filters)
     return JSONResponse({
         "object": "list", "data": rows, "total": total, "limit": limit, "offset": offset,

@@ -68,6 +68,7 @@ KNOWN_ERROR_CODES = tuple(sorted({code.value for code in ErrorCode} | {
     "upstream_error", "upstream_idle_timeout", "upstream_disconnected", "upstream_rejected",
     "upstream_auth_failed", "upstream_not_found", "upstream_bad_frame", "upstream_capacity",
     "upstream_attempt_timeout", "upstream_empty_events", "upstream_pool_exhausted",
+    "model_not_allowed", "rate_limited", "budget_exceeded", "concurrency_limited", "key_store_unavailable",
 }))
 OTHER = "other"
 #: How many traffic-chosen values a label admits beyond the configured ones.
@@ -248,6 +249,17 @@ class Metrics:
             p + "tokens", "Tokens reported by the upstream for finished answers (input, output, reasoning, cached)",
             ["protocol", "mode", "model", "upstream", "kind"], registry=r,
         )
+        # managed client keys (gateway/keys/): the key label is a managed key's name, or
+        # `other` (static --api-key keys, no key): bounded by the keys an admin created
+        self.key_requests = Counter(
+            p + "key_requests", "Generation requests finished, by managed client key",
+            ["key", "protocol", "outcome"], registry=r,
+        )
+        self.key_tokens = Counter(
+            p + "key_tokens", "Tokens used by finished answers, by managed client key (input, output)",
+            ["key", "kind"], registry=r,
+        )
+        self.key_names: set[str] = set()
         self.request_errors = Counter(
             p + "request_errors", "Generation requests that ended with an error code, by code",
             ["protocol", "mode", "error_code"], registry=r,
@@ -406,6 +418,13 @@ class Metrics:
             self.models.add_known([*(upstream.models or ()), *upstream.model_map])
         self._declare()
 
+    def declare_keys(self, keys: Iterable[Any]) -> None:
+        """The managed keys' names (label values; a revoked key keeps its series)."""
+        self.key_names.update(k.name for k in keys)
+
+    def key_label(self, record: RequestRecord) -> str:
+        return record.key_name if record.key_id and record.key_name in self.key_names else OTHER
+
     # -- request events ----------------------------------------------------------------
 
     def _child(self, metric: Any, *values: str) -> Any:
@@ -425,6 +444,12 @@ class Metrics:
         protocol, mode = record.protocol, record.mode
         child(self.in_flight, protocol).dec()
         child(self.requests, protocol, mode, "true" if record.streamed else "false", record.outcome).inc()
+        key = self.key_label(record)
+        child(self.key_requests, key, protocol, record.outcome).inc()
+        for kind in ("input", "output"):
+            count = (record.usage or {}).get(TOKEN_KINDS[kind]) or 0
+            if count > 0:
+                child(self.key_tokens, key, kind).inc(count)
         child(self.duration, protocol, mode).observe(max(0.0, record.duration_ms) / 1000)
         if record.ttfb_ms is not None:
             child(self.ttfb, protocol, mode).observe(max(0.0, record.ttfb_ms) / 1000)

@@ -51,6 +51,7 @@ def log_request(record: RequestRecord) -> None:
         tool_calls=record.tool_calls,
         keepalives=record.keepalives,
         upstream_attempts=len(record.upstream_attempts),
+        key_id=record.key_id,  # the managed client key (its id, never its secret)
     )
 
 

@@ -468,7 +468,7 @@ class ResponsesConnection:
         """``generate: false``: validate, remember the input, answer created + completed
         with no output; nothing goes upstream and no audit record is written."""
         try:
-            check_client_key(self.websocket, self.relay.live.current.api_key)
+            check_client_key(self.websocket, self.relay.live.current.api_key, self.relay.keys)
             tenant = self.relay.tenant(self.websocket)
             parsed = await self.room.resolve(await parse_request(self.room, self._body(request), {}, tenant))
         except GatewayError as err:
@@ -555,7 +555,7 @@ def websocket_endpoint(relay: GenerationService, room: ResponsesRoom, slots: Con
         brings no key never holds a slot (a refusal is no generation request: no audit record)."""
         settings = relay.live.current
         try:
-            check_client_key(websocket, settings.api_key)
+            check_client_key(websocket, settings.api_key, relay.keys)
         except GatewayError as err:
             log.warning("responses_ws_upgrade_refused", code=err.code)
             await refuse_upgrade(websocket, room, err)

@@ -383,10 +383,10 @@ class AuditWriter:
 FILTER_COLUMNS = ("outcome", "protocol", "mode", "model", "error_code", "request_id", "transport")
 
 
-def upstream_pattern(name: str) -> str:
-    """A LIKE pattern for ``"upstream":"<name>"`` in a record (orjson writes it compact):
-    the name JSON-escaped, then LIKE's own wildcards escaped with ``!``."""
-    literal = '"upstream":' + orjson.dumps(name).decode()
+def upstream_pattern(name: str, field: str = "upstream") -> str:
+    """A LIKE pattern for ``"upstream":"<name>"`` (or another ``field``) in a record
+    (orjson writes it compact): the name JSON-escaped, then LIKE's own wildcards escaped with ``!``."""
+    literal = f'"{field}":' + orjson.dumps(name).decode()
     return "%" + literal.replace("!", "!!").replace("%", "!%").replace("_", "!_") + "%"
 
 
@@ -408,6 +408,10 @@ def _where(since: float | None, until: float | None, filters: dict[str, str | No
     if upstream is not None:  # no column (no migration): any attempt's upstream, read in the record's JSON
         clauses.append("record LIKE ? ESCAPE '!'")
         params.append(upstream_pattern(upstream))
+    key_id = filters.get("key_id")
+    if key_id is not None:  # the managed client key (gateway/keys/), read in the record's JSON
+        clauses.append("record LIKE ? ESCAPE '!'")
+        params.append(upstream_pattern(key_id, "key_id"))
     return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
 
 

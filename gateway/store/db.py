@@ -207,6 +207,40 @@ MIGRATIONS: list[Migration] = [
         CREATE INDEX rollout_marks_rollout ON rollout_marks (rollout_id, kind);
         """,
     ),
+    (
+        10,
+        # managed client keys (gateway/keys/store.py): the keys (hashed), usage per key and
+        # UTC day (open reservations included), and the counted requests of the last minutes.
+        """        CREATE TABLE client_keys (
+            key_id TEXT PRIMARY KEY,
+            name TEXT NOT NULL,
+            prefix TEXT NOT NULL,
+            secret_hash TEXT NOT NULL UNIQUE,
+            limits TEXT NOT NULL,
+            metadata TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL,
+            revoked_at REAL
+        );
+        CREATE TABLE client_key_usage (
+            key_id TEXT NOT NULL,
+            day TEXT NOT NULL,
+            requests INTEGER NOT NULL,
+            tokens INTEGER NOT NULL,
+            PRIMARY KEY (key_id, day)
+        );
+        CREATE TABLE client_key_requests (
+            request_id TEXT PRIMARY KEY,
+            key_id TEXT NOT NULL,
+            at REAL NOT NULL,
+            day TEXT NOT NULL,
+            reserved INTEGER NOT NULL,
+            used INTEGER NOT NULL,
+            open INTEGER NOT NULL
+        );
+        CREATE INDEX client_key_requests_key ON client_key_requests (key_id, at);
+        """,
+    ),
 ]
 
 _PG_TYPES = ((re.compile(r"\bREAL\b"), "DOUBLE PRECISION"), (re.compile(r"\bINTEGER\b"), "BIGINT"))

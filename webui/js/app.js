@@ -1,5 +1,5 @@
 // The shell: who am I (GET /admin/session), the login form, the top bar and a tiny hash
-// router (#/dashboard, #/settings, #/audit, #/audit/<id>, #/credentials).
+// router (#/dashboard, #/settings, #/audit, #/audit/<id>, #/credentials, #/keys).
 
 import { api, get, post, setUnauthorizedHandler } from "./api.js";
 import { h, replace } from "./dom.js";
@@ -7,12 +7,14 @@ import * as dashboard from "./dashboard.js";
 import * as settings from "./settings.js";
 import * as audit from "./audit.js";
 import * as credentials from "./credentials.js";
+import * as keys from "./keys.js";
 
 const PAGES = {
   dashboard: (main) => dashboard.mount(main),
   settings: (main) => settings.mount(main),
   audit: (main, rest) => (rest ? audit.mountDetail(main, decodeURIComponent(rest)) : audit.mount(main)),
   credentials: (main) => credentials.mount(main),
+  keys: (main) => keys.mount(main),
 };
 
 const main = document.getElementById("main");

@@ -138,11 +138,12 @@ export function mount(main) {
   const charts = h("div.charts");
   const breakdown = h("section.card#breakdown", null, h("h2", null, "By protocol and by mode"));
   const health = h("section.card#credential-health", null, h("h2", null, "Upstream credentials"));
+  const byKey = h("section.card#key-usage", null, h("h2", null, "Usage by client key, today"));
   const error = h("p.notice.error", { hidden: true });
   replace(main,
     h("div.page-head", null, h("h1", null, "Dashboard"), h("span.live-dot", { title: "refreshing live" }), updated,
       h("span.spacer"), picker),
-    error, stats, facts, charts, h("div.two-col", null, breakdown, health));
+    error, stats, facts, charts, h("div.two-col", null, breakdown, health), byKey);
 
   const chartRps = new Chart(charts, "chart-rps", "Requests/s by protocol", PROTOCOLS, "req/s");
   const chartModes = new Chart(charts, "chart-modes", "Requests/s by mode", MODES, "req/s");
@@ -290,19 +291,35 @@ export function mount(main) {
       h("p", null, h("a", { href: "#/credentials" }, "Manage credentials →")));
   }
 
+  // managed client keys (issue #28): requests and tokens of each active key today (UTC)
+  function renderKeys(keys) {
+    const active = keys.filter((k) => !k.revoked_at);
+    const budget = (k) => (k.daily_tokens ? ` of ${fmtNumber(k.daily_tokens)}` : "");
+    replace(byKey, h("h2", null, "Usage by client key, today"),
+      active.length ? h("table.grid", null,
+        h("thead", null, h("tr", null, ["Key", "Requests", "Tokens"].map((t) => h("th", null, t)))),
+        h("tbody", null, active.map((k) => h("tr", { "data-key-name": k.name },
+          h("td", null, k.name),
+          h("td.num", null, fmtNumber(k.usage.requests_today)),
+          h("td.num", null, `${fmtNumber(k.usage.tokens_today)}${budget(k)}`))))) : h("p.muted", null, "No managed client keys."),
+      h("p", null, h("a", { href: "#/keys" }, "Manage keys →")));
+  }
+
   async function poll() {
     if (stopped) return;
     if (!document.hidden) {
       try {
         const [seconds, , bucket] = rangeOf(view.range);
         const asked = generation;
-        const [ts, st] = await Promise.all([
+        const [ts, st, ks] = await Promise.all([
           get(`/admin/api/audit/timeseries?window=${seconds}&bucket=${bucket}`),
           get(`/admin/api/status?window=${seconds}`),
+          get("/admin/api/keys"),
         ]);
         if (stopped || asked !== generation) return;
         error.hidden = true;
         render(ts, st);
+        renderKeys(ks.keys);
       } catch (exc) {
         if (stopped) return;
         error.textContent = `Could not refresh: ${exc.message}`;

@@ -1,0 +1,221 @@
+"""The managed keys' tables (migration 10) and their one-transaction operations.
+
+``client_keys``: one row per key (its SHA-256, never the secret). ``client_key_usage``:
+requests and tokens per key and UTC day; ``tokens`` includes what open reservations hold,
+so a reservation is refused when it would take the day past ``daily_tokens``.
+``client_key_requests``: one row per counted request, kept a few minutes after it ends:
+rpm and tpm are counted over the last 60 seconds of these rows (a sliding window, not a
+calendar minute) and ``max_concurrent`` over the open ones.
+
+Every function here blocks: callers run them in a worker thread. A reservation is one
+transaction that first locks the key's row (PostgreSQL ``SELECT ... FOR UPDATE``; SQLite's
+``BEGIN IMMEDIATE`` locks the file), so two replicas reserving for one key take turns
+and the limits hold exactly across them. Times come from the database's clock.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, fields
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+from gateway.keys.model import KeyLimits, ManagedKey
+from gateway.store.db import Store
+
+#: The window of rpm and tpm, in seconds.
+WINDOW = 60.0
+#: An open request older than this is taken as lost (its replica died): it no longer
+#: counts against max_concurrent. (Its tokens stay reserved for the day: the safe side.)
+STALE_OPEN = 3600.0
+#: Ended requests are deleted once this old (past the window).
+KEEP_ENDED = 2 * WINDOW
+
+
+_COLUMNS = "key_id, name, prefix, secret_hash, limits, metadata, created_at, revoked_at"
+
+
+def day_of(at: float) -> str:
+    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d")
+
+
+def seconds_to_midnight(at: float) -> int:
+    return max(1, math.ceil(86400 - at % 86400))
+
+
+def _limits_json(limits: KeyLimits) -> str:
+    data = {f.name: getattr(limits, f.name) for f in fields(limits)}
+    if limits.models is not None:
+        data["models"] = list(limits.models)
+    return orjson.dumps(data).decode()
+
+
+def _key(row: Any) -> ManagedKey:
+    key_id, name, prefix, secret_hash, limits, metadata, created_at, revoked_at = row
+    known = {f.name for f in fields(KeyLimits)}
+    data = {k: v for k, v in orjson.loads(limits).items() if k in known}  # a newer version's fields: ignored
+    if data.get("models") is not None:
+        data["models"] = tuple(data["models"])
+    return ManagedKey(str(key_id), str(name), str(prefix), str(secret_hash), KeyLimits(**data),
+                      float(created_at), None if revoked_at is None else float(revoked_at), orjson.loads(metadata))
+
+
+def _now(conn: Any, db: Store) -> float:
+    return float(conn.execute(f"SELECT {db.now_sql}").fetchone()[0])
+
+
+def insert(db: Store, key: ManagedKey) -> None:
+    db.run(lambda c: c.execute(
+        f"INSERT INTO client_keys ({_COLUMNS}, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (key.key_id, key.name, key.prefix, key.secret_hash, _limits_json(key.limits),
+         orjson.dumps(key.metadata).decode(), key.created_at, key.revoked_at, key.created_at),
+    ))
+
+
+def load_all(db: Store) -> list[ManagedKey]:
+    return [_key(r) for r in db.execute(f"SELECT {_COLUMNS} FROM client_keys ORDER BY created_at, key_id")]
+
+
+def update(db: Store, key: ManagedKey) -> None:
+    """Write a key's name, limits and metadata (a change through the admin API)."""
+    db.run(lambda c: c.execute(
+        "UPDATE client_keys SET name = ?, limits = ?, metadata = ?, updated_at = ? WHERE key_id = ?",
+        (key.name, _limits_json(key.limits), orjson.dumps(key.metadata).decode(), time.time(), key.key_id),
+    ))
+
+
+def revoke(db: Store, key_id: str) -> bool:
+    """Mark a key revoked (kept, so its audit history still names it); False if unknown."""
+
+    def run(conn: Any) -> bool:
+        now = _clock(conn, db)
+        cursor = conn.execute(
+            "UPDATE client_keys SET revoked_at = COALESCE(revoked_at, ?), updated_at = ? WHERE key_id = ?",
+            (now, now, key_id),
+        )
+        return bool(cursor.rowcount)
+
+    return db.run_tx(run)
+
+
+def usage_today(db: Store) -> dict[str, dict[str, int]]:
+    """Requests and settled tokens of every key today (open reservations left out)."""
+
+    def run(conn: Any) -> dict[str, dict[str, int]]:
+        day = day_of(_clock(conn, db))
+        rows = conn.execute("SELECT key_id, requests, tokens FROM client_key_usage WHERE day = ?", (day,)).fetchall()
+        held = dict(conn.execute(
+            "SELECT key_id, SUM(reserved) FROM client_key_requests WHERE open = 1 AND day = ? GROUP BY key_id", (day,)
+        ).fetchall())
+        return {str(k): {"requests_today": int(r), "tokens_today": int(t) - int(held.get(k) or 0)} for k, r, t in rows}
+
+    return db.run_tx(run, write=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a reservation was refused, and when to try again."""
+
+    code: str  # rate_limited | budget_exceeded | concurrency_limited
+    message: str
+    retry_after: int
+
+
+#: One scan of the key's recent rows (ended ones are deleted after KEEP_ENDED, so the
+#: scan holds the last two minutes and the open ones): requests and tokens in the window,
+#: its oldest request, the open requests; and the day's tokens.
+_COUNTS = (
+    "SELECT COUNT(CASE WHEN at > ? THEN 1 END),"
+    " COALESCE(SUM(CASE WHEN at > ? THEN (CASE WHEN open = 1 THEN reserved ELSE used END) ELSE 0 END), 0),"
+    " MIN(CASE WHEN at > ? THEN at END), COALESCE(SUM(open), 0),"
+    " (SELECT tokens FROM client_key_usage WHERE key_id = ? AND day = ?)"
+    " FROM client_key_requests WHERE key_id = ? AND at > ?"
+)
+_DAY_TOKENS = "SELECT tokens FROM client_key_usage WHERE key_id = ? AND day = ?"
+_USAGE_ADD = (
+    "INSERT INTO client_key_usage (key_id, day, requests, tokens) VALUES (?, ?, ?, ?)"
+    " ON CONFLICT (key_id, day) DO UPDATE SET requests = client_key_usage.requests + excluded.requests,"
+    " tokens = client_key_usage.tokens + excluded.tokens"
+)
+
+
+def _clock(conn: Any, db: Store) -> float:
+    """Replicas on several machines share the database's clock; one machine its own."""
+    return _now(conn, db) if db.shared else time.time()
+
+
+def reserve(db: Store, key: ManagedKey, request_id: str, tokens: int) -> Refusal | None:
+    """Count one request and hold ``tokens`` for it, or say which limit refuses it."""
+    limits = key.limits
+    k = key.key_id
+
+    def run(conn: Any) -> Refusal | None:
+        if db.dialect == "postgres":  # one reservation per key at a time, on every replica
+            conn.execute("SELECT key_id FROM client_keys WHERE key_id = ? FOR UPDATE", (k,))
+        now = _clock(conn, db)
+        day = day_of(now)
+        window = now - WINDOW
+        if limits.rpm is None and limits.tpm is None and limits.max_concurrent is None:
+            count = window_tokens = open_now = 0  # a budget alone: the day's row is enough
+            oldest = None
+            row = conn.execute(_DAY_TOKENS, (k, day)).fetchone()
+            used = row[0] if row else 0
+        else:
+            count, window_tokens, oldest, open_now, used = conn.execute(
+                _COUNTS, (window, window, window, k, day, k, now - STALE_OPEN)
+            ).fetchone()
+        wait = max(1, math.ceil(float(oldest) + WINDOW - now)) if oldest is not None else 1
+        if limits.rpm is not None and int(count) + 1 > limits.rpm:
+            return Refusal("rate_limited", f"this API key is limited to {limits.rpm} requests per minute", wait)
+        if limits.tpm is not None and int(window_tokens) + tokens > limits.tpm:
+            return Refusal("rate_limited", f"this API key is limited to {limits.tpm} tokens per minute "
+                           f"(this request reserves {tokens})", wait)
+        if limits.max_concurrent is not None and int(open_now) + 1 > limits.max_concurrent:
+            return Refusal("concurrency_limited",
+                           f"this API key is limited to {limits.max_concurrent} concurrent requests", 1)
+        used = int(used or 0)
+        if limits.daily_tokens is not None and used + tokens > limits.daily_tokens:
+            return Refusal("budget_exceeded", f"this API key's daily budget of {limits.daily_tokens} tokens "
+                           f"cannot hold this request's {tokens} (used or held: {used})",
+                           seconds_to_midnight(now))
+        conn.execute(
+            "INSERT INTO client_key_requests (request_id, key_id, at, day, reserved, used, open) VALUES (?, ?, ?, ?, ?, 0, 1)",
+            (request_id, k, now, day, tokens),
+        )
+        conn.execute(_USAGE_ADD, (k, day, 1, tokens))
+        conn.execute("DELETE FROM client_key_requests WHERE key_id = ? AND open = 0 AND at < ?", (k, now - KEEP_ENDED))
+        return None
+
+    return db.run_tx(run)
+
+
+def settle(db: Store, request_id: str, used: int) -> bool:
+    """A reservation becomes what the request really used; False if there was none open."""
+
+    def run(conn: Any) -> bool:
+        row = conn.execute(
+            "SELECT key_id, day, reserved FROM client_key_requests WHERE request_id = ? AND open = 1", (request_id,)
+        ).fetchone()
+        if row is None:
+            return False
+        key_id, day, reserved = row
+        conn.execute("UPDATE client_key_requests SET open = 0, used = ? WHERE request_id = ?", (used, request_id))
+        conn.execute(
+            "UPDATE client_key_usage SET tokens = tokens + ? WHERE key_id = ? AND day = ?",
+            (used - int(reserved), key_id, day),
+        )
+        return True
+
+    return db.run_tx(run)
+
+
+def count_usage(db: Store, key_id: str, used: int) -> None:
+    """A request of a key without counted limits: its usage, after the fact."""
+
+    def run(conn: Any) -> None:
+        conn.execute(_USAGE_ADD, (key_id, day_of(_clock(conn, db)), 1, used))
+
+    db.run_tx(run)
