@@ -100,8 +100,8 @@ class KeyLimiter:
             parsed, cap = with_output_cap(parsed, key)
         else:
             cap = output_cap(parsed.upstream_body) or 0
-        tokens = reservation_size(parsed, cap, policy) if key.limits.token_limited else 0
-        job = asyncio.ensure_future(asyncio.to_thread(store.reserve, self.db, key, request_id, tokens))
+        sized = parsed if key.limits.token_limited else None
+        job = asyncio.ensure_future(asyncio.to_thread(self._reserve, key, request_id, sized, cap, policy))
         done, _ = await asyncio.wait({job}, timeout=self.reserve_timeout)
         if not done:  # it may still commit: give it back then
             job.add_done_callback(lambda f: self._late(f, request_id))
@@ -115,6 +115,13 @@ class KeyLimiter:
             raise GatewayError("rate_limit", refusal.code, refusal.message, retry_after=refusal.retry_after)
         self._open.add(request_id)
         return parsed
+
+    def _reserve(self, key: ManagedKey, request_id: str, sized: ParsedRequest | None, cap: int,
+                 policy: StreamPolicy) -> store.Refusal | None:
+        """In the worker thread: sizing serialises the body (megabytes, past a millisecond:
+        not on the loop), then the store's transaction."""
+        tokens = reservation_size(sized, cap, policy) if sized is not None else 0
+        return store.reserve(self.db, key, request_id, tokens)
 
     def _late(self, job: asyncio.Future[Any], request_id: str) -> None:
         if not job.cancelled() and job.exception() is None and job.result() is None:
