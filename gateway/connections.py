@@ -13,6 +13,9 @@ as ``http=``; the parser, flow control and WebSocket upgrade stay uvicorn's):
   at once from one address, HTTP and upgraded WebSockets alike, loopback included (the peer
   address of the socket: a proxy in front shares one). Past it a new connection is
   answered ``503`` with an OpenAI-shaped error body and closed before it is read.
+- **Lingering close** (:class:`LingeringClose`): an answer sent before the request's body
+  was read is followed by a half-close and a bounded drain, so the client reads its 401 or
+  413 instead of a connection reset.
 
 :class:`ConnectionLimits` is the pure state (counts per address); the protocol class is the
 thin shell. ``serve`` uses :data:`PROCESS_PROTOCOL` (by import string, so ``--workers``
@@ -86,6 +89,86 @@ def _too_many_connections(limit: int) -> bytes:
     head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nretry-after: 5\r\nconnection: close\r\n\r\n").encode()
     return head + body
+
+
+#: After an answer sent before its request body was read (401, 413, 503), the most seconds
+#: and bytes the connection still reads and discards before it closes (nginx's
+#: ``lingering_close``; its ``lingering_time`` is 30 s, a gateway's clients stop sooner).
+LINGER_SECONDS = 5.0
+LINGER_BYTES = 64 * 1024 * 1024
+
+
+class LingeringTransport:
+    """The transport the HTTP protocol and its request cycles hold: ``close()`` asks the
+    protocol whether to linger first; everything else is the real transport's."""
+
+    def __init__(self, raw: asyncio.Transport, protocol: LingeringClose) -> None:
+        self._raw = raw
+        self._protocol = protocol
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+    def close(self) -> None:
+        if not self._protocol.linger():
+            self._raw.close()
+
+    def is_closing(self) -> bool:
+        return self._protocol.lingering or self._raw.is_closing()
+
+
+class LingeringClose:
+    """Mixin for a uvicorn HTTP protocol class: close after an early answer the way web
+    servers do (lingering close).
+
+    A request refused before its body was read (a missing key, a body over
+    ``--max-body-bytes``) is answered and closed while the client is still sending. Closed
+    at once, the kernel answers the client's next bytes with a reset, and a reset can
+    destroy the answer in the client's receive buffer: the client sees ``ECONNRESET``
+    instead of its 401 or 413. So the connection half-closes (FIN after the answer), reads
+    and discards what still comes for at most :data:`LINGER_SECONDS` and
+    :data:`LINGER_BYTES`, and closes when the client closes or a bound is reached."""
+
+    transport: Any
+    loop: asyncio.AbstractEventLoop
+    cycle: Any
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)  # type: ignore[misc]
+        self.lingering = False
+        self._raw_transport = transport
+        self._linger_left = LINGER_BYTES
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self.transport = LingeringTransport(transport, self)
+
+    def linger(self) -> bool:
+        """Called for ``close()``: True when the close became a lingering one."""
+        raw = self._raw_transport
+        if self.lingering:
+            return True
+        unread = (self.cycle is not None and self.cycle.response_complete and self.cycle.more_body
+                  and raw.get_protocol() is self and not raw.is_closing() and raw.can_write_eof())
+        if not unread:
+            return False
+        self.lingering = True
+        raw.write_eof()  # the answer, then FIN
+        raw.resume_reading()
+        self._linger_timer = self.loop.call_later(LINGER_SECONDS, raw.close)
+        return True
+
+    def data_received(self, data: bytes) -> None:
+        if not self.lingering:
+            super().data_received(data)  # type: ignore[misc]
+            return
+        self._linger_left -= len(data)
+        if self._linger_left <= 0:
+            self._raw_transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if getattr(self, "_linger_timer", None) is not None:
+            self._linger_timer.cancel()  # type: ignore[union-attr]
+            self._linger_timer = None
+        super().connection_lost(exc)  # type: ignore[misc]
 
 
 class ConnectionGuard:
@@ -176,7 +259,7 @@ def protocol_class(limits: ConnectionLimits) -> type[asyncio.Protocol]:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
     except ImportError:  # pragma: no cover - httptools is a dependency of uvicorn[standard]
         from uvicorn.protocols.http.h11_impl import H11Protocol as Base  # type: ignore[assignment]
-    return type("Guarded" + Base.__name__, (ConnectionGuard, Base), {"limits": limits})
+    return type("Guarded" + Base.__name__, (ConnectionGuard, LingeringClose, Base), {"limits": limits})
 
 
 #: This process's limits (configured from its settings by :func:`configure_process`) ...

@@ -49,9 +49,10 @@ class ServerLoop:
     def run(self, coro: Any, timeout: float = 30) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def serve(self, app: Any) -> str:
+    def serve(self, app: Any, **config: Any) -> str:
+        """Serve ``app`` on a fresh loopback port (``config``: more uvicorn options)."""
         sock = bind_loopback()
-        self._servers.append(self.run(start_embedded(app, sock)))
+        self._servers.append(self.run(start_embedded(app, sock, **config)))
         return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
     def close(self) -> None:

@@ -174,3 +174,53 @@ def test_serve_applies_the_header_timeout(tmp_path: Path) -> None:
         assert 0.5 < time.monotonic() - started < 8
     finally:
         proc.stop()
+
+
+@pytest.fixture
+def small_body(server_loop: ServerLoop, simulator: Simulator, tmp_path: Path) -> Iterator[Gateway]:
+    """The guarded protocol in front of a gateway that takes bodies of at most 64 KiB."""
+    settings = Settings(upstream_url=[simulator.url + "/v1"], data_dir=tmp_path, keepalive_interval=0.5,
+                        spill_max_bytes=1 << 20, max_body_bytes=64 * 1024)
+    app = create_app(settings, {name: "default" for name in Settings.model_fields})  # type: ignore[arg-type]
+    sock = bind_loopback()
+    server = server_loop.run(start_embedded(app, sock, http=protocol_class(ConnectionLimits())))
+    try:
+        yield Gateway(f"http://127.0.0.1:{sock.getsockname()[1]}", app)
+    finally:
+        server_loop.run(stop_embedded(*server))
+
+
+def _write_all_then_read(gw: Gateway, size: int) -> tuple[bytes, float]:
+    """A client that sends its whole request before reading a byte (as simple HTTP clients
+    do): what it read, and how long the server kept the connection afterwards."""
+    sock = _connect(gw)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n" % size)
+    piece = b"x" * (1024 * 1024)
+    for start in range(0, size, len(piece)):
+        sock.sendall(piece[: min(len(piece), size - start)])
+    started = time.monotonic()
+    answer = _closed_by_server(sock)
+    sock.close()
+    return answer, time.monotonic() - started
+
+
+def test_an_early_answer_reaches_a_client_that_is_still_sending(small_body: Gateway) -> None:
+    """A 20 MiB body against a 64 KiB limit: the gateway answers 413 after 64 KiB, but the
+    client writes everything before it reads. Closed at once, the socket would answer the
+    rest with a reset (the client's write fails and the 413 is lost); lingering, the gateway
+    half-closes, drains the rest and the client reads the whole 413."""
+    for _ in range(3):
+        answer, _ = _write_all_then_read(small_body, 20 * 1024 * 1024)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 413 "), answer[:200]
+        assert json.loads(body)["error"]["code"] == "request_too_large"
+
+
+def test_lingering_is_bounded_in_bytes(small_body: Gateway) -> None:
+    """Past LINGER_BYTES the gateway stops draining and closes: a client pushing more gets
+    a reset, not an endless sink."""
+    from gateway import connections
+
+    with pytest.raises((ConnectionResetError, BrokenPipeError)):
+        _write_all_then_read(small_body, connections.LINGER_BYTES + 64 * 1024 * 1024)

@@ -20,6 +20,7 @@ import pytest
 import structlog
 
 from gateway.app import create_app
+from gateway.connections import ConnectionLimits, protocol_class
 from gateway.observability.logging import configure_logging
 from gateway.redact import FEW_SECRETS, MASK, SecretSet
 from gateway.settings import Settings
@@ -58,7 +59,9 @@ class Counting:
 def serve_counted(server_loop: ServerLoop, settings: Settings) -> tuple[Gateway, Counting]:
     app = create_app(settings, {name: "default" for name in Settings.model_fields})  # type: ignore[arg-type]
     counting = Counting(app)
-    return Gateway(server_loop.serve(counting), app), counting
+    # the HTTP protocol `serve` runs (gateway/connections.py): its lingering close is what
+    # lets a client still sending a refused body read the answer instead of a reset
+    return Gateway(server_loop.serve(counting, http=protocol_class(ConnectionLimits())), app), counting
 
 
 def raw_post(url: str, path: str, headers: dict[str, str], body: Iterator[bytes], length: int | None) -> tuple[int, dict[str, str], bytes, int]:
