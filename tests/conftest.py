@@ -56,8 +56,16 @@ class ServerLoop:
         return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
     def close(self) -> None:
-        for server in reversed(self._servers):
-            self.run(stop_embedded(*server))
+        """Stop every server at once, each bounded: one by one, a full run's few hundred
+        gateways took a minute of the suite (connections left open wait on their idle
+        timeouts)."""
+
+        async def stop_all() -> None:
+            for server, _ in self._servers:
+                server.config.timeout_graceful_shutdown = 5.0
+            await asyncio.gather(*(stop_embedded(*s) for s in reversed(self._servers)), return_exceptions=True)
+
+        self.run(stop_all(), timeout=60)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
 
