@@ -13,6 +13,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -352,3 +353,55 @@ def test_a_healthy_store_under_concurrent_load_takes_every_row_itself(
     assert (durable.spilled, durable.lost, durable.store_writable) == (0, 0, True), durable.status()
     stored = {row[0] for row in db.execute("SELECT id FROM responses")}
     assert stored == {a.json()["id"] for a in answers}
+
+
+# -- a killed gateway's parse workers do not outlive it ----------------------------------------
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_sigkilled_gateways_parse_workers_exit_with_it(tmp_path: Path) -> None:
+    """A dense body is parsed in a forkserver worker process. SIGKILL the gateway (an OOM
+    kill): the forkserver and its worker exit within a few seconds (they lived on, idle,
+    ~60-90 MiB each, before: each holds a write end of the pipes that would tell it)."""
+    import signal
+
+    proc = GatewayProcess("--simulator", "--data-dir", str(tmp_path / "data"), "--log-level", "warning",
+                          log_dir=tmp_path)
+    try:
+        proc.wait_healthy()
+        dense = {"model": "text", "max_tokens": 8,
+                 "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}] * 30_000}
+        answer = httpx.post(proc.base_url + "/chat/completions", json=dense, timeout=60)
+        assert answer.status_code == 200, answer.text
+        workers = _descendants(proc.proc.pid)
+        assert workers, "the dense body was parsed in no worker process"
+        proc.proc.send_signal(signal.SIGKILL)
+        proc.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in workers if _running(pid)]
+    finally:
+        proc.stop()
