@@ -25,14 +25,17 @@ import multiprocessing
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any
+from typing import Any, TypeVar
 
 from gateway.errors import GatewayError
 from gateway.offload import BODIES, OffloadFull
 from gateway.protocols.base import ParsedRequest, ProtocolRoom
 from gateway.protocols.envelope import ANONYMOUS_TENANT, FixedKeys, Tenant
+
+T = TypeVar("T")
 
 #: Bodies up to this size are parsed on the event loop (~1 ms at most).
 SMALL_BODY = 64 * 1024
@@ -195,13 +198,14 @@ class ProcessParser:
 PROCESSES = ProcessParser()
 
 
-def is_dense(body: bytes) -> bool:
+def is_dense(body: bytes | str) -> bool:
     """More ``{``/``[`` bytes than :data:`DENSE_VALUES` (C-speed counts over the first
     bytes that can decide it: a few ms at most)."""
+    brace, bracket = (b"{", b"[") if isinstance(body, bytes) else ("{", "[")
     seen = 0
     for start in range(0, len(body), _SCAN):
         piece = body[start:start + _SCAN]
-        seen += piece.count(b"{") + piece.count(b"[")
+        seen += piece.count(brace) + piece.count(bracket)  # type: ignore[arg-type]
         if seen > DENSE_VALUES:
             return True
     return False
@@ -227,6 +231,29 @@ async def parse_request(
         return await BODIES.run(room.parse, body, query, tenant, timeout=PARSE_SECONDS)
     except (OffloadFull, TimeoutError):
         raise overloaded("parsing other large requests") from None
+
+
+def _child_call(fn: Callable[[Any], Any], body: bytes | str) -> tuple[str, Any]:
+    """In the worker process: ("ok", ``fn(body)``) or ("error", the error's fields)."""
+    try:
+        return "ok", fn(body)
+    except GatewayError as err:
+        return "error", _error_fields(err)
+
+
+async def off_loop(fn: Callable[[bytes | str], T], body: bytes | str, what: str) -> T:
+    """``fn(body)``, a pure reading of client-sent JSON (a module-level function: a worker
+    process may run it), where it does not stall the loop: inline when small, in a worker
+    process when dense, else in a thread. What it returns should be small (bytes, not a
+    parsed tree): bringing a big tree back from a process costs the loop its unpickling."""
+    if len(body) <= SMALL_BODY:
+        return fn(body)
+    if is_dense(body):
+        return await PROCESSES.run(_child_call, fn, body)  # type: ignore[no-any-return]
+    try:
+        return await BODIES.run(fn, body, timeout=PARSE_SECONDS)  # type: ignore[no-any-return]
+    except (OffloadFull, TimeoutError):
+        raise overloaded(what) from None
 
 
 async def count_tokens(body: bytes) -> int:

@@ -105,3 +105,51 @@ def test_healthz_never_freezes_while_the_socket_attacks_run(tmp_path: Path) -> N
         assert took[int(len(took) * 0.99) - 1] < FREEZE_MS, took[-10:]
     finally:
         proc.stop()
+
+
+def test_big_frames_are_read_off_the_event_loop(tmp_path: Path) -> None:
+    """Two sockets send the issue's 28.6 MiB frame (1 M tiny items) at once, three times:
+    each gets its named refusal, and ``/healthz`` never waits on their JSON (read in a
+    worker process, as a dense HTTP body is). Read on the loop, each frame held it
+    0.4-0.8 s (max 569 ms for one socket at a time on this machine; after: 65 ms)."""
+    import threading
+
+    import httpx
+
+    proc = GatewayProcess("--simulator", "--api-key", KEY, "--data-dir", str(tmp_path / "data"),
+                          "--log-level", "warning", log_dir=tmp_path)
+    took: list[float] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        with httpx.Client(timeout=10) as client:
+            while not stop.is_set():
+                start = time.perf_counter()
+                assert client.get(proc.url + "/healthz").status_code == 200
+                took.append((time.perf_counter() - start) * 1000)
+                time.sleep(0.01)
+
+    async def attack() -> list[dict[str, object]]:
+        warm, _ = await attacks.big_frames(proc.url, 1, items=10, headers=AUTH)  # the WebSocket path loaded
+        await warm[0].close()
+        errors: list[dict[str, object]] = []
+        for _ in range(3):
+            rounds = await asyncio.gather(*(attacks.big_frames(proc.url, 1, headers=AUTH) for _ in range(2)))
+            for sockets, answers in rounds:
+                errors += answers
+                await sockets[0].close()
+        return errors
+
+    try:
+        proc.wait_healthy()
+        prober = threading.Thread(target=probe)
+        prober.start()
+        try:
+            errors = asyncio.run(attack())
+        finally:
+            stop.set()
+            prober.join(30)
+        assert len(errors) == 6 and all("too_many_input_items" in json.dumps(e) for e in errors), errors
+        assert len(took) > 20 and max(took) < FREEZE_MS, sorted(took)[-5:]
+    finally:
+        proc.stop()

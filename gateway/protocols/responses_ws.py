@@ -51,7 +51,7 @@ import structlog
 from starlette.requests import Request
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from gateway.body_work import parse_request
+from gateway.body_work import off_loop, parse_request
 from gateway.errors import ErrorCode, GatewayError, invalid_request
 from gateway.protocols.base import ParsedRequest, load_json_object
 from gateway.protocols.openai_shapes import error_json
@@ -296,6 +296,33 @@ class ConnectionRoom(ResponsesRoom):
         await super().keep(response_id, record, store, owner)
 
 
+@dataclass(frozen=True)
+class Frame:
+    """A client's ``response.create`` frame: ``prewarm`` (``generate: false``) and the
+    Responses request body it stands for (always streamed)."""
+
+    prewarm: bool
+    body: bytes
+
+
+def read_frame(raw: bytes | str) -> Frame | None:
+    """A client frame as a request (pure; run off the loop for large frames: a worker
+    process may run it); None for the frame types the gateway ignores."""
+    value = load_json_object(raw, what="the frame")
+    kind = value.get("type")
+    if kind in _IGNORED_TYPES:
+        return None
+    if kind != "response.create":
+        raise invalid_request(
+            f"unsupported frame type {kind!r} (expected 'response.create')",
+            param="type",
+            code="unsupported_event_type",
+        )
+    body = {k: v for k, v in value.items() if k not in ("type", "generate")}
+    body["stream"] = True  # a WebSocket answer is always the event stream
+    return Frame(prewarm=value.get("generate") is False, body=orjson.dumps(body))
+
+
 def wrapped_error(err: GatewayError) -> dict[str, Any]:
     """A request error as Codex's WebSocket client reads it (status = the HTTP one)."""
     return {"type": "error", "status": err.status, **error_json(err)}
@@ -430,47 +457,27 @@ class ResponsesConnection:
 
     async def _handle(self, message: dict[str, Any], size: int) -> bool | None:
         """Answer one frame; False: the connection is to be closed; None: an ignored frame."""
-        try:
-            request = self._request(message)
-        except GatewayError as err:  # audited (and the key checked first) like the same body over HTTP
-            await self._send_error(self.relay.refuse_unread(self.room, err, "websocket", self.websocket))
-            return False
-        if request is None:
-            return None
-        if request.get("generate") is False:
-            return await self._prewarm(request)
-        return await self._generate(request)
-
-    @staticmethod
-    def _request(message: dict[str, Any]) -> dict[str, Any] | None:
         raw = message.get("text")
         if raw is None:
             raw = message.get("bytes") or b""
-        value = load_json_object(raw, what="the frame")
-        kind = value.get("type")
-        if kind in _IGNORED_TYPES:
+        try:  # a large frame is read off the loop (body_work), as a large HTTP body is
+            frame = await off_loop(read_frame, raw, "reading other large frames")
+        except GatewayError as err:  # audited (and the key checked first) like the same body over HTTP
+            await self._send_error(self.relay.refuse_unread(self.room, err, "websocket", self.websocket))
+            return False
+        if frame is None:
             return None
-        if kind != "response.create":
-            raise invalid_request(
-                f"unsupported frame type {kind!r} (expected 'response.create')",
-                param="type",
-                code="unsupported_event_type",
-            )
-        return value
+        if frame.prewarm:
+            return await self._prewarm(frame)
+        return await self._generate(frame)
 
-    @staticmethod
-    def _body(request: dict[str, Any]) -> bytes:
-        body = {k: v for k, v in request.items() if k not in ("type", "generate")}
-        body["stream"] = True  # a WebSocket answer is always the event stream
-        return orjson.dumps(body)
-
-    async def _prewarm(self, request: dict[str, Any]) -> bool:
+    async def _prewarm(self, frame: Frame) -> bool:
         """``generate: false``: validate, remember the input, answer created + completed
         with no output; nothing goes upstream and no audit record is written."""
         try:
             check_client_key(self.websocket, self.relay.live.current.api_key, self.relay.keys)
             tenant = self.relay.tenant(self.websocket)
-            parsed = await self.room.resolve(await parse_request(self.room, self._body(request), {}, tenant))
+            parsed = await self.room.resolve(await parse_request(self.room, frame.body, {}, tenant))
         except GatewayError as err:
             await self._send_error(err)
             return False
@@ -487,8 +494,8 @@ class ResponsesConnection:
     def _prewarm_record(parsed: ParsedRequest[ResponsesFacts], final: dict[str, Any]) -> dict[str, Any]:
         return {"response": final, "history": list(parsed.facts.history), "output": []}
 
-    async def _generate(self, request: dict[str, Any]) -> bool:
-        body = self._body(request)
+    async def _generate(self, frame: Frame) -> bool:
+        body = frame.body
         scope = {**self.websocket.scope, "type": "http", "method": "POST"}
 
         async def receive_body() -> dict[str, Any]:
