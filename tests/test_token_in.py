@@ -330,3 +330,122 @@ def test_an_edited_or_compacted_history_goes_the_chat_way_and_says_why(
         "skipped: first_turn", "skipped: history_edited", "skipped: history_truncated", "skipped: tools_changed"]
     assert [r["path"] for r in engine_requests(simulator, nonce)] == ["/v1/chat/completions"] * 4
     assert calls[1]["continuity"]["prefix"] == "diverged"
+
+
+# -- the llama.cpp shell on httpx.MockTransport -------------------------------------------
+
+LLAMA_PLAN_PROMPT = [1, 2, 3]
+
+
+class FakeLlama:
+    """/apply-template, /tokenize and a streamed /completion, logging every request."""
+
+    def __init__(self, rendered: list[int], template_status: int = 200) -> None:
+        self.rendered = rendered
+        self.template_status = template_status
+        self.seen: list[tuple[str, dict[str, Any]]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        self.seen.append((request.url.path, body))
+        if request.url.path == "/apply-template":
+            return httpx.Response(self.template_status, json={"prompt": "PROMPT"})
+        if request.url.path == "/tokenize":
+            return httpx.Response(200, json={"tokens": self.rendered})
+        if request.url.path == "/completion":
+            frames = [{"content": '<tool_call>\n{"name": "get_weather", ', "tokens": [40, 41], "stop": False,
+                       "completion_probabilities": [{"id": 40, "logprob": -0.1}, {"id": 41, "logprob": -0.2}]},
+                      {"content": '"arguments": {"city": "Paris"}}\n</tool_call>', "tokens": [42], "stop": False,
+                       "completion_probabilities": [{"id": 42, "logprob": -0.3}]},
+                      {"content": "", "tokens": [], "stop": True, "stop_type": "eos", "tokens_evaluated": 9,
+                       "tokens_predicted": 3}]
+            sse = b"".join(b"data: " + json.dumps(f).encode() + b"\n\n" for f in frames)
+            return httpx.Response(200, content=sse, headers={"content-type": "text/event-stream"})
+        chunk = {"choices": [{"index": 0, "delta": {"content": "chat"}, "finish_reason": "stop"}]}
+        return httpx.Response(200, content=b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n",
+                              headers={"content-type": "text/event-stream"})
+
+
+async def run_token_in(fake: FakeLlama, plan: TokenInPlan, body: dict[str, Any]) -> tuple[Any, list[Any]]:
+    from gateway.policy import StreamPolicy
+    from gateway.settings import Settings
+    from gateway.upstream.client import UpstreamClient
+    from gateway.upstream.pool import Credential, Upstream
+    from gateway.upstream.token_in import TokenIn
+
+    client = UpstreamClient(http=httpx.AsyncClient(transport=httpx.MockTransport(fake)))
+    token_in = TokenIn(plan, body, client)
+    credential = Credential(Upstream("llama", "http://llama.test/v1", token_in="llamacpp"), None)
+    policy = StreamPolicy.snapshot(Settings(upstream_url=["http://llama.test/v1"]))
+    try:
+        items = [i async for i in token_in.send(credential, body, policy)]
+    finally:
+        await client.aclose()
+    return token_in, items
+
+
+LLAMA_BODY = {"model": "m", "messages": [SYSTEM, USER, ASSISTANT, RESULT], "tools": TOOLS, "tool_choice": "required",
+              "max_tokens": 32, "temperature": 0}
+LLAMA_PLAN = TokenInPlan("used", "c1", (1, 2, 3, 7, 8), (SYSTEM, USER, {"role": "assistant", "content": ""}, RESULT), (1, 2, 3))
+
+
+async def test_llamacpp_attempt_renders_splices_and_parses_the_engines_stream() -> None:
+    fake = FakeLlama([1, 2, 3, 99, 10, 11])
+    token_in, items = await run_token_in(fake, LLAMA_PLAN, LLAMA_BODY)
+    assert [p for p, _ in fake.seen] == ["/apply-template", "/tokenize", "/completion"]
+    assert fake.seen[0][1] == {"messages": list(LLAMA_PLAN.render_messages), "tools": TOOLS, "tool_choice": "required"}
+    completion = fake.seen[2][1]
+    assert completion["prompt"] == [1, 2, 3, 7, 8, 99, 10, 11] and completion["stream"] is True
+    assert completion["n_predict"] == 32 and completion["grammar"].startswith("root ::= \"<tool_call>")
+    assert token_in.status == "used" and token_in.prompt_ids == completion["prompt"] and token_in.render_calls == 2
+    chunks = [i for i in items if isinstance(i, dict)]
+    calls = [t for c in chunks for ch in c["choices"] for t in ch["delta"].get("tool_calls") or []]
+    assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in calls] == [("get_weather", {"city": "Paris"})]
+    assert [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]] == ["tool_calls"]
+    assert chunks[-1]["usage"] == {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}
+
+
+@pytest.mark.parametrize(("fake", "plan", "status"), [
+    (FakeLlama([1, 5, 3, 99]), LLAMA_PLAN, "skipped: template_not_append_only"),
+    (FakeLlama([1], template_status=500), LLAMA_PLAN, "skipped: render_failed"),
+    (FakeLlama([1]), TokenInPlan("skipped: history_edited", "c1"), "skipped: history_edited"),
+])
+async def test_llamacpp_attempt_falls_back_to_chat_and_says_why(fake: FakeLlama, plan: TokenInPlan, status: str) -> None:
+    token_in, items = await run_token_in(fake, plan, LLAMA_BODY)
+    assert token_in.status == status and token_in.prompt_ids is None
+    assert fake.seen[-1][0] == "/v1/chat/completions" and not any(p == "/completion" for p, _ in fake.seen)
+    assert [ch["delta"]["content"] for i in items if isinstance(i, dict) for ch in i["choices"]] == ["chat"]
+
+
+async def test_a_regeneration_body_goes_the_chat_way() -> None:
+    """Compatible mode's next body (a repair note appended) is not the planned one."""
+    fake = FakeLlama([1, 2, 3, 99])
+    regenerated = {**LLAMA_BODY, "messages": [*LLAMA_BODY["messages"], {"role": "user", "content": "fix it"}]}
+    from gateway.policy import StreamPolicy
+    from gateway.settings import Settings
+    from gateway.upstream.client import UpstreamClient
+    from gateway.upstream.pool import Credential, Upstream
+    from gateway.upstream.token_in import TokenIn
+
+    client = UpstreamClient(http=httpx.AsyncClient(transport=httpx.MockTransport(fake)))
+    token_in = TokenIn(LLAMA_PLAN, LLAMA_BODY, client)
+    credential = Credential(Upstream("llama", "http://llama.test/v1", token_in="llamacpp"), None)
+    policy = StreamPolicy.snapshot(Settings(upstream_url=["http://llama.test/v1"]))
+    first = [i async for i in token_in.send(credential, LLAMA_BODY, policy)]
+    assert token_in.status == "used" and [p for p, _ in fake.seen][-1] == "/completion" and first
+    fake.seen.clear()
+    [i async for i in token_in.send(credential, regenerated, policy)]
+    await client.aclose()
+    assert token_in.status == "skipped: regeneration" and [p for p, _ in fake.seen] == ["/v1/chat/completions"]
+
+
+def test_a_required_call_is_a_grammar_of_the_declared_names_and_a_named_one_of_that_name() -> None:
+    from gateway.upstream.token_in import required_call_grammar
+
+    two = [*TOOLS, {"type": "function", "function": {"name": "get_time"}}]
+    grammar = required_call_grammar({"tool_choice": "required", "tools": two})
+    assert grammar is not None and 'name ::= "get_weather" | "get_time"' in grammar
+    named = required_call_grammar({"tool_choice": {"type": "function", "function": {"name": "get_time"}}, "tools": two})
+    assert named is not None and 'name ::= "get_time"\n' in named
+    assert required_call_grammar({"tool_choice": "auto", "tools": two}) is None
+    assert required_call_grammar({"tools": two}) is None

@@ -18,6 +18,7 @@ attempt, so the accumulator, both stream modes and every encoder work unchanged.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import AsyncIterator
@@ -46,9 +47,38 @@ _SAMPLING = {
 }
 
 
+_JSON_RULES = r"""
+object ::= "{" ws ( string ws ":" ws value ( ws "," ws string ws ":" ws value )* )? ws "}"
+value ::= object | array | string | number | "true" | "false" | "null"
+array ::= "[" ws ( value ( ws "," ws value )* )? ws "]"
+string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] ) )* "\""
+number ::= "-"? ( "0" | [1-9] [0-9]* ) ( "." [0-9]+ )? ( [eE] [-+]? [0-9]+ )?
+ws ::= " "?
+"""
+
+
+def required_call_grammar(body: dict[str, Any]) -> str | None:
+    """llama.cpp's GBNF for a chat ``tool_choice`` that requires a call (``required``, or
+    an object naming the function): one Hermes ``<tool_call>`` of a declared tool, as
+    llama-server's own chat endpoint constrains it. None when no call is required."""
+    choice = body.get("tool_choice")
+    names = [str((t.get("function") or {}).get("name")) for t in body.get("tools") or []
+             if isinstance(t, dict) and isinstance(t.get("function"), dict)]
+    if isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str):
+        names = [choice["function"]["name"]]
+    elif choice != "required":
+        return None
+    if not names:
+        return None
+    alternatives = " | ".join(json.dumps(json.dumps(n)[1:-1]) for n in names)
+    return ('root ::= "<tool_call>\\n{\\"name\\": \\"" name "\\", \\"arguments\\": " object "}\\n</tool_call>"\n'
+            f"name ::= {alternatives}\n" + _JSON_RULES.strip() + "\n")
+
+
 def engine_body(engine: str, body: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
     """The engine's token-in request for chat ``body``: the same sampling fields, stop
-    sequences and logprobs, the prompt as ids. (The transport adds ``stream``.)"""
+    sequences and logprobs, the prompt as ids, and (llama.cpp) a required tool call as a
+    grammar. (The transport adds ``stream``.)"""
     column = 0 if engine == "vllm" else 1
     out: dict[str, Any] = {"prompt": prompt}
     for field, names in _SAMPLING.items():
@@ -65,6 +95,9 @@ def engine_body(engine: str, body: dict[str, Any], prompt: list[int]) -> dict[st
         out["n_probs"] = max(1, int(top))
         out["return_tokens"] = True
         out["cache_prompt"] = True
+        grammar = required_call_grammar(body)
+        if grammar is not None:
+            out["grammar"] = grammar
     return out
 
 
