@@ -233,6 +233,7 @@ def check_token_in_rollout(gateway: Gateway, simulator: Simulator, rollout: str,
     assert [r["path"] for r in requests] == ["/v1/chat/completions", "/v1/completions", "/v1/completions"]
     assert [c["token_in"]["status"] for c in calls] == ["skipped: first_turn", "used", "used"]
     assert [c["token_in"]["render_calls"] for c in calls] == [0, 1, 1]
+    print("\nsimulator token-in render ms per turn:", [c["token_in"]["render_ms"] for c in calls[1:]])
     for n in (1, 2):
         before = calls[n - 1]["tokens"]
         sent = requests[n]["body"]["prompt"]

@@ -148,7 +148,8 @@ class EngineStream:
             tokens = legacy.get("tokens") or []
             values = legacy.get("token_logprobs") or []
             entries = [{"id": tid, "token": tokens[k] if k < len(tokens) else "",
-                        "logprob": values[k] if k < len(values) else None, "top_logprobs": []}
+                        "logprob": values[k] if k < len(values) else None,
+                        "bytes": list(str(tokens[k] if k < len(tokens) else "").encode()), "top_logprobs": []}
                        for k, tid in enumerate(ids)]
         else:
             text = chunk.get("content") or ""
@@ -161,6 +162,7 @@ class EngineStream:
                 if lp is None and isinstance(p.get("prob"), (int, float)) and p["prob"] > 0:
                     lp = math.log(p["prob"])
                 entries.append({"id": tid, "token": p.get("token", ""), "logprob": lp,
+                                "bytes": p.get("bytes") or list(str(p.get("token", "")).encode()),
                                 "top_logprobs": [{"token": t.get("token", ""), "logprob": t.get("logprob")}
                                                  for t in p.get("top_logprobs") or [] if isinstance(t, dict)]})
             if chunk.get("stop") is True:
