@@ -450,3 +450,53 @@ def test_a_required_call_is_a_grammar_of_the_declared_names_and_a_named_one_of_t
     assert named is not None and 'name ::= "get_time"\n' in named
     assert required_call_grammar({"tool_choice": "auto", "tools": two}) is None
     assert required_call_grammar({"tools": two}) is None
+
+
+RESPONSES_TOOLS = [{"type": "function", "name": t["name"], "description": t["description"], "parameters": t["input_schema"],
+                    "strict": False} for t in MESSAGES_TOOLS]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_responses_tool_turns_continue_as_token_ids(
+    token_in_gateways: dict[str, Gateway], simulator: Simulator, mode: str
+) -> None:
+    gateway, rollout, nonce = token_in_gateways[mode], f"ti.{secrets.token_hex(4)}", secrets.token_hex(6)
+    client = openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rollout}/v1", api_key=CLIENT_KEY,
+                           _strict_response_validation=True, max_retries=0)
+    items: list[dict[str, Any]] = [{"role": "user", "content": f"{nonce}: {PLAN}"}]
+    seen = []
+    for _ in range(3):
+        with client.responses.stream(model="agent;chunk=7", input=items, tools=RESPONSES_TOOLS, store=False) as s:  # type: ignore[arg-type]
+            response = s.get_final_response()
+        output = [item.model_dump(exclude_none=True) for item in response.output]
+        seen.append([(o["name"], json.loads(o["arguments"])) for o in output if o["type"] == "function_call"])
+        for item in output:
+            items.append({k: v for k, v in item.items() if k != "status" or item["type"] == "message"})
+            if item["type"] == "function_call":
+                items.append({"type": "function_call_output", "call_id": item["call_id"], "output": f"{item['name']} says 18 C"})
+    assert seen == [[("get_weather", {"city": "Paris"})], [("get_time", {"timezone": "Europe/Paris"})], []]
+    assert response.output_text == "Done. The tool said: get_time says 18 C"
+    check_token_in_rollout(gateway, simulator, rollout, nonce)
+
+
+def test_token_in_is_set_per_upstream_in_the_toml_and_by_the_flag(tmp_path: Any) -> None:
+    from gateway.settings import Settings
+    from gateway.upstream.config import build_pool
+
+    config = tmp_path / "gw.toml"
+    config.write_text('[[upstreams]]\nname = "engine"\nbase_url = "http://127.0.0.1:9/v1"\ntoken_in = "llamacpp"\n\n'
+                      '[[upstreams]]\nname = "chat"\nbase_url = "http://127.0.0.1:8/v1"\n')
+    pool = build_pool(Settings(config=config, data_dir=tmp_path), None, None)
+    by_name = {c.upstream.name: c.upstream for c in pool.credentials}
+    assert (by_name["engine"].token_in, by_name["engine"].capture_tokens) == ("llamacpp", "llamacpp")
+    assert (by_name["chat"].token_in, by_name["chat"].capture_tokens) == (None, None)
+    flag = build_pool(Settings(upstream_url=["http://127.0.0.1:7/v1"], token_in="vllm", data_dir=tmp_path), None, None)
+    assert [(c.upstream.token_in, c.upstream.capture_tokens) for c in flag.credentials] == [("vllm", "vllm")]
+    assert [c.upstream.token_in for c in build_pool(Settings(upstream_url=["http://127.0.0.1:7/v1"], data_dir=tmp_path),
+                                                    None, None).credentials] == [None]
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[upstreams]]\nbase_url = "http://127.0.0.1:9/v1"\ntoken_in = "sglang"\n')
+    from gateway.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="token_in"):
+        build_pool(Settings(config=bad, data_dir=tmp_path), None, None)
