@@ -38,9 +38,9 @@ from gateway.rollout.tokens import with_token_fields
 from gateway.settings import LiveSettings
 from gateway.tenancy import client_identity, presented_key
 from gateway.upstream.attempts import UpstreamAttempts
-from gateway.upstream.token_in import TokenIn
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.pool import UpstreamPool, fingerprint
+from gateway.upstream.token_in import TokenIn
 
 #: The scope key under which a generation request keeps its upstream attempts, for the
 #: ``x-codebuddy2api-upstream`` header (app.SimulatorHeader reads it at the status line).

@@ -268,8 +268,9 @@ class UpstreamClient:
         if credential.api_key:
             headers["authorization"] = f"Bearer {credential.api_key}"
         timeout = httpx.Timeout(policy.idle_timeout, connect=policy.connect_timeout, pool=policy.pool_timeout)
+        base = _server_root(upstream.base_url) if root else upstream.base_url.rstrip("/")
         return self._http.build_request(
-            "POST", (_server_root(upstream.base_url) if root else upstream.base_url.rstrip("/")) + path, content=orjson.dumps(payload), headers=headers, timeout=timeout,
+            "POST", base + path, content=orjson.dumps(payload), headers=headers, timeout=timeout,
         )
 
     async def _answer_of(self, request: httpx.Request, policy: StreamPolicy, within: float) -> httpx.Response:
@@ -388,8 +389,7 @@ class UpstreamClient:
 
 def _server_root(base_url: str) -> str:
     """``http://host:port/v1`` -> ``http://host:port`` (an engine's own endpoints)."""
-    root = base_url.rstrip("/")
-    return root[: -len("/v1")] if root.endswith("/v1") else root
+    return base_url.rstrip("/").removesuffix("/v1")
 
 
 def read_failed(exc: httpx.HTTPError) -> GatewayError:
