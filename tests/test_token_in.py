@@ -165,7 +165,7 @@ def test_engine_bodies_carry_the_sampling_fields() -> None:
             "stop": ["</s>"], "logprobs": True, "top_logprobs": 2, "tools": TOOLS}
     assert engine_body("vllm", body, [1, 2]) == {
         "prompt": [1, 2], "model": "m", "max_tokens": 64, "temperature": 0.3, "top_p": 0.9, "seed": 7,
-        "stop": ["</s>"], "return_token_ids": True, "logprobs": 2, "skip_special_tokens": False}
+        "stop": ["</s>"], "return_token_ids": True, "logprobs": 2}
     assert engine_body("llamacpp", body, [1, 2]) == {
         "prompt": [1, 2], "n_predict": 64, "temperature": 0.3, "top_p": 0.9, "seed": 7, "stop": ["</s>"],
         "n_probs": 2, "return_tokens": True, "cache_prompt": True}

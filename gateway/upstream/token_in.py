@@ -90,7 +90,6 @@ def engine_body(engine: str, body: dict[str, Any], prompt: list[int]) -> dict[st
         out["model"] = body.get("model")
         out["return_token_ids"] = True
         out["logprobs"] = int(top)  # the sampled token's logprob always, plus the top N
-        out["skip_special_tokens"] = False  # the text the parser reads is what was sampled
     else:
         out["n_probs"] = max(1, int(top))
         out["return_tokens"] = True
