@@ -391,11 +391,11 @@ def test_token_in_messages_three_turns(
     system = "You are a helpful assistant."
     messages: list[dict] = [{"role": "user", "content": "Say hello in one short sentence."}]
     first = client.messages.create(model="smollm2", system=system, messages=messages, tools=tools,  # type: ignore[arg-type]
-                                   tool_choice={"type": "none"}, max_tokens=24, temperature=0)
+                                   tool_choice={"type": "none"}, max_tokens=24, extra_body={"temperature": 0})
     messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
                  {"role": "user", "content": "What is the weather in Paris? Use the get_weather tool."}]
     with client.messages.stream(model="smollm2", system=system, messages=messages, tools=tools,  # type: ignore[arg-type]
-                                tool_choice={"type": "any"}, max_tokens=64, temperature=0) as s:
+                                tool_choice={"type": "any"}, max_tokens=64, extra_body={"temperature": 0}) as s:
         second = s.get_final_message()
     assert second.stop_reason == "tool_use"
     [use] = [b for b in second.content if b.type == "tool_use"]
@@ -403,14 +403,14 @@ def test_token_in_messages_three_turns(
     messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in second.content]},
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C and sunny"}]}]
     with client.messages.stream(model="smollm2", system=system, messages=messages, tools=tools,  # type: ignore[arg-type]
-                                tool_choice={"type": "none"}, max_tokens=24, temperature=0) as s:
+                                tool_choice={"type": "none"}, max_tokens=24, extra_body={"temperature": 0}) as s:
         third = s.get_final_message()
     assert third.content and third.content[0].type == "text"
     check_token_in(gateway, proxy, rollout)
 
     compacted = [{"role": "user", "content": "Summary: the user asked for the weather in Paris; it is 18 C. Say thanks."}]
     client.messages.create(model="smollm2", system=system, messages=compacted, tools=tools,  # type: ignore[arg-type]
-                           tool_choice={"type": "none"}, max_tokens=8, temperature=0)
+                           tool_choice={"type": "none"}, max_tokens=8, extra_body={"temperature": 0})
     snap = httpx.get(f"{gateway.url}/admin/api/rollouts/{rollout}", headers=gateway.admin, timeout=30).json()
     assert snap["calls"][-1]["token_in"]["status"] == "skipped: history_truncated"
     assert len(proxy.completions()) == 2

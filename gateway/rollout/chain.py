@@ -230,10 +230,12 @@ def _why_not(previous: dict[str, Any], body: dict[str, Any]) -> str | None:
         return "system_changed"
     if old and old[-1].get("role") == "assistant":
         return "previous_prefill"
-    if len(new) < len(old) + 2:
-        return "history_truncated" if len(new) <= len(old) else "no_new_messages"
+    if len(new) < len(old):  # compaction, a summary, a shortened history
+        return "history_truncated"
     if new[: len(old)] != old:
         return "history_edited"
+    if len(new) < len(old) + 2:
+        return "no_new_messages"
     if not answer_matches(new[len(old)], previous.get("answer") or {}):
         return "answer_changed"
     rest = new[len(old) + 1 :]
