@@ -248,6 +248,9 @@ class RecordingProxy:
     (path and JSON body): what the engine really received."""
 
     def __init__(self, target: str) -> None:
+        import contextlib
+        from collections.abc import AsyncIterator
+
         from starlette.applications import Starlette
         from starlette.requests import Request
         from starlette.responses import StreamingResponse
@@ -255,6 +258,7 @@ class RecordingProxy:
 
         self.target = target.removesuffix("/v1")
         self.requests: list[tuple[str, object]] = []
+        self.client: httpx.AsyncClient | None = None
 
         async def forward(request: Request) -> StreamingResponse:
             import json
@@ -264,7 +268,9 @@ class RecordingProxy:
                 self.requests.append((request.url.path, json.loads(body) if body else None))
             except ValueError:
                 self.requests.append((request.url.path, None))
-            client = httpx.AsyncClient(timeout=600)
+            if self.client is None:  # one pooled client, as the gateway's own
+                self.client = httpx.AsyncClient(timeout=600)
+            client = self.client
             upstream = await client.send(client.build_request(
                 request.method, self.target + request.url.path, content=body,
                 headers={"content-type": request.headers.get("content-type", "application/json")}), stream=True)
@@ -275,12 +281,17 @@ class RecordingProxy:
                         yield piece
                 finally:
                     await upstream.aclose()
-                    await client.aclose()
 
             return StreamingResponse(relay(), status_code=upstream.status_code,
                                      media_type=upstream.headers.get("content-type"))
 
-        self.app = Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST"])])
+        @contextlib.asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            yield
+            if self.client is not None:
+                await self.client.aclose()
+
+        self.app = Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST"])], lifespan=lifespan)
 
     def completions(self) -> list[dict]:
         return [b for p, b in self.requests if p == "/completion" and isinstance(b, dict)]  # type: ignore[misc]
