@@ -228,6 +228,19 @@ def engine_requests(simulator: Simulator, nonce: str) -> list[dict[str, Any]]:
     return [r for r in simulator.requests() if mine(r)]
 
 
+def audit_of(gateway: Gateway, request_id: str) -> dict[str, Any]:
+    """The request's audit record, once the audit writer's batch is in (bounded wait)."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while True:
+        response = httpx.get(f"{gateway.url}/admin/api/audit/{request_id}", headers=gateway.admin, timeout=10)
+        if response.status_code == 200 or time.monotonic() > deadline:
+            assert response.status_code == 200, response.text
+            return response.json()  # type: ignore[no-any-return]
+        time.sleep(0.05)
+
+
 def check_token_in_rollout(gateway: Gateway, simulator: Simulator, rollout: str, nonce: str) -> None:
     calls = read_back(gateway, rollout)["calls"]
     requests = engine_requests(simulator, nonce)
@@ -247,6 +260,8 @@ def check_token_in_rollout(gateway: Gateway, simulator: Simulator, rollout: str,
         assert body["return_token_ids"] is True and body["stream"] is True and "messages" not in body
     assert [c["answer"]["finish_reason"] for c in calls] == ["tool_calls", "tool_calls", "stop"]
     assert [[t["name"] for t in c["answer"]["tool_calls"]] for c in calls] == [["get_weather"], ["get_time"], []]
+    for call in calls:  # one audit record per request, token-in calls too
+        assert audit_of(gateway, call["call_id"])["outcome"] == "success"
     [segment] = read_back(gateway, rollout, "/trajectory")["segments"]
     last = calls[-1]["tokens"]
     assert segment["call_ids"] == [c["call_id"] for c in calls]
