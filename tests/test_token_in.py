@@ -516,3 +516,33 @@ def test_token_in_is_set_per_upstream_in_the_toml_and_by_the_flag(tmp_path: Any)
 
     with pytest.raises(SettingsError, match="token_in"):
         build_pool(Settings(config=bad, data_dir=tmp_path), None, None)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_think_tags_of_a_token_in_answer_are_reasoning_per_the_reasoning_tags_setting(
+    server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory, mode: str
+) -> None:
+    from gateway.upstream.sim_reply import REASONING, TEXT
+
+    gateway = start_gateway(server_loop, simulator, tmp_path_factory, stream_mode=mode, token_in="vllm",
+                            api_key=[CLIENT_KEY], reasoning_tags={"reasoning*": "auto"})
+    rollout, nonce = f"ti.{secrets.token_hex(4)}", secrets.token_hex(6)
+    client = anthropic.Anthropic(base_url=f"{gateway.url}/rollouts/{rollout}", api_key=CLIENT_KEY,
+                                 _strict_response_validation=True, max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": f"{nonce}: hello"}]
+    finals = []
+    for question in ("and again", None):
+        with client.messages.stream(model="reasoning", max_tokens=512, messages=messages) as s:  # type: ignore[arg-type]
+            final = s.get_final_message()
+        finals.append(final)
+        if question:
+            messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in final.content]},
+                         {"role": "user", "content": question}]
+    for final in finals:  # chat's reasoning_content (turn 1) and token-in's <think> text (turn 2) alike
+        assert [b.type for b in final.content] == ["thinking", "text"]
+        assert final.content[0].thinking == REASONING and final.content[1].text == TEXT  # type: ignore[union-attr]
+    calls = read_back(gateway, rollout)["calls"]
+    assert [c["token_in"]["status"] for c in calls] == ["skipped: first_turn", "used"]
+    assert calls[1]["answer"]["reasoning"] == REASONING and calls[1]["answer"]["text"] == TEXT
+    sent = [r for r in engine_requests(simulator, nonce) if r["path"] == "/v1/completions"]
+    assert len(sent) == 1 and sent[0]["body"]["prompt"] == calls[1]["tokens"]["prompt_ids"]

@@ -67,7 +67,7 @@ def hermes_text(message: dict[str, Any]) -> str:
     text = ""
     reasoning = message.get("reasoning_content") or message.get("reasoning")
     if reasoning:
-        text += f"<think>{reasoning}</think>\n"
+        text += f"<think>{reasoning}</think>"
     text += message.get("content") or ""
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
