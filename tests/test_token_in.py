@@ -167,6 +167,7 @@ def test_engine_bodies_carry_the_sampling_fields() -> None:
     assert engine_body("vllm", body, [1, 2]) == {
         "prompt": [1, 2], "model": "m", "max_tokens": 64, "temperature": 0.3, "top_p": 0.9, "seed": 7,
         "stop": ["</s>"], "return_token_ids": True, "logprobs": 2}
+    assert engine_body("vllm", {"model": "m", "messages": []}, [1])["max_tokens"] is None  # not the legacy 16
     assert engine_body("llamacpp", body, [1, 2]) == {
         "prompt": [1, 2], "n_predict": 64, "temperature": 0.3, "top_p": 0.9, "seed": 7, "stop": ["</s>"],
         "n_probs": 2, "return_tokens": True, "cache_prompt": True}
@@ -546,3 +547,25 @@ def test_think_tags_of_a_token_in_answer_are_reasoning_per_the_reasoning_tags_se
     assert calls[1]["answer"]["reasoning"] == REASONING and calls[1]["answer"]["text"] == TEXT
     sent = [r for r in engine_requests(simulator, nonce) if r["path"] == "/v1/completions"]
     assert len(sent) == 1 and sent[0]["body"]["prompt"] == calls[1]["tokens"]["prompt_ids"]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+def test_a_chat_client_that_asked_for_logprobs_gets_the_engines_on_a_token_in_turn(
+    token_in_gateways: dict[str, Gateway], simulator: Simulator, stream: bool
+) -> None:
+    gateway, rollout, nonce = token_in_gateways["realtime"], f"ti.{secrets.token_hex(4)}", secrets.token_hex(6)
+    client = openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rollout}/v1", api_key=CLIENT_KEY,
+                           _strict_response_validation=True, max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": f"{nonce}: hi"}]
+    first = client.chat.completions.create(model="text", messages=messages).choices[0].message  # type: ignore[arg-type]
+    messages += [first.model_dump(exclude_none=True, exclude={"parsed"}), {"role": "user", "content": "again"}]
+    if stream:
+        with client.chat.completions.stream(model="text", messages=messages, logprobs=True, top_logprobs=0) as s:  # type: ignore[arg-type]
+            choice = s.get_final_completion().choices[0]
+    else:
+        choice = client.chat.completions.create(model="text", messages=messages, logprobs=True, top_logprobs=0).choices[0]  # type: ignore[arg-type]
+    entries = choice.logprobs.content if choice.logprobs else None
+    assert entries and "".join(e.token for e in entries) == choice.message.content
+    calls = read_back(gateway, rollout)["calls"]
+    assert calls[1]["token_in"]["status"] == "used"
+    assert [e.logprob for e in entries] == calls[1]["tokens"]["completion_logprobs"][: len(entries)]

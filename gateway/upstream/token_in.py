@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import structlog
 
 from gateway.errors import GatewayError
 from gateway.policy import StreamPolicy
@@ -32,6 +33,8 @@ from gateway.rollout.chain import TokenInPlan, splice
 from gateway.upstream.client import ANSWERED, DONE, UpstreamClient, UpstreamItem
 from gateway.upstream.hermes import HermesParser
 from gateway.upstream.pool import Credential
+
+log = structlog.get_logger("gateway.token_in")
 
 ENGINES = ("vllm", "llamacpp")
 
@@ -88,6 +91,7 @@ def engine_body(engine: str, body: dict[str, Any], prompt: list[int]) -> dict[st
     top = body.get("top_logprobs") or 0
     if engine == "vllm":
         out["model"] = body.get("model")
+        out.setdefault("max_tokens", None)  # a text completion's default is 16; chat's is the context left
         out["return_token_ids"] = True
         out["logprobs"] = int(top)  # the sampled token's logprob always, plus the top N
     else:
@@ -279,7 +283,9 @@ class TokenIn:
                     credential, "/tokenize", {"content": templated["prompt"], "add_special": True, "parse_special": True},
                     policy, root=True)
                 rendered = [t if isinstance(t, int) else int(t["id"]) for t in answer["tokens"]]
-        except (GatewayError, httpx.HTTPError, KeyError, ValueError, TypeError):
+        except (GatewayError, httpx.HTTPError, KeyError, ValueError, TypeError) as exc:
+            log.warning("token_in_render_failed", engine=engine, upstream=credential.upstream.name,
+                        error=type(exc).__name__)
             return "render_failed"
         finally:
             self.render_ms += (time.monotonic() - started) * 1000
