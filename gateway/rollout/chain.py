@@ -244,6 +244,11 @@ def _why_not(previous: dict[str, Any], body: dict[str, Any]) -> str | None:
     return None
 
 
+def _has_tokens(record: dict[str, Any]) -> bool:
+    tokens = record.get("tokens")
+    return isinstance(tokens, dict) and tokens.get("prompt_ids") is not None and tokens.get("completion_ids") is not None
+
+
 def continuation(history: Sequence[dict[str, Any]], body: dict[str, Any]) -> TokenInPlan:
     """Token-in for a call with chat ``body``, given its rollout's earlier records (any
     order): the latest successful call with token ids that ``body`` extends (its messages
@@ -251,7 +256,7 @@ def continuation(history: Sequence[dict[str, Any]], body: dict[str, Any]) -> Tok
     tools) is continued; otherwise ``skipped`` with the reason the latest such call gave
     (``first_turn`` when there is none)."""
     candidates = sorted(
-        (r for r in history if r.get("outcome") == "success" and _tokens_of(r) is not None
+        (r for r in history if r.get("outcome") == "success" and _has_tokens(r)
          and isinstance(r.get("upstream_request"), dict) and isinstance(r.get("answer"), dict)),
         key=lambda r: (float(r.get("started_at") or 0), int(r.get("seq") or 0)), reverse=True,
     )
