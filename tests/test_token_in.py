@@ -569,3 +569,22 @@ def test_a_chat_client_that_asked_for_logprobs_gets_the_engines_on_a_token_in_tu
     calls = read_back(gateway, rollout)["calls"]
     assert calls[1]["token_in"]["status"] == "used"
     assert [e.logprob for e in entries] == calls[1]["tokens"]["completion_logprobs"][: len(entries)]
+
+
+def test_two_replicas_on_postgresql_continue_each_others_calls(
+    server_loop: ServerLoop, simulator: Simulator, postgres_schema: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Each turn on the other replica: the earlier calls come from the shared store."""
+    a, b = (start_gateway(server_loop, simulator, tmp_path_factory, token_in="vllm", api_key=[CLIENT_KEY],
+                          database_url=postgres_schema, replica_id=name) for name in ("replica-a", "replica-b"))
+    rollout, nonce = f"ti.pg.{secrets.token_hex(4)}", secrets.token_hex(6)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": f"{nonce}: {PLAN}"}]
+    for gateway in (a, b, a):
+        client = openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rollout}/v1", api_key=CLIENT_KEY,
+                               _strict_response_validation=True, max_retries=0)
+        message = client.chat.completions.create(model="agent;chunk=7", messages=messages, tools=CHAT_TOOLS).choices[0].message  # type: ignore[arg-type]
+        messages.append(message.model_dump(exclude_none=True, exclude={"parsed"}))
+        for call in message.tool_calls or []:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": f"{call.function.name} says 18 C"})
+    assert message.content == "Done. The tool said: get_time says 18 C"
+    check_token_in_rollout(b, simulator, rollout, nonce)
