@@ -588,3 +588,15 @@ def test_two_replicas_on_postgresql_continue_each_others_calls(
             messages.append({"role": "tool", "tool_call_id": call.id, "content": f"{call.function.name} says 18 C"})
     assert message.content == "Done. The tool said: get_time says 18 C"
     check_token_in_rollout(b, simulator, rollout, nonce)
+
+
+def test_engine_completion_chunks_are_data_bearing_for_the_attempt_bounds() -> None:
+    """Text-completion chunks (vLLM token-in, the relayed /v1/completions) and llama.cpp's
+    /completion chunks reset the idle bound and are not empty events; an empty one is."""
+    from gateway.upstream.bounds import carries_something
+
+    assert carries_something({"choices": [{"index": 0, "text": "a", "finish_reason": None}]})
+    assert carries_something({"content": "a", "tokens": [1], "stop": False})
+    assert carries_something({"content": "", "tokens": [], "stop": True, "stop_type": "eos"})
+    assert not carries_something({"choices": [{"index": 0, "text": "", "finish_reason": None}]})
+    assert not carries_something({"content": "", "tokens": [], "stop": False})
