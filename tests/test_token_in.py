@@ -600,3 +600,24 @@ def test_engine_completion_chunks_are_data_bearing_for_the_attempt_bounds() -> N
     assert carries_something({"content": "", "tokens": [], "stop": True, "stop_type": "eos"})
     assert not carries_something({"choices": [{"index": 0, "text": "", "finish_reason": None}]})
     assert not carries_something({"content": "", "tokens": [], "stop": False})
+
+
+async def test_a_failover_to_an_upstream_without_token_in_is_recorded_as_such() -> None:
+    from gateway.policy import StreamPolicy
+    from gateway.settings import Settings
+    from gateway.upstream.client import UpstreamClient
+    from gateway.upstream.pool import Credential, Upstream
+    from gateway.upstream.token_in import TokenIn
+
+    fake = FakeLlama([1, 2, 3, 99])
+    client = UpstreamClient(http=httpx.AsyncClient(transport=httpx.MockTransport(fake)))
+    token_in = TokenIn(LLAMA_PLAN, LLAMA_BODY, client)
+    policy = StreamPolicy.snapshot(Settings(upstream_url=["http://llama.test/v1"]))
+    engine = Credential(Upstream("llama", "http://llama.test/v1", token_in="llamacpp"), None)
+    chat = Credential(Upstream("chat", "http://chat.test/v1"), None)
+    [i async for i in token_in.send(engine, LLAMA_BODY, policy)]
+    assert token_in.status == "used" and token_in.prompt_ids is not None
+    [i async for i in token_in.send(chat, LLAMA_BODY, policy)]
+    await client.aclose()
+    assert token_in.status == "skipped: chat_upstream" and token_in.prompt_ids is None
+    assert fake.seen[-1][0] == "/v1/chat/completions"

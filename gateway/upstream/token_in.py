@@ -233,7 +233,10 @@ class TokenIn:
         holds, else the chat request."""
         engine = credential.upstream.token_in
         prompt: list[int] | str | None = None
-        if engine in ENGINES:
+        self.prompt_ids = None  # this attempt's, not an earlier (failed over) one's
+        if engine not in ENGINES and self.status is not None:
+            self.status = "skipped: chat_upstream"  # failed over to an upstream without token-in
+        elif engine in ENGINES:
             if not self.plan.used:
                 self.status = self.plan.status
             elif body.get("messages") != self.messages:
