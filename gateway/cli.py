@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
             serve.add_argument(flag, dest=name, choices=[m.value for m in StreamMode], help=help_text)
         elif name == "upstream_stream":
             serve.add_argument(flag, dest=name, choices=["auto", "always", "never"], help=help_text)
-        elif name == "capture_tokens":
+        elif name in ("capture_tokens", "token_in"):
             serve.add_argument(flag, dest=name, choices=["none", "vllm", "llamacpp"], help=help_text)
         elif name == "log_level":
             serve.add_argument(flag, dest=name, choices=["debug", "info", "warning", "error"], help=help_text)

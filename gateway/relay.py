@@ -32,6 +32,7 @@ from gateway.policy import StreamPolicy
 from gateway.protocols.base import ProtocolRoom
 from gateway.protocols.envelope import PROCESS_KEYRING, Keyring, Tenant
 from gateway.record import RequestObserver, RequestRecord
+from gateway.rollout.chain import continuation
 from gateway.rollout.ids import rollout_of
 from gateway.rollout.tokens import with_token_fields
 from gateway.settings import LiveSettings
@@ -39,6 +40,7 @@ from gateway.tenancy import client_identity, presented_key
 from gateway.upstream.attempts import UpstreamAttempts
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.pool import UpstreamPool, fingerprint
+from gateway.upstream.token_in import TokenIn
 
 #: The scope key under which a generation request keeps its upstream attempts, for the
 #: ``x-codebuddy2api-upstream`` header (app.SimulatorHeader reads it at the status line).
@@ -145,8 +147,12 @@ class GenerationService:
             rollout = rollout_of(request.scope, request.headers, settings.rollout_header)
             chat_room = getattr(room, "run_type", None) is None  # the relayed routes have no chat answer to record
             recording = chat_room and rollout is not None and self.rollouts is not None and self.rollouts.enabled
+            token_in = None
             if recording:
                 await self.rollouts.refuse_frozen(rollout)  # type: ignore[union-attr,arg-type]
+                if self.rollouts.token_in_configured:  # type: ignore[union-attr]
+                    history = await self.rollouts.history(rollout)  # type: ignore[union-attr,arg-type]
+                    token_in = TokenIn(continuation(history, parsed.upstream_body), parsed.upstream_body, self.upstream)
             if chat_room and settings.capture_tokens != "none":
                 tokens_body = with_token_fields(parsed.upstream_body, settings.capture_tokens)
                 parsed = dataclasses.replace(parsed, upstream_body=tokens_body)
@@ -177,7 +183,8 @@ class GenerationService:
         try:
             # a room may name its own run: the relayed routes' RelayedCall (gateway/relayed.py)
             run_type = getattr(room, "run_type", GenerationRun)
-            run = run_type(room, parsed, policy, record, UpstreamAttempts(self.pool, self.upstream, policy, session, record.trace_context))
+            attempts = UpstreamAttempts(self.pool, self.upstream, policy, session, record.trace_context, token_in)
+            run = run_type(room, parsed, policy, record, attempts)
         except Exception as exc:
             err = internal_error(exc, record.request_id, "encoder")
             outcome.failed(err)

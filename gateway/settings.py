@@ -75,6 +75,7 @@ class Settings(BaseSettings):
     capture_max_bytes: int = Field(256 * 1024 * 1024, ge=1024)
     rollout_header: str = "x-rollout-id"
     capture_tokens: Literal["none", "vllm", "llamacpp"] = "none"
+    token_in: Literal["none", "vllm", "llamacpp"] = "none"
     capture_strict: bool = False
     stream_mode: StreamMode = StreamMode.COMPATIBLE
     max_collect_bytes: int = Field(8 * 1024 * 1024, ge=0, description="0 = unlimited")
@@ -295,6 +296,9 @@ CLI_FIELDS: dict[str, str] = {
     "rollout_header": "request header carrying the rollout/session id for capture",
     "capture_tokens": "token source for rollout call records: vllm (return_token_ids), llamacpp (llama-server) or none;"
     " any value but none also turns the call records on",
+    "token_in": "token-in continuation for the --upstream-url upstreams: vllm or llamacpp sends a rollout call that"
+    " extends the previous one as token ids (its exact prompt + completion, then the new messages rendered"
+    " by the engine) to the engine's completion endpoint; implies --capture-tokens of the same engine for them",
     "capture_strict": "a call record that cannot be made durable fails the call with the protocol's error"
     " (default: the answer is released, the rollout marked incomplete)",
     "stream_mode": "compatible (aggregate, validate, replay) or realtime (relay as it arrives)",

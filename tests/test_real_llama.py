@@ -238,3 +238,190 @@ def test_rollout_token_ids_are_llama_servers_own(
     ids = httpx.post(root + "/tokenize", json={"content": prompt, "add_special": True, "parse_special": True},
                      timeout=60).json()["tokens"]
     assert tokens["prompt_ids"] == ids and call["continuity"]["prefix"] == "exact"
+
+
+# -- token-in continuation (issue #27): llama-server's /completion with token ids ----------
+
+
+class RecordingProxy:
+    """A loopback proxy in front of llama-server that keeps every request it forwarded
+    (path and JSON body): what the engine really received."""
+
+    def __init__(self, target: str) -> None:
+        import contextlib
+        from collections.abc import AsyncIterator
+
+        from starlette.applications import Starlette
+        from starlette.requests import Request
+        from starlette.responses import StreamingResponse
+        from starlette.routing import Route
+
+        self.target = target.removesuffix("/v1")
+        self.requests: list[tuple[str, object]] = []
+        self.client: httpx.AsyncClient | None = None
+
+        async def forward(request: Request) -> StreamingResponse:
+            import json
+
+            body = await request.body()
+            try:
+                self.requests.append((request.url.path, json.loads(body) if body else None))
+            except ValueError:
+                self.requests.append((request.url.path, None))
+            if self.client is None:  # one pooled client, as the gateway's own
+                self.client = httpx.AsyncClient(timeout=600)
+            client = self.client
+            upstream = await client.send(client.build_request(
+                request.method, self.target + request.url.path, content=body,
+                headers={"content-type": request.headers.get("content-type", "application/json")}), stream=True)
+
+            async def relay():  # type: ignore[no-untyped-def]
+                try:
+                    async for piece in upstream.aiter_raw():
+                        yield piece
+                finally:
+                    await upstream.aclose()
+
+            return StreamingResponse(relay(), status_code=upstream.status_code,
+                                     media_type=upstream.headers.get("content-type"))
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            yield
+            if self.client is not None:
+                await self.client.aclose()
+
+        self.app = Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST"])], lifespan=lifespan)
+
+    def completions(self) -> list[dict]:
+        return [b for p, b in self.requests if p == "/completion" and isinstance(b, dict)]  # type: ignore[misc]
+
+
+TOKEN_IN_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def token_in_gateway(llama_url: str, server_loop: ServerLoop, simulator: Simulator,
+                     tmp_path_factory: pytest.TempPathFactory, mode: str) -> tuple[Gateway, RecordingProxy]:
+    proxy = RecordingProxy(llama_url)
+    url = server_loop.serve(proxy.app) + "/v1"
+    # llama-server refuses logprobs on a streamed chat request with tools: auto falls back to JSON
+    gateway = gateway_in_front(url, server_loop, simulator, tmp_path_factory, stream_mode=mode, token_in="llamacpp",
+                               upstream_stream="auto")
+    return gateway, proxy
+
+
+def check_token_in(gateway: Gateway, proxy: RecordingProxy, rollout: str) -> list[dict]:
+    snap = httpx.get(f"{gateway.url}/admin/api/rollouts/{rollout}", headers=gateway.admin, timeout=30).json()
+    calls = snap["calls"]
+    assert snap["complete"] and [c["outcome"] for c in calls] == ["success"] * 3
+    assert [c["token_in"]["status"] for c in calls] == ["skipped: first_turn", "used", "used"]
+    sent = proxy.completions()
+    assert len(sent) == 2 and all(isinstance(b["prompt"], list) for b in sent)
+    for n in (1, 2):
+        before = calls[n - 1]["tokens"]
+        exact = before["prompt_ids"] + before["completion_ids"]
+        assert sent[n - 1]["prompt"][: len(exact)] == exact  # turn n-1's prompt + completion, as sampled
+        assert len(sent[n - 1]["prompt"]) > len(exact) and calls[n]["tokens"]["prompt_ids"] == sent[n - 1]["prompt"]
+        assert calls[n]["continuity"]["prefix"] == "exact"
+    [segment] = httpx.get(f"{gateway.url}/admin/api/rollouts/{rollout}/trajectory", headers=gateway.admin,
+                          timeout=30).json()["segments"]
+    assert segment["call_ids"] == [c["call_id"] for c in calls]
+    assert segment["tokens"] == calls[2]["tokens"]["prompt_ids"] + calls[2]["tokens"]["completion_ids"]
+    costs = [(c["token_in"]["render_calls"], c["token_in"]["render_ms"]) for c in calls[1:]]
+    print(f"\ntoken-in render cost per turn (calls, ms): {costs}")
+    assert all(k == 2 for k, _ in costs)
+    return calls
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_token_in_chat_three_turns(
+    llama_url: str, server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory, mode: str,
+) -> None:
+    """Turn 1 goes the chat way; turns 2 and 3 reach llama-server's /completion as token ids
+    that start with the previous turn's prompt + completion exactly; the tool call sampled
+    through token-in (turn 2, a required call) reaches the SDK; one segment."""
+    import json
+    import secrets
+
+    import openai
+
+    gateway, proxy = token_in_gateway(llama_url, server_loop, simulator, tmp_path_factory, mode)
+    rollout = "llama-ti-" + secrets.token_hex(4)
+    client = openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rollout}/v1", api_key="unused-key-0123456789abcdef",
+                           _strict_response_validation=True, max_retries=0, timeout=600)
+    messages: list[dict] = [{"role": "system", "content": "You are a helpful assistant."},
+                            {"role": "user", "content": "Say hello in one short sentence."}]
+    first = client.chat.completions.create(model="smollm2", messages=messages, tools=TOKEN_IN_TOOLS,  # type: ignore[arg-type]
+                                           tool_choice="none", max_tokens=24, temperature=0).choices[0].message
+    messages += [first.model_dump(exclude_none=True, exclude={"parsed"}),
+                 {"role": "user", "content": "What is the weather in Paris? Use the get_weather tool."}]
+    with client.chat.completions.stream(model="smollm2", messages=messages, tools=TOKEN_IN_TOOLS,  # type: ignore[arg-type]
+                                        tool_choice="required", max_tokens=64, temperature=0) as s:
+        second = s.get_final_completion().choices[0]
+    assert second.finish_reason == "tool_calls"
+    [call] = second.message.tool_calls or []
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
+    messages += [second.message.model_dump(exclude_none=True, exclude={"parsed"}),
+                 {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+    third = client.chat.completions.create(model="smollm2", messages=messages, tools=TOKEN_IN_TOOLS,  # type: ignore[arg-type]
+                                           tool_choice="none", max_tokens=24, temperature=0).choices[0].message
+    assert third.content
+    calls = check_token_in(gateway, proxy, rollout)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls[1]["answer"]["tool_calls"]] == [
+        (call.function.name, json.loads(call.function.arguments))]
+    assert "grammar" in proxy.completions()[0] and "grammar" not in proxy.completions()[1]
+
+    # an edited history falls back to chat and says so
+    edited = [messages[0], {"role": "user", "content": "Say hi."}, *messages[2:]]
+    before = len(proxy.completions())
+    client.chat.completions.create(model="smollm2", messages=edited, tools=TOKEN_IN_TOOLS, tool_choice="none",  # type: ignore[arg-type]
+                                   max_tokens=8, temperature=0)
+    snap = httpx.get(f"{gateway.url}/admin/api/rollouts/{rollout}", headers=gateway.admin, timeout=30).json()
+    assert snap["calls"][-1]["token_in"]["status"] == "skipped: history_edited"
+    assert len(proxy.completions()) == before and proxy.requests[-1][0] in ("/tokenize", "/v1/chat/completions")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_token_in_messages_three_turns(
+    llama_url: str, server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory, mode: str,
+) -> None:
+    """The same through Anthropic Messages (tool_use / tool_result); a compacted history
+    (the conversation replaced by a summary) falls back and says so."""
+    import secrets
+
+    import anthropic
+
+    gateway, proxy = token_in_gateway(llama_url, server_loop, simulator, tmp_path_factory, mode)
+    rollout = "llama-ti-" + secrets.token_hex(4)
+    client = anthropic.Anthropic(base_url=f"{gateway.url}/rollouts/{rollout}", api_key="unused-key-0123456789abcdef",
+                                 _strict_response_validation=True, max_retries=0, timeout=600)
+    tools = [{"name": "get_weather", "description": "Get the weather for a city",
+              "input_schema": TOKEN_IN_TOOLS[0]["function"]["parameters"]}]
+    system = "You are a helpful assistant."
+    messages: list[dict] = [{"role": "user", "content": "Say hello in one short sentence."}]
+    first = client.messages.create(model="smollm2", system=system, messages=messages, tools=tools,  # type: ignore[arg-type]
+                                   tool_choice={"type": "none"}, max_tokens=24, extra_body={"temperature": 0})
+    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                 {"role": "user", "content": "What is the weather in Paris? Use the get_weather tool."}]
+    with client.messages.stream(model="smollm2", system=system, messages=messages, tools=tools,  # type: ignore[arg-type]
+                                tool_choice={"type": "any"}, max_tokens=64, extra_body={"temperature": 0}) as s:
+        second = s.get_final_message()
+    assert second.stop_reason == "tool_use"
+    [use] = [b for b in second.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and isinstance(use.input, dict)
+    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in second.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C and sunny"}]}]
+    with client.messages.stream(model="smollm2", system=system, messages=messages, tools=tools,  # type: ignore[arg-type]
+                                tool_choice={"type": "none"}, max_tokens=24, extra_body={"temperature": 0}) as s:
+        third = s.get_final_message()
+    assert third.content and third.content[0].type == "text"
+    check_token_in(gateway, proxy, rollout)
+
+    compacted = [{"role": "user", "content": "Summary: the user asked for the weather in Paris; it is 18 C. Say thanks."}]
+    client.messages.create(model="smollm2", system=system, messages=compacted, tools=tools,  # type: ignore[arg-type]
+                           tool_choice={"type": "none"}, max_tokens=8, extra_body={"temperature": 0})
+    snap = httpx.get(f"{gateway.url}/admin/api/rollouts/{rollout}", headers=gateway.admin, timeout=30).json()
+    assert snap["calls"][-1]["token_in"]["status"] == "skipped: history_truncated"
+    assert len(proxy.completions()) == 2

@@ -22,6 +22,7 @@ call a new prompt would extend, and where it diverges.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,3 +156,137 @@ def chain_of(records: Iterable[dict[str, Any]]) -> RolloutChain:
     for record in records:
         chain.add(record)
     return chain
+
+
+# -- token-in continuation (issue #27) -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TokenInPlan:
+    """The decision for one call: ``status`` is ``used`` (send the engine ``prefix_ids``
+    then the engine's rendering of the new messages) or ``skipped: <reason>``."""
+
+    status: str
+    previous_call_id: str | None = None
+    #: the previous call's prompt_ids + completion_ids, exactly as sampled
+    prefix_ids: tuple[int, ...] = ()
+    #: the previous call's messages, then its answer as an empty assistant turn, then the
+    #: new messages: what the engine's template renders to find the suffix's tokens
+    render_messages: tuple[dict[str, Any], ...] = ()
+    #: the previous call's prompt ids (the rendering must start with them)
+    previous_prompt: tuple[int, ...] = ()
+
+    @property
+    def used(self) -> bool:
+        return self.status == "used"
+
+
+def _skipped(reason: str, previous: str | None = None) -> TokenInPlan:
+    return TokenInPlan("skipped: " + reason, previous)
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def _arguments(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _calls(message: dict[str, Any]) -> list[tuple[Any, Any]]:
+    return [((c.get("function") or {}).get("name"), _arguments((c.get("function") or {}).get("arguments")))
+            for c in message.get("tool_calls") or [] if isinstance(c, dict)]
+
+
+def answer_matches(message: dict[str, Any], answer: dict[str, Any]) -> bool:
+    """The client's assistant turn is the previous call's answer: the same text (up to
+    surrounding white space) and the same tool calls (names, arguments as JSON values),
+    whatever ids, spacing or reasoning the client kept."""
+    if message.get("role") != "assistant":
+        return False
+    calls = [(c.get("name"), _arguments(c.get("arguments"))) for c in answer.get("tool_calls") or []]
+    return _text(message.get("content")).strip() == str(answer.get("text") or "").strip() and _calls(message) == calls
+
+
+_SYSTEM = ("system", "developer")
+
+
+def _why_not(previous: dict[str, Any], body: dict[str, Any]) -> str | None:
+    """Why ``body`` does not extend ``previous``'s call, or None when it does."""
+    sent = previous.get("upstream_request") or {}
+    old, new = list(sent.get("messages") or []), list(body.get("messages") or [])
+    if (sent.get("tools") or None) != (body.get("tools") or None):
+        return "tools_changed"
+    if [m for m in old if m.get("role") in _SYSTEM][:1] != [m for m in new if m.get("role") in _SYSTEM][:1]:
+        return "system_changed"
+    if old and old[-1].get("role") == "assistant":
+        return "previous_prefill"
+    if len(new) < len(old):  # compaction, a summary, a shortened history
+        return "history_truncated"
+    if new[: len(old)] != old:
+        return "history_edited"
+    if len(new) < len(old) + 2:
+        return "no_new_messages"
+    if not answer_matches(new[len(old)], previous.get("answer") or {}):
+        return "answer_changed"
+    rest = new[len(old) + 1 :]
+    if rest[-1].get("role") == "assistant":
+        return "prefill"
+    return None
+
+
+def _has_tokens(record: dict[str, Any]) -> bool:
+    tokens = record.get("tokens")
+    return isinstance(tokens, dict) and tokens.get("prompt_ids") is not None and tokens.get("completion_ids") is not None
+
+
+def continuation(history: Sequence[dict[str, Any]], body: dict[str, Any]) -> TokenInPlan:
+    """Token-in for a call with chat ``body``, given its rollout's earlier records (any
+    order): the latest successful call with token ids that ``body`` extends (its messages
+    unchanged, its answer as the next assistant turn, then new messages, same system and
+    tools) is continued; otherwise ``skipped`` with the reason the latest such call gave
+    (``first_turn`` when there is none)."""
+    candidates = sorted(
+        (r for r in history if r.get("outcome") == "success" and _has_tokens(r)
+         and isinstance(r.get("upstream_request"), dict) and isinstance(r.get("answer"), dict)),
+        key=lambda r: (float(r.get("started_at") or 0), int(r.get("seq") or 0)), reverse=True,
+    )
+    if not candidates:
+        return _skipped("first_turn")
+    reason = None
+    for record in candidates:
+        why = _why_not(record, body)
+        if why is None:
+            call = _tokens_of(record)
+            assert call is not None
+            old = list(record["upstream_request"].get("messages") or [])
+            new = list(body.get("messages") or [])
+            rendered = (*old, {"role": "assistant", "content": ""}, *new[len(old) + 1 :])
+            return TokenInPlan("used", call.call_id, tuple(call.sequence), rendered, tuple(call.prompt))
+        reason = reason or why
+    return _skipped(reason or "first_turn", str(candidates[0].get("call_id")))
+
+
+def splice(plan: TokenInPlan, rendered: Sequence[int], last_sampled: int | None) -> list[int] | str:
+    """The token-id prompt: the previous prompt + completion exactly, then what the
+    engine's rendering of ``plan.render_messages`` (with the generation prompt) adds after
+    the previous prompt: the empty assistant turn's closing tokens and the new messages.
+    A closing token the previous completion already sampled (its end-of-turn) is not
+    repeated. A reason string when the rendering does not start with the previous prompt
+    (the template is not append-only there)."""
+    prompt = list(plan.previous_prompt)
+    if list(rendered[: len(prompt)]) != prompt:
+        return "template_not_append_only"
+    rest = list(rendered[len(prompt) :])
+    if rest and last_sampled is not None and rest[0] == last_sampled:
+        rest = rest[1:]
+    return list(plan.prefix_ids) + rest

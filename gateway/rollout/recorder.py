@@ -38,6 +38,8 @@ log = structlog.get_logger("gateway.rollout")
 SPILL_BOUND = 2.0
 #: Seconds the frozen check may take (a store that does not answer: the call goes on).
 FROZEN_CHECK_TIMEOUT = 1.0
+#: Seconds reading a rollout's earlier calls for token-in may take.
+HISTORY_TIMEOUT = 2.0
 
 
 def frozen_error(rollout_id: str) -> GatewayError:
@@ -66,7 +68,12 @@ class RolloutRecorder:
     @property
     def enabled(self) -> bool:
         s = self.live.current
-        return bool(s.capture_dir) or s.capture_tokens != "none"
+        return bool(s.capture_dir) or s.capture_tokens != "none" or s.token_in != "none" or self.token_in_configured
+
+    @property
+    def token_in_configured(self) -> bool:
+        """Some upstream continues rollout calls as token ids (``token_in``)."""
+        return any(c.upstream.token_in for c in self.pool().credentials)
 
     def token_source(self, run: Any) -> str:
         """The answering upstream's own ``capture_tokens``, else the flag's."""
@@ -96,12 +103,26 @@ class RolloutRecorder:
         if frozen:
             raise frozen_error(rollout_id)
 
+    async def history(self, rollout_id: str) -> list[dict[str, Any]]:
+        """The rollout's call records so far (token-in's plan), bounded: a store that does
+        not answer in time gives none (the call then goes the chat way, ``first_turn``)."""
+        try:
+            found = await asyncio.wait_for(self.read(rollout_id), HISTORY_TIMEOUT)
+        except (TimeoutError, *self.db.errors) as exc:
+            log.warning("rollout_history_failed", rollout=rollout_id, error=type(exc).__name__)
+            return []
+        return found[0] if found is not None else []
+
     # -- at the terminal ---------------------------------------------------------------------
 
     async def commit(self, run: Any) -> None:
         """The run's ``before_release`` hook: the success record, durable, now."""
         source = self.token_source(run)
-        prompt_ids = await self._llamacpp_prompt(run) if source == "llamacpp" else None
+        token_in = getattr(run.attempts, "token_in", None)
+        if token_in is not None and token_in.status == "used":  # the ids the engine was sent
+            prompt_ids = token_in.prompt_ids
+        else:
+            prompt_ids = await self._llamacpp_prompt(run) if source == "llamacpp" else None
         ended_at = time.time()
 
         def build() -> dict[str, Any]:

@@ -71,4 +71,12 @@ def call_record(
         "answer": answer,
         "tokens": tokens,
         "token_source": source or "none",
+        "token_in": _token_in(run),
     }
+
+
+def _token_in(run: Any) -> dict[str, Any] | None:
+    """What token-in did for this call (``used`` | ``skipped: <reason>``), None when no
+    upstream with token-in was tried."""
+    token_in = getattr(run.attempts, "token_in", None)
+    return token_in.describe() if token_in is not None else None

@@ -20,6 +20,7 @@ from gateway.policy import StreamPolicy
 from gateway.rollout.tokens import with_token_fields
 from gateway.upstream.client import ANSWERED, Send, UpstreamClient, UpstreamItem
 from gateway.upstream.pool import UpstreamPool
+from gateway.upstream.token_in import TokenIn
 
 
 class UpstreamAttempts:
@@ -27,7 +28,7 @@ class UpstreamAttempts:
 
     def __init__(
         self, pool: UpstreamPool, client: UpstreamClient, policy: StreamPolicy, session: str | None = None,
-        trace_context: str | None = None,
+        trace_context: str | None = None, token_in: TokenIn | None = None,
     ) -> None:
         self.pool = pool
         self.client = client
@@ -38,6 +39,9 @@ class UpstreamAttempts:
         #: every attempt of this request (over every regeneration), oldest first
         self.log: list[dict[str, Any]] = []
         self.upstream_model: str | None = None  # the model name the last attempt sent
+        #: a rollout call's token-in continuation (gateway/upstream/token_in.py): its chat
+        #: attempts go through it (token ids to an engine that has token_in, else chat)
+        self.token_in = token_in
 
     async def stream(self, body: dict[str, Any], send: Send | None = None) -> AsyncIterator[UpstreamItem]:
         """Yield ANSWERED, then the chunks (and DONE) of one answer; raise GatewayError
@@ -45,7 +49,7 @@ class UpstreamAttempts:
         the request of one attempt (default: a chat completion; the relayed routes pass
         the client's ``stream_path``/``json_path``)."""
         chat = send is None
-        send = send or self.client.stream_chat
+        send = send or (self.token_in.send if self.token_in is not None else self.client.stream_chat)
         pool = self.pool
         model = str(body.get("model", ""))
         tried: set[str] = set()

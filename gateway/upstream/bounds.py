@@ -34,14 +34,16 @@ def carries_something(chunk: Any) -> bool:
         return False
     if chunk.get("usage") or chunk.get("error"):
         return True
+    if chunk.get("content") or chunk.get("tokens") or chunk.get("stop") is True:
+        return True  # llama.cpp's /completion (token-in): text, sampled ids, its end
     choices = chunk.get("choices")
     if not isinstance(choices, list):
         return False
     for choice in choices:
         if not isinstance(choice, dict):
             return True  # not ours to judge: the accumulator says what is wrong with it
-        if choice.get("finish_reason") or choice.get("token_ids"):
-            return True
+        if choice.get("finish_reason") or choice.get("token_ids") or choice.get("text"):
+            return True  # (``text``: a text completion's, vLLM's token-in answer)
         delta = choice.get("delta")
         if not isinstance(delta, dict):
             if delta is not None:

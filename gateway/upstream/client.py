@@ -197,15 +197,37 @@ class UpstreamClient:
             return self._request(credential, body, policy, policy.upstream_stream == "never", extra_headers)
         return self._stream_or_json(credential, body, policy, extra_headers)
 
-    def stream_path(self, path: str) -> Send:
+    def stream_path(self, path: str, root: bool = False) -> Send:
         """An attempt's send for a route relayed as the upstream streams it (``/completions``):
-        ANSWERED, the chunks as sent, DONE — the same reading as chat, another path."""
+        ANSWERED, the chunks as sent, DONE — the same reading as chat, another path
+        (``root``: below the server's root, not the ``/v1`` base URL: llama.cpp's ``/completion``)."""
 
         def send(credential: Credential, body: dict[str, Any], policy: StreamPolicy,
                  extra_headers: dict[str, str] | None = None) -> AsyncIterator[UpstreamItem]:
-            return self._request(credential, body, policy, False, extra_headers, path)
+            return self._request(credential, body, policy, False, extra_headers, path, root)
 
         return send
+
+    async def post_json(
+        self, credential: Credential, path: str, payload: dict[str, Any], policy: StreamPolicy, root: bool = False,
+    ) -> Any:
+        """One small JSON request to the upstream (an engine's ``/tokenize``), bounded by
+        the first-byte and attempt timeouts; its JSON answer, or GatewayError."""
+        bounds = AttemptBounds(policy.idle_timeout, policy.attempt_timeout, policy.max_empty_events, time.monotonic())
+        request = self._build(credential, path, payload, policy, None, "application/json", root)
+        response = await self._answer_of(request, policy, min(policy.first_byte_timeout, policy.attempt_timeout))
+        try:
+            content = await _within(bounds, response.aread())
+            if response.status_code != 200:
+                raise status_error(response.status_code, content, None)
+            return orjson.loads(content)
+        except orjson.JSONDecodeError:
+            raise GatewayError("upstream", "upstream_bad_frame", "the upstream answer is not JSON") from None
+        except httpx.HTTPError as exc:
+            raise read_failed(exc) from None
+        finally:
+            self.open_responses -= 1
+            await response.aclose()
 
     def json_path(self, path: str) -> Send:
         """An attempt's send for one JSON answer relayed whole (``/embeddings``, a
@@ -235,9 +257,10 @@ class UpstreamClient:
 
     def _build(
         self, credential: Credential, path: str, payload: dict[str, Any], policy: StreamPolicy,
-        extra_headers: dict[str, str] | None, accept: str,
+        extra_headers: dict[str, str] | None, accept: str, root: bool = False,
     ) -> httpx.Request:
-        """The POST of one attempt: the upstream's headers, the credential's key."""
+        """The POST of one attempt: the upstream's headers, the credential's key
+        (``root``: ``path`` below the server root, the base URL without its ``/v1``)."""
         upstream = credential.upstream
         # content-type: servers that parse by it (FastAPI: llama-cpp-python) refuse a body
         # without it as "not a valid dictionary"
@@ -245,8 +268,9 @@ class UpstreamClient:
         if credential.api_key:
             headers["authorization"] = f"Bearer {credential.api_key}"
         timeout = httpx.Timeout(policy.idle_timeout, connect=policy.connect_timeout, pool=policy.pool_timeout)
+        base = _server_root(upstream.base_url) if root else upstream.base_url.rstrip("/")
         return self._http.build_request(
-            "POST", upstream.base_url.rstrip("/") + path, content=orjson.dumps(payload), headers=headers, timeout=timeout,
+            "POST", base + path, content=orjson.dumps(payload), headers=headers, timeout=timeout,
         )
 
     async def _answer_of(self, request: httpx.Request, policy: StreamPolicy, within: float) -> httpx.Response:
@@ -299,7 +323,7 @@ class UpstreamClient:
 
     async def _request(
         self, credential: Credential, body: dict[str, Any], policy: StreamPolicy, buffered: bool,
-        extra_headers: dict[str, str] | None = None, path: str = "/chat/completions",
+        extra_headers: dict[str, str] | None = None, path: str = "/chat/completions", root: bool = False,
     ) -> AsyncIterator[UpstreamItem]:
         if buffered:
             payload = dict(body, stream=False)
@@ -307,7 +331,7 @@ class UpstreamClient:
             payload = dict(body, stream=True, stream_options={"include_usage": True})
         accept = "application/json" if buffered else "text/event-stream"
         bounds = AttemptBounds(policy.idle_timeout, policy.attempt_timeout, policy.max_empty_events, time.monotonic())
-        request = self._build(credential, path, payload, policy, extra_headers, accept)
+        request = self._build(credential, path, payload, policy, extra_headers, accept, root)
         response = await self._answer_of(request, policy, min(policy.first_byte_timeout, policy.attempt_timeout))
         bounds.answered(time.monotonic())
         try:
@@ -361,6 +385,11 @@ class UpstreamClient:
         finally:
             self.open_responses -= 1
             await response.aclose()
+
+
+def _server_root(base_url: str) -> str:
+    """``http://host:port/v1`` -> ``http://host:port`` (an engine's own endpoints)."""
+    return base_url.rstrip("/").removesuffix("/v1")
 
 
 def read_failed(exc: httpx.HTTPError) -> GatewayError:

@@ -48,6 +48,10 @@ class UpstreamEntry(BaseModel):
     capture_tokens: Literal["none", "vllm", "llamacpp"] | None = Field(
         None, description="this upstream's token source for rollout records (default: --capture-tokens)"
     )
+    token_in: Literal["vllm", "llamacpp"] | None = Field(
+        None, description="token-in continuation of rollout calls through this engine (docs/capture.md);"
+        " implies capture_tokens of the same engine unless set"
+    )
 
     @field_validator("base_url")
     @classmethod
@@ -156,7 +160,8 @@ def _upstreams_from_toml(path: Path, allowed_hosts: list[str]) -> list[Credentia
             headers=dict(entry.headers),
             models=frozenset(entry.models) if entry.models else None,
             model_map=dict(entry.model_map),
-            capture_tokens=entry.capture_tokens,
+            capture_tokens=entry.capture_tokens or entry.token_in,
+            token_in=entry.token_in,
         )
         keys: list[Any] = [k.get_secret_value() for k in entry.api_keys]
         if entry.api_key:
@@ -186,7 +191,9 @@ def build_pool(settings: Settings, state: CredentialState | None, simulator_url:
     credentials: list[Credential] = []
     keys = _keys_from_settings(settings)
     for i, url in enumerate(settings.upstream_url):
-        upstream = Upstream(name=f"upstream{i}" if len(settings.upstream_url) > 1 else "upstream", base_url=url)
+        token_in = None if settings.token_in == "none" else settings.token_in
+        upstream = Upstream(name=f"upstream{i}" if len(settings.upstream_url) > 1 else "upstream", base_url=url,
+                            capture_tokens=token_in, token_in=token_in)
         credentials += [Credential(upstream, key) for key in keys]
     if settings.config:
         credentials += _upstreams_from_toml(settings.config, settings.allow_upstream_host)

@@ -92,6 +92,7 @@ class Upstream:
     models: frozenset[str] | None = None  # allow-list; None = every model
     model_map: dict[str, str] = field(default_factory=dict)  # client model -> upstream model
     capture_tokens: str | None = None  # this upstream's token source (None: --capture-tokens)
+    token_in: str | None = None  # "vllm" | "llamacpp": rollout continuations sent as token ids
 
     def allows(self, model: str) -> bool:
         """Every model when no allow-list is set; else the list and the renamed names."""

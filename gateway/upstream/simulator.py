@@ -26,7 +26,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway.upstream.pool import fingerprint
-from gateway.upstream import sim_completions
+from gateway.upstream import sim_completions, sim_token_in
 from gateway.upstream.sim_reply import (  # noqa: F401  (re-exported for tests and tools)
     DEFAULT_TOOLS,
     GREETING,
@@ -334,11 +334,24 @@ async def text_completions(request: Request) -> Response:
     if body.get("model") == sim_completions.COMPLETION_MODEL_ERROR:
         return JSONResponse(error_body("simulated server error", "server_error", None), status_code=500)
     answer_id, created = "cmpl-sim" + uuid.uuid4().hex[:12], int(time.time())
+    if sim_token_in.is_token_in(body) and body.get("stream") is True:  # vLLM token-in (a rollout continuation)
+        chunks = sim_token_in.completion_chunks(body, answer_id, created)
+        frames = [f"data: {json.dumps(c)}\n\n".encode() for c in chunks] + [b"data: [DONE]\n\n"]
+        return StreamingResponse(iter(frames), media_type="text/event-stream")
     if body.get("stream") is not True:
         return JSONResponse(sim_completions.completion_answer(body, answer_id, created))
     chunks = sim_completions.completion_chunks(body, answer_id, created)
     frames = [f"data: {json.dumps(c)}\n\n".encode() for c in chunks] + [b"data: [DONE]\n\n"]
     return StreamingResponse(iter(frames), media_type="text/event-stream")
+
+
+async def tokenize(request: Request) -> Response:
+    """vLLM's ``/tokenize`` (sim_token_in)."""
+    body = await _json_body(request)
+    _log_request(request, body)
+    if not isinstance(body, dict):
+        return _bad_request("request body must be a JSON object")
+    return JSONResponse(sim_token_in.tokenize(body))
 
 
 async def embeddings(request: Request) -> Response:
@@ -365,6 +378,7 @@ def create_simulator_app() -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", text_completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/_sim/scripts", register_script, methods=["POST"]),
         Route("/_sim/requests", recorded_requests, methods=["GET", "DELETE"]),
