@@ -33,6 +33,13 @@ test: $(STAMP)
 test-faults: $(STAMP)
 	$(BIN)/python -m pytest -q -m faults
 
+.PHONY: test-browser
+
+## The WebUI (and a cross-site page) in real Chromium through Playwright (Debian's chromium:
+## apt-get install chromium); not in `make test`
+test-browser: $(STAMP)
+	$(BIN)/python -m pytest -q -m browser
+
 clean:
 	rm -rf $(VENV) data .pytest_cache
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Iterable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -32,65 +33,94 @@ MIN_SECRET_LEN = 6
 FEW_SECRETS = 8
 
 
+@dataclass(frozen=True)
+class _Patterns:
+    """What the masks use, compiled once per change of the set."""
+
+    text: re.Pattern[str] | None = None
+    bytes: re.Pattern[bytes] | None = None
+    #: the secrets themselves while they are few: ``in`` (a C substring search) tells most
+    #: text holds none faster than the pattern scans it (every client write)
+    few_text: tuple[str, ...] | None = ()
+    few_bytes: tuple[bytes, ...] | None = ()
+    #: a proper prefix of any secret at the end of a text (a trie, so one branch per
+    #: position however many secrets), and how far back it may start
+    tail: re.Pattern[str] | None = None
+    tail_window: int = 0
+    long: tuple[str, ...] = ()  # secrets whose prefixes go past the trie's depth
+
+    @classmethod
+    def of(cls, secrets: Iterable[str]) -> _Patterns:
+        every = sorted(secrets, key=len, reverse=True)  # longest first
+        if not every:
+            return cls()
+        alternatives = "|".join(re.escape(s) for s in every)
+        few = len(every) <= FEW_SECRETS
+        return cls(
+            text=re.compile(alternatives),
+            bytes=re.compile(alternatives.encode()),
+            few_text=tuple(every) if few else None,
+            few_bytes=tuple(e.encode() for e in every) if few else None,
+            tail=re.compile(f"(?:{_prefix_trie(every)})\\Z"),
+            tail_window=min(max(len(s) for s in every) - 1, TRIE_DEPTH),
+            long=tuple(s for s in every if len(s) - 1 > TRIE_DEPTH),
+        )
+
+
 class SecretSet:
-    """Secrets by owner, and one compiled pattern over all of them."""
+    """Secrets by owner, and the patterns over all of them, compiled at the first use after
+    a change (a change is cheap: apps stopping one after another, each dropping its share,
+    recompiled the whole set each time, hundreds of secrets' trie included)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_owner: dict[str, frozenset[str]] = {}
-        self._text: re.Pattern[str] | None = None
-        self._bytes: re.Pattern[bytes] | None = None
-        #: the secrets themselves while they are few: ``in`` (a C substring search) tells
-        #: most text holds none faster than the pattern scans it (every client write)
-        self._few_text: tuple[str, ...] | None = ()
-        self._few_bytes: tuple[bytes, ...] | None = ()
-        #: a proper prefix of any secret at the end of a text (a trie, so one branch per
-        #: position however many secrets), and how far back it may start
-        self._tail: re.Pattern[str] | None = None
-        self._tail_window = 0
-        self._long: tuple[str, ...] = ()  # secrets whose prefixes go past the trie's depth
+        self._patterns: _Patterns | None = _Patterns()  # None: to compile at the next use
 
     def set(self, owner: str, secrets: Iterable[str | None]) -> None:
         """Replace ``owner``'s share of the set."""
         share = frozenset(s for s in secrets if s and len(s) >= MIN_SECRET_LEN)
         with self._lock:
-            if self._by_owner.get(owner) == share:
+            if self._by_owner.get(owner, frozenset()) == share:
                 return
-            self._by_owner[owner] = share
-            every = sorted(set().union(*self._by_owner.values()), key=len, reverse=True)  # longest first
-            alternatives = "|".join(re.escape(s) for s in every)
-            self._text = re.compile(alternatives) if every else None
-            self._bytes = re.compile(alternatives.encode()) if every else None
-            few = len(every) <= FEW_SECRETS
-            self._few_text = tuple(every) if few else None
-            self._few_bytes = tuple(e.encode() for e in every) if few else None
-            self._tail = re.compile(f"(?:{_prefix_trie(every)})\\Z") if every else None
-            self._tail_window = min(max((len(s) for s in every), default=1) - 1, TRIE_DEPTH)
-            self._long = tuple(s for s in every if len(s) - 1 > TRIE_DEPTH)
+            if share:
+                self._by_owner[owner] = share
+            else:
+                self._by_owner.pop(owner, None)
+            self._patterns = None
 
     def drop(self, owner: str) -> None:
         self.set(owner, ())
 
+    def _current(self) -> _Patterns:
+        patterns = self._patterns
+        if patterns is None:
+            with self._lock:
+                if self._patterns is None:
+                    self._patterns = _Patterns.of(set().union(*self._by_owner.values()))
+                patterns = self._patterns
+        return patterns
+
     def mask(self, value: str) -> str:
-        pattern, few = self._text, self._few_text
-        if pattern is None or (few is not None and not any(s in value for s in few)):
+        p = self._current()
+        if p.text is None or (p.few_text is not None and not any(s in value for s in p.few_text)):
             return value
-        return pattern.sub(MASK, value)
+        return p.text.sub(MASK, value)
 
     def mask_bytes(self, value: bytes) -> bytes:
-        pattern, few = self._bytes, self._few_bytes
-        if pattern is None or (few is not None and not any(s in value for s in few)):
+        p = self._current()
+        if p.bytes is None or (p.few_bytes is not None and not any(s in value for s in p.few_bytes)):
             return value
-        return pattern.sub(_MASK_BYTES, value)
+        return p.bytes.sub(_MASK_BYTES, value)
 
     def held_tail(self, text: str) -> int:
         """How many characters at the end of ``text`` could begin a secret (0 when none):
         the longest such tail, at most the longest secret's length - 1."""
-        pattern = self._tail
-        if pattern is None or not text:
+        p = self._current()
+        if p.tail is None or not text:
             return 0
         held = 0
-        for secret in self._long:  # rare (a 200+ character key): candidates by its first character
+        for secret in p.long:  # rare (a 200+ character key): candidates by its first character
             start = max(0, len(text) - len(secret) + 1)
             at = text.find(secret[0], start, len(text) - TRIE_DEPTH)
             while at >= 0:
@@ -98,12 +128,12 @@ class SecretSet:
                     held = max(held, len(text) - at)
                     break
                 at = text.find(secret[0], at + 1, len(text) - TRIE_DEPTH)
-        found = pattern.search(text, max(0, len(text) - self._tail_window))
+        found = p.tail.search(text, max(0, len(text) - p.tail_window))
         return max(held, len(text) - found.start() if found else 0)
 
     def mask_value(self, value: Any) -> Any:
         """Strings anywhere inside dicts, lists and tuples (a copy only where one changed)."""
-        if self._text is None:
+        if self._current().text is None:
             return value
         if isinstance(value, str):
             return self.mask(value)

@@ -7,6 +7,7 @@ synchronous SDK clients against real HTTP. Started once per session.
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -65,7 +66,10 @@ class ServerLoop:
                 server.config.timeout_graceful_shutdown = 5.0
             await asyncio.gather(*(stop_embedded(*s) for s in reversed(self._servers)), return_exceptions=True)
 
-        self.run(stop_all(), timeout=60)
+        try:
+            self.run(stop_all(), timeout=60)
+        except TimeoutError:  # the loop's thread is a daemon: the run ends anyway
+            print("warning: the embedded servers did not stop within 60 s", file=sys.stderr)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
 

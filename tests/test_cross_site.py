@@ -239,6 +239,7 @@ FINISHED = ("() => ('ws_closed' in results || (results.ws_messages || []).includ
             " && ('count' in results || 'count_error' in results) && 'blind' in results")
 
 
+@pytest.mark.browser
 def test_a_cross_site_page_in_chromium_gets_nothing_and_reaches_no_upstream(
     browser: Any, server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

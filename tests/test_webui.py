@@ -40,6 +40,9 @@ VIEWPORT = {"width": 1280, "height": 800}
 XSS = '<img src=x onerror="window.__xss=1">'
 REPO = Path(__file__).resolve().parent.parent
 
+# a real browser: `make test-browser` (CI runs it), not the default suite
+pytestmark = pytest.mark.browser
+
 try:
     from playwright import sync_api
 except ImportError:  # pragma: no cover - in CI a missing Playwright is a failure, not a skip

@@ -21,6 +21,9 @@ AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 sync_api = pytest.importorskip("playwright.sync_api")
 
+# a real browser: `make test-browser` (CI runs it), not the default suite
+pytestmark = pytest.mark.browser
+
 
 @pytest.fixture(scope="module")
 def keys_ui(server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory) -> Gateway:
