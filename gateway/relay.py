@@ -152,7 +152,9 @@ class GenerationService:
                 await self.rollouts.refuse_frozen(rollout)  # type: ignore[union-attr,arg-type]
                 if self.rollouts.token_in_configured:  # type: ignore[union-attr]
                     history = await self.rollouts.history(rollout)  # type: ignore[union-attr,arg-type]
-                    token_in = TokenIn(continuation(history, parsed.upstream_body), parsed.upstream_body, self.upstream)
+                    # compares the whole history with the body: grows with the rollout, off the loop
+                    plan = await asyncio.to_thread(continuation, history, parsed.upstream_body)
+                    token_in = TokenIn(plan, parsed.upstream_body, self.upstream)
             if chat_room and settings.capture_tokens != "none":
                 tokens_body = with_token_fields(parsed.upstream_body, settings.capture_tokens)
                 parsed = dataclasses.replace(parsed, upstream_body=tokens_body)
