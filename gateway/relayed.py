@@ -32,7 +32,6 @@ from gateway.policy import StreamPolicy
 from gateway.settings import StreamMode
 from gateway.protocols.base import ParsedRequest, dumps, load_json_object, sse, validation_error
 from gateway.protocols.fields import (
-    Count,
     Int64,
     Name,
     OutputTokens,

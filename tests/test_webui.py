@@ -721,7 +721,7 @@ def test_every_page_fits_a_phone_and_is_reached_from_the_nav(browser: Any, ui: G
             assert sizes["scroll"] <= sizes["inner"] and sizes["body"] <= sizes["inner"], (name, sizes)
             shot(page, shots, f"phone-{name}", full_page=True)
         # one record's page too (reached from the list, as on a phone)
-        page.locator(f"#nav a[data-page=audit]").click()
+        page.locator("#nav a[data-page=audit]").click()
         page.locator(f"tr[data-request-id='{failed.headers['x-request-id']}']").click()
         page.wait_for_selector("#detail-error")
         sizes = _fits(page)

@@ -7,7 +7,6 @@ two seconds; the replica that made the change applies it at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 
@@ -17,6 +16,7 @@ from starlette.requests import HTTPConnection
 from gateway.keys import store
 from gateway.keys.model import KEY_PREFIX, ManagedKey, hash_secret
 from gateway.store.db import Store
+from gateway.store.refresher import Refresher
 
 log = structlog.get_logger("gateway.keys")
 
@@ -46,7 +46,7 @@ class KeyRegistry:
         self.refresh_seconds = refresh_seconds
         self._by_hash: dict[str, ManagedKey] = {}
         self._by_id: dict[str, ManagedKey] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._refresher = Refresher("client-keys", self.refresh, refresh_seconds, 5 * refresh_seconds)
         #: told the managed key names after each load (metrics label values)
         self.on_load: Callable[[list[ManagedKey]], None] | None = None
 
@@ -110,22 +110,7 @@ class KeyRegistry:
         self.replace(await asyncio.to_thread(store.load_all, self.db))
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._refresh_loop(), name="client-keys")
+        await self._refresher.start()
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _refresh_loop(self) -> None:
-        failing = False
-        while True:
-            await asyncio.sleep(self.refresh_seconds)
-            try:
-                await asyncio.wait_for(self.refresh(), 5 * self.refresh_seconds)
-                failing = False
-            except Exception as exc:  # the store is down: keep the keys we have
-                if not failing:
-                    log.warning("client_keys_refresh_failed", error=f"{type(exc).__name__}: {exc}")
-                failing = True
+        await self._refresher.aclose()

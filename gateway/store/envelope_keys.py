@@ -13,7 +13,6 @@ before any replica seals with it; older keys keep opening their envelopes until
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 import time
 from typing import Any
@@ -22,6 +21,7 @@ import structlog
 
 from gateway.protocols.envelope import EnvelopeKey, Keyring
 from gateway.store.db import Store
+from gateway.store.refresher import Refresher
 
 log = structlog.get_logger("gateway.envelope_keys")
 
@@ -52,7 +52,7 @@ class EnvelopeKeys:
     def __init__(self, db: Store) -> None:
         self.db = db
         self.current = Keyring([])
-        self._task: asyncio.Task[None] | None = None
+        self._refresher = Refresher("envelope-keys", self.refresh, REFRESH_SECONDS, REFRESH_SECONDS)
 
     def __call__(self) -> Keyring:
         return self.current
@@ -103,18 +103,7 @@ class EnvelopeKeys:
         ]
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._refresh_loop(), name="envelope-keys")
+        await self._refresher.start()
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _refresh_loop(self) -> None:
-        while True:
-            await asyncio.sleep(REFRESH_SECONDS)
-            try:
-                await asyncio.wait_for(self.refresh(), REFRESH_SECONDS)
-            except Exception as exc:  # the store is down: keep the keys we have
-                log.warning("envelope_keys_refresh_failed", error=f"{type(exc).__name__}: {exc}")
+        await self._refresher.aclose()

@@ -1,0 +1,50 @@
+"""The background reload of store-backed memory (gateway/store/refresher.py): bounded,
+never raising, one warning per run of failures."""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from gateway.store.refresher import Refresher
+
+
+async def test_a_failing_or_stalled_reload_keeps_going_and_warns_once_per_run() -> None:
+    outcomes = ["fail", "stall", "fail", "ok", "fail", "ok"]
+    calls: list[str] = []
+
+    async def reload() -> None:
+        outcome = outcomes[len(calls)]
+        calls.append(outcome)
+        if outcome == "fail":
+            raise OSError("the store is down")
+        if outcome == "stall":
+            await asyncio.sleep(10)  # past the bound: cut, counted as a failure
+
+    refresher = Refresher("test", reload, every=0.01, bound=0.05)
+    with structlog.testing.capture_logs() as logs:
+        for _ in outcomes:
+            await refresher.once()
+    assert calls == outcomes
+    events = [(e["event"], e.get("error", "")[:12]) for e in logs]
+    assert events == [("store_refresh_failed", "OSError: the"), ("store_refresh_recovered", ""),
+                      ("store_refresh_failed", "OSError: the"), ("store_refresh_recovered", "")]
+    assert refresher.failing is False
+
+
+async def test_the_loop_reloads_every_interval_until_closed() -> None:
+    calls = 0
+
+    async def reload() -> None:
+        nonlocal calls
+        calls += 1
+
+    refresher = Refresher("test", reload, every=0.01, bound=1.0)
+    await refresher.start()
+    await asyncio.sleep(0.2)
+    await refresher.aclose()
+    seen = calls
+    assert seen >= 3
+    await asyncio.sleep(0.05)
+    assert calls == seen  # closed: no more reloads
