@@ -325,24 +325,36 @@ class _HideDeliberateDrops(logging.Filter):
         return not isinstance(exc, SimulatedDrop)
 
 
-async def text_completions(request: Request) -> Response:
-    """``/v1/completions`` (legacy text completions; sim_completions says what it answers)."""
+async def _relayed_body(request: Request, required: str, named: str) -> dict[str, Any] | Response:
+    """The opening the relayed routes share: the JSON body (logged), a 400 without
+    ``required`` (``named``: how the message names it), the scripted 500 for the error
+    model; else the body."""
     body = await _json_body(request)
     _log_request(request, body)
-    if not isinstance(body, dict) or "prompt" not in body:
-        return _bad_request("request body must be a JSON object with a prompt")
+    if not isinstance(body, dict) or required not in body:
+        return _bad_request(f"request body must be a JSON object with {named}")
     if body.get("model") == sim_completions.COMPLETION_MODEL_ERROR:
         return JSONResponse(error_body("simulated server error", "server_error", None), status_code=500)
-    answer_id, created = "cmpl-sim" + uuid.uuid4().hex[:12], int(time.time())
-    if sim_token_in.is_token_in(body) and body.get("stream") is True:  # vLLM token-in (a rollout continuation)
-        chunks = sim_token_in.completion_chunks(body, answer_id, created)
-        frames = [f"data: {json.dumps(c)}\n\n".encode() for c in chunks] + [b"data: [DONE]\n\n"]
-        return StreamingResponse(iter(frames), media_type="text/event-stream")
-    if body.get("stream") is not True:
-        return JSONResponse(sim_completions.completion_answer(body, answer_id, created))
-    chunks = sim_completions.completion_chunks(body, answer_id, created)
+    return body
+
+
+def _completion_stream(chunks: list[dict[str, Any]]) -> StreamingResponse:
     frames = [f"data: {json.dumps(c)}\n\n".encode() for c in chunks] + [b"data: [DONE]\n\n"]
     return StreamingResponse(iter(frames), media_type="text/event-stream")
+
+
+async def text_completions(request: Request) -> Response:
+    """``/v1/completions`` (legacy text completions; sim_completions says what it answers;
+    vLLM's token-in continuation, sim_token_in)."""
+    body = await _relayed_body(request, "prompt", "a prompt")
+    if isinstance(body, Response):
+        return body
+    answer_id, created = "cmpl-sim" + uuid.uuid4().hex[:12], int(time.time())
+    if sim_token_in.is_token_in(body) and body.get("stream") is True:  # vLLM token-in (a rollout continuation)
+        return _completion_stream(sim_token_in.completion_chunks(body, answer_id, created))
+    if body.get("stream") is not True:
+        return JSONResponse(sim_completions.completion_answer(body, answer_id, created))
+    return _completion_stream(sim_completions.completion_chunks(body, answer_id, created))
 
 
 async def tokenize(request: Request) -> Response:
@@ -356,12 +368,9 @@ async def tokenize(request: Request) -> Response:
 
 async def embeddings(request: Request) -> Response:
     """``/v1/embeddings``: deterministic vectors (sim_completions)."""
-    body = await _json_body(request)
-    _log_request(request, body)
-    if not isinstance(body, dict) or "input" not in body:
-        return _bad_request("request body must be a JSON object with an input")
-    if body.get("model") == sim_completions.COMPLETION_MODEL_ERROR:
-        return JSONResponse(error_body("simulated server error", "server_error", None), status_code=500)
+    body = await _relayed_body(request, "input", "an input")
+    if isinstance(body, Response):
+        return body
     return JSONResponse(sim_completions.embeddings_answer(body))
 
 
