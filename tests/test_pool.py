@@ -45,7 +45,8 @@ def chat_calls(sim: Simulator) -> list[dict[str, Any]]:
 
 def gateway_on(server_loop: ServerLoop, data_dir: Path, urls: list[str], **overrides: Any) -> Gateway:
     overrides.setdefault("spill_max_bytes", 1 << 20)  # the journal's bound is reserved on disk
-    settings = Settings(upstream_url=urls, data_dir=data_dir, keepalive_interval=0.5, **overrides)
+    overrides.setdefault("keepalive_interval", 0.5)
+    settings = Settings(upstream_url=urls, data_dir=data_dir, **overrides)
     app = create_app(settings, {name: "default" for name in Settings.model_fields})  # type: ignore[arg-type]
     return Gateway(server_loop.serve(app), app)
 
@@ -93,7 +94,9 @@ def test_every_credential_cooling_gives_the_soonest_retry_after(server_loop: Ser
     a, b = upstreams[0], upstreams[1]
     fault(a, "rate_limited;retry_after=40")
     fault(b, "rate_limited;retry_after=9")
-    gateway = gateway_on(server_loop, tmp_path, [a.url + "/v1", b.url + "/v1"])
+    # a keepalive due before both 429s are in would commit the stream's 200 (the error then
+    # comes in-stream, by design): on a busy machine two attempts took past 0.5 s once
+    gateway = gateway_on(server_loop, tmp_path, [a.url + "/v1", b.url + "/v1"], keepalive_interval=10)
     first = httpx.post(gateway.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True})
     assert first.status_code == 429
     assert 8 <= int(first.headers["retry-after"]) <= 9

@@ -23,6 +23,8 @@ class Refresher:
         self.every = every
         self.bound = bound
         self.failing = False
+        self.failed_reloads = 0  # in all
+        self.failure_runs = 0  # runs of consecutive failures (one warning each)
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -44,7 +46,9 @@ class Refresher:
         try:
             await asyncio.wait_for(self.reload(), self.bound)
         except Exception as exc:
+            self.failed_reloads += 1
             if not self.failing:
+                self.failure_runs += 1
                 log.warning("store_refresh_failed", what=self.name, error=f"{type(exc).__name__}: {exc}")
             self.failing = True
             return
