@@ -20,7 +20,6 @@ Prints one JSON object (and writes ``bench/results/admin-secrets-<label>.json``)
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -35,10 +34,8 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from procs import Server, free_port
+from procs import Server, before_after_main, free_port
 
-BENCH = Path(__file__).resolve().parent
-RESULTS = BENCH / "results"
 SECRET = "sk-split-secret-0123456789abcdef"
 ADMIN = "bench-secrets-admin-token-0001"
 CHAT = {"model": "text", "messages": [{"role": "user", "content": "hi"}]}
@@ -205,17 +202,5 @@ def run(repo: Path, label: str) -> dict[str, Any]:
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repo", type=Path, default=BENCH.parent, help="source tree whose gateway is measured")
-    parser.add_argument("--label", default="current")
-    args = parser.parse_args()
-    result = run(args.repo.resolve(), args.label)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"admin-secrets-{args.label}.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(before_after_main(__doc__, run, "admin-secrets"))

@@ -6,6 +6,7 @@ PID at the end (terminate, then kill after a grace period).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -190,3 +191,20 @@ def raise_nofile(want: int = 8192) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+
+
+def before_after_main(doc: str, run: Any, name: str) -> int:
+    """The command line of a bench that measures one source tree (``--repo``, so main and a
+    branch can be compared; ``--label`` names the run): ``run(repo, label)`` -> a result
+    written to ``results/<name>-<label>.json`` and printed."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parent.parent,
+                        help="source tree whose gateway is measured")
+    parser.add_argument("--label", default="current")
+    args = parser.parse_args()
+    result = run(args.repo.resolve(), args.label)
+    results = Path(__file__).resolve().parent / "results"
+    results.mkdir(exist_ok=True)
+    (results / f"{name}-{args.label}.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0

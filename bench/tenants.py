@@ -10,7 +10,6 @@ a branch alike). Prints one JSON object (and writes ``bench/results/tenants-<lab
 
 from __future__ import annotations
 
-import argparse
 import base64
 import json
 import statistics
@@ -24,10 +23,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from procs import Server, free_port
+from procs import Server, before_after_main, free_port
 
-BENCH = Path(__file__).resolve().parent
-RESULTS = BENCH / "results"
 KEY_A = "bench-tenant-alice-0123456789abcdef"
 KEY_B = "bench-tenant-bob-0123456789abcdef00"
 HISTORY = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "alice's secret plan"}]}]
@@ -110,17 +107,5 @@ def run(repo: Path, label: str) -> dict[str, Any]:
         sim.stop()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repo", type=Path, default=BENCH.parent, help="source tree whose gateway is measured")
-    parser.add_argument("--label", default="current")
-    args = parser.parse_args()
-    result = run(args.repo.resolve(), args.label)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"tenants-{args.label}.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(before_after_main(__doc__, run, "tenants"))
