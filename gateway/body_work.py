@@ -86,15 +86,12 @@ def _child_parse(kind: str, body: bytes, query: dict[str, str], tenant: Tenant) 
         return "error", _error_fields(err)
 
 
-def _child_count(body: bytes) -> tuple[str, Any]:
-    """In the worker process: ("ok", input tokens) of a count_tokens body, or the error."""
+def _count(body: bytes | str) -> int:
+    """Input tokens of a count_tokens body (its translation, then the o200k count)."""
     from gateway.protocols.messages_translate import translate
     from gateway.protocols.tokens import count_chat_tokens
 
-    try:
-        return "ok", count_chat_tokens(translate(body, count_only=True).body)
-    except GatewayError as err:
-        return "error", _error_fields(err)
+    return count_chat_tokens(translate(body, count_only=True).body)  # type: ignore[arg-type]
 
 
 def _raise(fields: tuple[Any, ...]) -> GatewayError:
@@ -258,21 +255,7 @@ async def off_loop(fn: Callable[[bytes | str], T], body: bytes | str, what: str)
 
 async def count_tokens(body: bytes) -> int:
     """``count_tokens``' translation and o200k count, off the loop past :data:`SMALL_BODY`."""
-    if len(body) <= SMALL_BODY:
-        return _unwrap(_child_count(body))
-    if is_dense(body):
-        return await PROCESSES.run(_child_count, body)  # type: ignore[no-any-return]
-    try:
-        return _unwrap(await BODIES.run(_child_count, body, timeout=PARSE_SECONDS))
-    except (OffloadFull, TimeoutError):
-        raise overloaded("counting other large requests") from None
-
-
-def _unwrap(result: tuple[str, Any]) -> Any:
-    status, value = result
-    if status == "error":
-        raise _raise(value)
-    return value
+    return await off_loop(_count, body, "counting other large requests")
 
 
 class BodyBudget:
