@@ -8,8 +8,9 @@ import json
 import socket
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -22,18 +23,27 @@ from tests.conftest import Gateway, ServerLoop, Simulator, wait_for
 from tests.processes import GatewayProcess
 
 
-@pytest.fixture
-def guarded(server_loop: ServerLoop, simulator: Simulator, tmp_path: Path) -> Iterator[tuple[Gateway, ConnectionLimits]]:
-    """A gateway whose server runs the guarded protocol: header timeout 0.5 s, 4 connections per address."""
-    limits = ConnectionLimits(header_timeout=0.5, max_per_ip=4)
-    settings = Settings(upstream_url=[simulator.url + "/v1"], data_dir=tmp_path, keepalive_interval=0.5, spill_max_bytes=1 << 20)
+@contextmanager
+def _served_guarded(server_loop: ServerLoop, simulator: Simulator, tmp_path: Path, limits: ConnectionLimits,
+                    **overrides: Any) -> Iterator[Gateway]:
+    """A gateway whose server runs the guarded protocol (as ``serve`` runs it) with ``limits``."""
+    settings = Settings(upstream_url=[simulator.url + "/v1"], data_dir=tmp_path, keepalive_interval=0.5,
+                        spill_max_bytes=1 << 20, **overrides)
     app = create_app(settings, {name: "default" for name in Settings.model_fields})  # type: ignore[arg-type]
     sock = bind_loopback()
     server = server_loop.run(start_embedded(app, sock, http=protocol_class(limits)))
     try:
-        yield Gateway(f"http://127.0.0.1:{sock.getsockname()[1]}", app), limits
+        yield Gateway(f"http://127.0.0.1:{sock.getsockname()[1]}", app)
     finally:
         server_loop.run(stop_embedded(*server))
+
+
+@pytest.fixture
+def guarded(server_loop: ServerLoop, simulator: Simulator, tmp_path: Path) -> Iterator[tuple[Gateway, ConnectionLimits]]:
+    """A gateway whose server runs the guarded protocol: header timeout 0.5 s, 4 connections per address."""
+    limits = ConnectionLimits(header_timeout=0.5, max_per_ip=4)
+    with _served_guarded(server_loop, simulator, tmp_path, limits) as gateway:
+        yield gateway, limits
 
 
 def _connect(gw: Gateway) -> socket.socket:
@@ -179,15 +189,8 @@ def test_serve_applies_the_header_timeout(tmp_path: Path) -> None:
 @pytest.fixture
 def small_body(server_loop: ServerLoop, simulator: Simulator, tmp_path: Path) -> Iterator[Gateway]:
     """The guarded protocol in front of a gateway that takes bodies of at most 64 KiB."""
-    settings = Settings(upstream_url=[simulator.url + "/v1"], data_dir=tmp_path, keepalive_interval=0.5,
-                        spill_max_bytes=1 << 20, max_body_bytes=64 * 1024)
-    app = create_app(settings, {name: "default" for name in Settings.model_fields})  # type: ignore[arg-type]
-    sock = bind_loopback()
-    server = server_loop.run(start_embedded(app, sock, http=protocol_class(ConnectionLimits())))
-    try:
-        yield Gateway(f"http://127.0.0.1:{sock.getsockname()[1]}", app)
-    finally:
-        server_loop.run(stop_embedded(*server))
+    with _served_guarded(server_loop, simulator, tmp_path, ConnectionLimits(), max_body_bytes=64 * 1024) as gateway:
+        yield gateway
 
 
 def _write_all_then_read(gw: Gateway, size: int) -> tuple[bytes, float]:
