@@ -106,7 +106,7 @@ class GenerationRun:
         )
         self.answer: RealtimeAnswer | CompatibleAnswer = self._answer_state(parsed.stream)
         self.committed = False  # the opening frames went out: errors are in-stream now
-        self.terminated = False  # a terminal frame (finish or error) went out
+        self.terminated = False  # the terminal frame (finish or error) was released: nothing follows
         self.completion: Completion | None = None
         self.error: GatewayError | None = None
         self.rollout_id: str | None = None
@@ -150,14 +150,13 @@ class GenerationRun:
         try:
             async for out in self._frames(streaming=True):
                 yield out
-            assert self.completion is not None
-            await self.room.completed(self.parsed, self.response_id, self.completion, self.encoder)
         except GatewayError as err:
             self.error = err
         except Exception as exc:  # a bug of ours: the protocol's error, never a silent close
             self.error = internal_error(exc, self.record.request_id, "stream")
         if self.error is not None and not self.terminated:
             if self.committed:
+                self.terminated = True
                 yield self.encoder.encode(Error(self.error))
             else:
                 yield self.error
@@ -197,6 +196,10 @@ class GenerationRun:
             await self.before_release(self)
         if streaming:
             out = self._commit() + self._encode_all(events)
+            # kept before the terminal goes out: a client that reads it and at once continues
+            # (previous_response_id) or hangs up finds the answer stored, never half-done
+            assert self.completion is not None
+            await self.room.completed(self.parsed, self.response_id, self.completion, self.encoder)
             self.terminated = True
             yield out
 

@@ -342,7 +342,8 @@ class GenerationResponse:
     Holds the status line until the run's first output: a GatewayError then becomes a
     real HTTP error; bytes commit a 200 SSE stream. Races the stream against client
     disconnect (as Starlette's StreamingResponse does); when both have stopped it calls
-    ``on_complete(complete)`` once (``complete`` False: the client went away first).
+    ``on_complete(complete)`` once (``complete`` False: the client went away before the
+    run's terminal frame was sent; a client that hangs up right after it had it all).
     """
 
     def __init__(self, run: GenerationRun, headers: dict[str, str], on_complete: Callable[[bool], None]) -> None:
@@ -389,6 +390,8 @@ class GenerationResponse:
                     await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
+                    if self.run.terminated:  # the whole answer is out: a client leaving now left after it
+                        self._complete = True
         if started:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         self._complete = True

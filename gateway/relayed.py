@@ -196,6 +196,7 @@ class RelayedCall:
         self.response_id = room.new_response_id()
         self.error: GatewayError | None = None
         self.committed = False
+        self.terminated = False  # the last frame was released: nothing follows
         self.rollout_id: str | None = None
         self.completion = None  # no chat answer (the service's JSON path passes collect()'s dict)
         self._aborted: GatewayError | None = None
@@ -249,8 +250,10 @@ class RelayedCall:
                         if not self.committed:
                             yield error
                         else:
+                            self.terminated = True
                             yield sse(dumps(error_json(error))) + DONE_FRAME
                         return
+                    self.terminated = True
                     yield self._commit(b"".join(held) + DONE_FRAME)
                     return
                 frame = self._frame(item)

@@ -240,3 +240,50 @@ async def test_abort_closes_the_upstream_even_while_the_queue_is_full() -> None:
     assert attempts.closed  # closed at once, not whenever the generator is collected
     rest = [out async for out in stream]
     assert rest and b"server_shutting_down" in rest[-1]  # type: ignore[operator]
+
+
+async def test_a_stored_answer_is_kept_before_its_terminal_frame_goes_out() -> None:
+    """A client that reads ``response.completed`` and at once continues from it
+    (``previous_response_id``) finds it stored: the store write is not after the end."""
+    store = DictStore()
+    room = ResponsesRoom(store)
+    parsed = room.parse(orjson.dumps({**BODIES["responses"], "store": True}), {})
+    record = RequestRecord(request_id="req_test", protocol="responses", started_at=0.0)
+    attempts = FakeAttempts([chunk("Hi"), chunk(finish="stop"), USAGE, DONE])
+    run = GenerationRun(room, parsed, policy("realtime", 60), record, attempts)  # type: ignore[arg-type]
+    stored_when_terminal: list[bool] = []
+    async for out in run.stream():
+        assert isinstance(out, bytes)
+        if b"response.completed" in out:
+            stored_when_terminal.append(run.response_id in store.saved)
+    assert stored_when_terminal == [True]
+    assert store.saved[run.response_id]["response"]["status"] == "completed"
+
+
+@pytest.mark.parametrize("leaves_after", ["terminal", "first frame"])
+async def test_a_client_that_hangs_up_after_the_terminal_frame_had_the_whole_answer(leaves_after: str) -> None:
+    """The race a WebSocket client (or an SSE client reading to the last event) runs: it
+    has the terminal event and closes before the response's final empty body is written.
+    That request succeeded; one that leaves before the terminal was cancelled."""
+    from gateway.relay import GenerationResponse
+
+    attempts = FakeAttempts([chunk("Hi"), chunk(finish="stop"), USAGE, DONE], release=asyncio.Event())
+    run = make_run("messages", "realtime", attempts, keepalive=0.01)
+    gone = asyncio.Event()
+    decided: list[bool] = []
+
+    async def receive() -> dict[str, Any]:
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        body = message.get("body", b"")
+        attempts.release.set()  # type: ignore[union-attr]
+        if gone.is_set():
+            await asyncio.sleep(0.05)  # the listener sees the hang-up while this send is in flight
+        elif b"message_stop" in body or (leaves_after == "first frame" and body):
+            gone.set()  # the client has this frame and hangs up
+
+    response = GenerationResponse(run, {}, decided.append)
+    await asyncio.wait_for(response({"type": "http"}, receive, send), 5)
+    assert decided == [leaves_after == "terminal"]

@@ -66,7 +66,8 @@ class ProtocolRoom(Protocol):
     async def completed(
         self, request: ParsedRequest, response_id: str, completion: Completion, encoder: StreamEncoder | None
     ) -> None:
-        """Called once after a successful answer (streamed: after the last frame)."""
+        """Called once after a successful answer, before the client sees its end (streamed:
+        before the terminal frame is released), so a next turn always finds it."""
 
     def encoder(self, request: ParsedRequest, response_id: str) -> StreamEncoder: ...
 
