@@ -27,7 +27,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import orjson
@@ -81,6 +81,23 @@ async def _pump(items: AsyncIterator[UpstreamItem], queue: asyncio.Queue[_QueueI
             await queue.put(_Ended(exc))
         else:
             await queue.put(_Ended())
+
+
+class Run(Protocol):
+    """What the generation service, its stream response and shutdown need of a run: a
+    :class:`GenerationRun`, or a relayed route's ``RelayedCall`` (gateway/relayed.py)."""
+
+    room: Any
+    record: RequestRecord
+    attempts: UpstreamAttempts
+    error: GatewayError | None
+    committed: bool  # the opening frames went out: an error now goes in-stream
+    terminated: bool  # the terminal frame was released: the answer is whole, nothing follows
+    rollout_id: str | None
+
+    def stream(self) -> AsyncIterator[bytes | GatewayError]: ...
+
+    def abort(self, error: GatewayError) -> None: ...
 
 
 class GenerationRun:
@@ -375,9 +392,9 @@ class RunningGenerations:
     end them all early with a named error (graceful shutdown)."""
 
     def __init__(self) -> None:
-        self._runs: dict[str, GenerationRun] = {}
+        self._runs: dict[str, Run] = {}
 
-    def add(self, run: GenerationRun) -> None:
+    def add(self, run: Run) -> None:
         self._runs[run.record.request_id] = run
 
     def discard(self, request_id: str) -> None:
@@ -386,7 +403,7 @@ class RunningGenerations:
     def __len__(self) -> int:
         return len(self._runs)
 
-    def __iter__(self) -> Iterator[GenerationRun]:
+    def __iter__(self) -> Iterator[Run]:
         return iter(list(self._runs.values()))
 
     def abort_all(self, error: GatewayError) -> int:

@@ -24,7 +24,7 @@ from gateway.body_work import BodyBudget, parse_request
 from gateway.capture import CaptureWriter
 from gateway.cross_site import raise_refusal
 from gateway.errors import ErrorCode, GatewayError
-from gateway.generation import GenerationRun, RunningGenerations, capture_record, note_run
+from gateway.generation import GenerationRun, Run, RunningGenerations, capture_record, note_run
 from gateway.keys.limiter import KeyLimiter
 from gateway.keys.registry import KeyRegistry, managed_key, named_key
 from gateway.outcome import RequestOutcome, internal_error
@@ -284,7 +284,7 @@ class GenerationService:
 Relay = GenerationService
 
 
-def _stream_outcome(outcome: RequestOutcome, run: GenerationRun, complete: bool) -> None:
+def _stream_outcome(outcome: RequestOutcome, run: Run, complete: bool) -> None:
     """How a streamed request ended, decided once after its response stopped."""
     if not complete:
         outcome.cancelled()
@@ -346,7 +346,7 @@ class GenerationResponse:
     run's terminal frame was sent; a client that hangs up right after it had it all).
     """
 
-    def __init__(self, run: GenerationRun, headers: dict[str, str], on_complete: Callable[[bool], None]) -> None:
+    def __init__(self, run: Run, headers: dict[str, str], on_complete: Callable[[bool], None]) -> None:
         self.run = run
         self.headers = headers
         self.on_complete = on_complete
