@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -138,6 +139,37 @@ def upstream_process(argv: list[str], health_url: str, log_path: Path, timeout: 
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(10)
+
+
+_PROBE = """
+import http.client, json, sys, threading, time
+port, took, stop = int(sys.argv[1]), [], threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+while not stop.is_set():
+    start = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/healthz")
+    status = conn.getresponse().status
+    conn.close()
+    took.append((time.perf_counter() - start) * 1000 if status == 200 else float("inf"))
+    time.sleep(0.01)
+print(json.dumps(took))
+"""
+
+
+@contextlib.contextmanager
+def healthz_probe(port: int) -> Iterator[list[float]]:
+    """``/healthz`` round trips (ms; a non-200 is infinite) from a process of its own for
+    as long as the block runs: a probe thread in the test process would also time the
+    test's own work (building a 28 MiB frame holds the GIL for half a second). The list
+    fills when the block ends."""
+    probe = subprocess.Popen([sys.executable, "-c", _PROBE, str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    took: list[float] = []
+    try:
+        yield took
+    finally:
+        out, _ = probe.communicate(b"", timeout=60)
+        took.extend(float(t) for t in json.loads(out))
 
 
 #: A ``/healthz`` p99 (ms) past this while an attack runs is a frozen event loop (the attacks

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests import socket_attacks as attacks
-from tests.processes import FREEZE_MS, GatewayProcess
+from tests.processes import FREEZE_MS, GatewayProcess, healthz_probe
 
 # real processes and induced faults: `make test-faults` (CI runs it), not the default suite
 pytestmark = pytest.mark.faults
@@ -107,27 +107,17 @@ def test_healthz_never_freezes_while_the_socket_attacks_run(tmp_path: Path) -> N
         proc.stop()
 
 
+#: /healthz (ms) past this while the big frames arrive: one was read on the event loop
+FRAME_FREEZE_MS = 250.0
+
+
 def test_big_frames_are_read_off_the_event_loop(tmp_path: Path) -> None:
     """Two sockets send the issue's 28.6 MiB frame (1 M tiny items) at once, three times:
     each gets its named refusal, and ``/healthz`` never waits on their JSON (read in a
-    worker process, as a dense HTTP body is). Read on the loop, each frame held it
-    0.4-0.8 s (max 569 ms for one socket at a time on this machine; after: 65 ms)."""
-    import threading
-
-    import httpx
-
+    worker process, as a dense HTTP body is). /healthz is probed from a process of its own:
+    a probe thread here would time this process's frame building too."""
     proc = GatewayProcess("--simulator", "--api-key", KEY, "--data-dir", str(tmp_path / "data"),
                           "--log-level", "warning", log_dir=tmp_path)
-    took: list[float] = []
-    stop = threading.Event()
-
-    def probe() -> None:
-        with httpx.Client(timeout=10) as client:
-            while not stop.is_set():
-                start = time.perf_counter()
-                assert client.get(proc.url + "/healthz").status_code == 200
-                took.append((time.perf_counter() - start) * 1000)
-                time.sleep(0.01)
 
     async def attack() -> list[dict[str, object]]:
         warm, _ = await attacks.big_frames(proc.url, 1, items=10, headers=AUTH)  # the WebSocket path loaded
@@ -142,14 +132,12 @@ def test_big_frames_are_read_off_the_event_loop(tmp_path: Path) -> None:
 
     try:
         proc.wait_healthy()
-        prober = threading.Thread(target=probe)
-        prober.start()
-        try:
+        with healthz_probe(proc.port) as took:
             errors = asyncio.run(attack())
-        finally:
-            stop.set()
-            prober.join(30)
         assert len(errors) == 6 and all("too_many_input_items" in json.dumps(e) for e in errors), errors
-        assert len(took) > 20 and max(took) < FREEZE_MS, sorted(took)[-5:]
+        # read on the loop (measured by putting read_frame back inline) the six worst probes
+        # took 357-613 ms (3rd-worst 411); read off it, 36-82 ms idle and the 3rd-worst ~110 ms
+        # with a whole other suite beside it. Two outliers are the machine's, not the gateway's.
+        assert len(took) > 20 and sorted(took)[-3] < FRAME_FREEZE_MS, sorted(took)[-6:]
     finally:
         proc.stop()
