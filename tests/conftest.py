@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from gateway.app import create_app
+from gateway.connections import ConnectionLimits, protocol_class
 from gateway.servers import bind_loopback, start_embedded, stop_embedded
 from gateway.settings import LiveSettings, Settings
 from gateway.upstream.simulator import create_simulator_app
@@ -51,7 +52,11 @@ class ServerLoop:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def serve(self, app: Any, **config: Any) -> str:
-        """Serve ``app`` on a fresh loopback port (``config``: more uvicorn options)."""
+        """Serve ``app`` on a fresh loopback port (``config``: more uvicorn options), with
+        the connection handling ``serve`` runs (gateway/connections.py: a lingering close
+        after an answer sent before the body was read, else the client can get a reset for
+        its 401; no per-address cap here, the tests all come from 127.0.0.1)."""
+        config.setdefault("http", protocol_class(ConnectionLimits(max_per_ip=1 << 20)))
         sock = bind_loopback()
         self._servers.append(self.run(start_embedded(app, sock, **config)))
         return f"http://127.0.0.1:{sock.getsockname()[1]}"
