@@ -45,3 +45,17 @@ async def test_the_loop_reloads_every_interval_until_closed() -> None:
     assert seen >= 3
     await asyncio.sleep(0.05)
     assert calls == seen  # closed: no more reloads
+
+
+async def test_closing_never_waits_for_ever() -> None:
+    """Closed while a reload is just finishing, the loop still stops: with ``wait_for``
+    (Python 3.11) the cancel was swallowed there and ``aclose`` hung, 49 closes of 300."""
+
+    async def reload() -> None:
+        return None
+
+    for _ in range(300):
+        refresher = Refresher("test", reload, every=0.001, bound=1.0)
+        await refresher.start()
+        await asyncio.sleep(0.003)
+        await asyncio.wait_for(asyncio.shield(refresher.aclose()), 2)  # a hang fails here

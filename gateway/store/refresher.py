@@ -44,7 +44,10 @@ class Refresher:
     async def once(self) -> None:
         """One bounded reload; never raises (the store is down: keep what we have)."""
         try:
-            await asyncio.wait_for(self.reload(), self.bound)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that
+            # lands as the reload finishes, and aclose() then waited for ever (1 close in 6)
+            async with asyncio.timeout(self.bound):
+                await self.reload()
         except Exception as exc:
             self.failed_reloads += 1
             if not self.failing:
