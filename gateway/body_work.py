@@ -166,9 +166,10 @@ class ProcessParser:
         try:
             # submitted from a thread: the first submit starts the forkserver and a worker,
             # which waits for their imports (~0.5 s), and the body is written to a pipe
-            submitted = await asyncio.wait_for(asyncio.to_thread(self._submit, fn, *args), PARSE_SECONDS)
-            future = asyncio.wrap_future(submitted)
-            status, value = await asyncio.wait_for(future, PARSE_SECONDS)
+            async with asyncio.timeout(PARSE_SECONDS):  # not wait_for: on 3.11 it can swallow a cancel
+                submitted = await asyncio.to_thread(self._submit, fn, *args)
+            async with asyncio.timeout(PARSE_SECONDS):
+                status, value = await asyncio.wrap_future(submitted)
         except (TimeoutError, BrokenProcessPool):
             self._reset()
             raise overloaded("parsing other large requests") from None

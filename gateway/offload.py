@@ -53,7 +53,8 @@ class Offload:
             self._release()
             raise
         future.add_done_callback(lambda _: self._release())
-        return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+        async with asyncio.timeout(timeout):  # not wait_for: on 3.11 it can swallow a cancel
+            return await asyncio.wrap_future(future)
 
     def _release(self) -> None:
         with self._lock:

@@ -237,8 +237,9 @@ class RelayedCall:
         realtime = self.policy.mode is StreamMode.REALTIME
         try:
             while True:
-                try:
-                    item = await asyncio.wait_for(queue.get(), self.policy.keepalive_interval)
+                try:  # asyncio.timeout: wait_for (3.11) could swallow the client-gone cancel
+                    async with asyncio.timeout(self.policy.keepalive_interval):
+                        item = await queue.get()
                 except TimeoutError:
                     yield self._commit(KEEPALIVE)
                     self.record.keepalives += 1

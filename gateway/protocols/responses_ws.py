@@ -415,7 +415,8 @@ class ResponsesConnection:
                 return None
             self.arrived.clear()
             with contextlib.suppress(TimeoutError):  # either deadline: checked above
-                await asyncio.wait_for(self.arrived.wait(), min(idle_left, left))
+                async with asyncio.timeout(min(idle_left, left)):  # not wait_for: it can swallow a cancel (3.11)
+                    await self.arrived.wait()
 
     async def _read(self) -> None:
         """The only reader of the socket: frames queue up (bounded) while a response streams."""
