@@ -154,9 +154,20 @@ def start_gateway(server_loop: ServerLoop, simulator: Simulator, tmp_path_factor
 
 @pytest.fixture(scope="session")
 def gateways(server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Gateway]:
-    """One gateway per stream mode, both in front of the session simulator."""
+    """One gateway per stream mode, both in front of the session simulator, keeping alive
+    at the product's default interval (5 s): an upstream error status is never overtaken
+    by a keepalive that commits the stream first, however busy the machine."""
     return {
-        mode: start_gateway(server_loop, simulator, tmp_path_factory, stream_mode=mode)
+        mode: start_gateway(server_loop, simulator, tmp_path_factory, stream_mode=mode, keepalive_interval=5.0)
+        for mode in ("compatible", "realtime")
+    }
+
+
+@pytest.fixture(scope="session")
+def keepalive_gateways(server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Gateway]:
+    """The same two keeping alive every 0.5 s: for the tests of the keepalives themselves."""
+    return {
+        mode: start_gateway(server_loop, simulator, tmp_path_factory, stream_mode=mode, keepalive_interval=0.5)
         for mode in ("compatible", "realtime")
     }
 

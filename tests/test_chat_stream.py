@@ -141,12 +141,12 @@ def test_realtime_first_text_before_upstream_finishes(gateways: dict[str, Gatewa
     assert first_text_at < total / 3
 
 
-def test_compatible_sends_keepalives_while_collecting(gateways: dict[str, Gateway]) -> None:
+def test_compatible_sends_keepalives_while_collecting(keepalive_gateways: dict[str, Gateway]) -> None:
     """A slow upstream: the compatible gateway keeps the client's idle timer alive with
     SSE comment lines, which the SDK ignores, and the answer still assembles."""
     with httpx.stream(
         "POST",
-        gateways["compatible"].base_url + "/chat/completions",
+        keepalive_gateways["compatible"].base_url + "/chat/completions",
         json={"model": "text;first_chunk_delay=1.3", "messages": MESSAGES, "stream": True},
         timeout=10,
     ) as response:
@@ -155,5 +155,5 @@ def test_compatible_sends_keepalives_while_collecting(gateways: dict[str, Gatewa
     lines = raw.decode().split("\n")
     first_data = next(i for i, line in enumerate(lines) if line.startswith("data:") and '"content":""' not in line)
     assert sum(1 for line in lines[:first_data] if line == ": keepalive") >= 2
-    final = stream_final(gateways["compatible"], "text;first_chunk_delay=0.8")
+    final = stream_final(keepalive_gateways["compatible"], "text;first_chunk_delay=0.8")
     assert final.choices[0].message.content

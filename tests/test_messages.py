@@ -402,14 +402,14 @@ def test_claude_code_request_sdk_beta(gateway: Gateway, simulator: Simulator) ->
     _check_claude_code_upstream(sent["body"])
 
 
-def test_pings_while_compatible_collects(gateways: dict[str, Gateway]) -> None:
+def test_pings_while_compatible_collects(keepalive_gateways: dict[str, Gateway]) -> None:
     body = {
         "model": "text;first_chunk_delay=1.2",
         "max_tokens": 64,
         "messages": MESSAGES,
         "stream": True,
     }
-    status, frames = raw_frames(gateways["compatible"], body)
+    status, frames = raw_frames(keepalive_gateways["compatible"], body)
     assert status == 200
     check_contract(frames)
     names = [event for event, _ in frames]

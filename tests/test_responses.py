@@ -264,9 +264,9 @@ def test_rate_limited_is_429(gateway: Gateway, simulator: Simulator) -> None:
     assert isinstance(body, dict) and body["type"] == "rate_limit_error"
 
 
-def test_compatible_keepalive_is_in_progress(gateways: dict[str, Gateway]) -> None:
+def test_compatible_keepalive_is_in_progress(keepalive_gateways: dict[str, Gateway]) -> None:
     response, events, raw = raw_events(
-        gateways["compatible"], {"model": "text;first_chunk_delay=1.2", "input": QUESTION}
+        keepalive_gateways["compatible"], {"model": "text;first_chunk_delay=1.2", "input": QUESTION}
     )
     assert_stream_invariants(events, raw)
     first_item = next(i for i, e in enumerate(events) if e["type"] == "response.output_item.added")

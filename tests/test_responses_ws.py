@@ -143,14 +143,6 @@ def test_one_audit_record_per_generating_create(server_loop: Any, simulator: Sim
     assert {(r["protocol"], r["outcome"], r["mode"], r["streamed"]) for r in rows} == {("responses", "success", "realtime", True)}
 
 
-@pytest.fixture(scope="module")
-def quiet_gateways(server_loop: Any, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Gateway]:
-    """Both modes with keepalives out of the way: an upstream error that takes longer than
-    the interval (a busy machine) comes after a keepalive committed the answer, by design."""
-    return {mode: start_gateway(server_loop, simulator, tmp_path_factory, stream_mode=mode, keepalive_interval=30)
-            for mode in ("compatible", "realtime")}
-
-
 def _closing_error(ws: ClientConnection, frame: Any) -> dict[str, Any]:
     ws.send(frame if isinstance(frame, str) else json.dumps(frame))
     error = json.loads(ws.recv(timeout=20))
@@ -170,11 +162,10 @@ def _closing_error(ws: ClientConnection, frame: Any) -> dict[str, Any]:
         ({"type": "response.create", "model": "rate_limited", "input": "hi"}, 429, "upstream_rate_limited"),
     ],
 )
-@pytest.mark.parametrize("mode", ["compatible", "realtime"])
 def test_errors_are_wrapped_events_then_a_clean_close(
-    quiet_gateways: dict[str, Gateway], frame: Any, status: int, code: str, mode: str
+    gateway: Gateway, simulator: Simulator, frame: Any, status: int, code: str
 ) -> None:
-    with open_ws(quiet_gateways[mode]) as ws:
+    with open_ws(gateway) as ws:
         error = _closing_error(ws, frame)
     assert error["type"] == "error" and error["status"] == status
     assert error["error"]["code"] == code and isinstance(error["error"]["message"], str)
@@ -236,10 +227,11 @@ def test_client_key_comes_from_the_upgrade_request(server_loop: Any, simulator: 
     ]
 
 
-def test_keepalives_while_the_upstream_is_silent(gateway: Gateway) -> None:
-    """The session gateways keep alive every 0.5 s: a 1.5 s silent upstream yields
-    repeated response.in_progress frames before the answer."""
-    with open_ws(gateway) as ws:
+@pytest.mark.parametrize("mode", ["compatible", "realtime"])
+def test_keepalives_while_the_upstream_is_silent(keepalive_gateways: dict[str, Gateway], mode: str) -> None:
+    """Keeping alive every 0.5 s, a 1.5 s silent upstream yields repeated
+    response.in_progress frames before the answer."""
+    with open_ws(keepalive_gateways[mode]) as ws:
         events = exchange(ws, {"type": "response.create", "model": "text;first_chunk_delay=1.5", "input": "hi"})
     kinds = [e["type"] for e in events]
     assert kinds[-1] == "response.completed"
