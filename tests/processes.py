@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -16,6 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+
+def readable(fd: int, timeout: float) -> bool:
+    """Whether ``fd`` has bytes within ``timeout`` s (poll, not select: the session holds
+    over a thousand descriptors by its end, past what select takes)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(timeout * 1000))
 
 
 def free_port() -> int:

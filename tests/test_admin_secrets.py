@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import pty
-import select
 import sqlite3
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from gateway.store.credentials import CredentialState
 from gateway.store.db import SQLITE_FILENAME, open_database
 from gateway.upstream.urls import check_upstream_url
 from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway
-from tests.processes import free_port, wait_healthy
+from tests.processes import free_port, readable, wait_healthy
 from tests.test_startup import clean_env, one_line_refusal, run_cli
 
 ADMIN_TOKEN = "admin-secrets-test-token-0001"
@@ -262,8 +261,7 @@ def test_on_a_terminal_the_login_url_is_the_only_place_the_token_shows(tmp_path:
     def drain(seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            ready, _, _ = select.select([master], [], [], 0.05)
-            if ready:
+            if readable(master, 0.05):
                 try:
                     chunks.append(os.read(master, 65536))
                 except OSError:

@@ -8,7 +8,6 @@ import io
 import json
 import os
 import pty
-import select
 import socket
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from gateway.settings import Settings, SettingsError, base_url_hint
 from gateway.upstream.config import ConfigFile, UpstreamEntry, load_config_file
 from gateway.upstream.pool import Upstream
 from tests.conftest import Gateway, ServerLoop
-from tests.processes import free_port, wait_healthy
+from tests.processes import free_port, readable, wait_healthy
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE_CONFIG = REPO / "examples" / "config.toml"
@@ -171,8 +170,7 @@ def test_banner_is_plain_text_on_a_terminal(tmp_path: Path) -> None:
     try:
         deadline = time.monotonic() + 30
         while b"  hint " not in seen and time.monotonic() < deadline:  # the last row
-            ready, _, _ = select.select([leader], [], [], 0.5)
-            if ready:
+            if readable(leader, 0.5):
                 seen += os.read(leader, 4096)
     finally:
         proc.terminate()
