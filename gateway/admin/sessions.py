@@ -5,8 +5,8 @@ A session cookie is signed over its expiry and the epoch current when it was iss
 valid only while that epoch is still current. ``POST /admin/logout`` draws a new random
 epoch and saves it in the store (the saved-settings table, key :data:`EPOCH_KEY`, through
 the same revisioned writer as the admin API), so every process that shares the store sees
-it with its next settings revision: at once on SQLite, within ~250 ms on PostgreSQL
-(:mod:`gateway.store.saved_settings`). A random value rather than a counter, so that no
+it with its next settings revision poll: within ~100 ms on SQLite, ~250 ms on PostgreSQL
+(:mod:`gateway.store.saved_settings`); the process that logged out, at once. A random value rather than a counter, so that no
 later state of the store can bring an old epoch back.
 """
 
