@@ -3,7 +3,9 @@ never raising, one warning per run of failures."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
+from pathlib import Path
 
 from gateway.store.refresher import Refresher
 
@@ -59,3 +61,15 @@ async def test_closing_never_waits_for_ever() -> None:
         await refresher.start()
         await asyncio.sleep(0.003)
         await asyncio.wait_for(asyncio.shield(refresher.aclose()), 2)  # a hang fails here
+
+
+def test_no_wait_for_in_the_gateway() -> None:
+    """Every bounded wait is ``asyncio.timeout``: on Python 3.11 ``asyncio.wait_for``
+    swallows a cancel that lands as the awaited call finishes, so a loop stopped by a cancel
+    (as above) runs on, and a request cancelled by its client's disconnect keeps going."""
+    found = []
+    for path in sorted((Path(__file__).resolve().parent.parent / "gateway").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "wait_for" and getattr(node.value, "id", "") == "asyncio":
+                found.append(f"{path.name}:{node.lineno}")
+    assert found == []

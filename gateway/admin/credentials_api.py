@@ -80,7 +80,8 @@ async def probe_new(request: Request, credential: Credential) -> dict[str, objec
     URL and key work, shown to the admin (and kept as the credential's last probe)."""
     client = request.app.state.relay.upstream
     try:
-        ok, result = await asyncio.wait_for(client.probe(credential, timeout=ADD_PROBE_TIMEOUT), ADD_PROBE_TIMEOUT + 1)
+        async with asyncio.timeout(ADD_PROBE_TIMEOUT + 1):
+            ok, result = await client.probe(credential, timeout=ADD_PROBE_TIMEOUT)
     except TimeoutError:
         ok, result = False, "timed out"
     credential.last_probe_at, credential.last_probe_result = time.time(), result

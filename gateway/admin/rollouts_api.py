@@ -86,7 +86,8 @@ async def freeze(request: Request) -> Response:
     row = rollout_store.mark_row(rollout_id, "frozen", time.time(), "frozen by " + str(
         request.scope.get("state", {}).get("admin_actor") or "admin"), "")
     try:
-        await asyncio.wait_for(asyncio.to_thread(recorder.db.run_tx, lambda conn: _upsert_mark(conn, row)), WRITE_TIMEOUT)
+        async with asyncio.timeout(WRITE_TIMEOUT):
+            await asyncio.to_thread(recorder.db.run_tx, lambda conn: _upsert_mark(conn, row))
     except (TimeoutError, *recorder.db.errors):
         return admin_error(503, "store_unavailable", "the store did not take the freeze; try again")
     await _settle(recorder)
@@ -119,7 +120,8 @@ async def delete(request: Request) -> Response:
         rollout_store.delete_rollout(conn, rollout_id)
 
     try:
-        await asyncio.wait_for(asyncio.to_thread(recorder.db.run_tx, remove), WRITE_TIMEOUT)
+        async with asyncio.timeout(WRITE_TIMEOUT):
+            await asyncio.to_thread(recorder.db.run_tx, remove)
     except (TimeoutError, *recorder.db.errors):
         return admin_error(503, "store_unavailable", "the store did not take the delete; try again")
     recorder.forget(rollout_id)

@@ -139,13 +139,15 @@ class KeyLimiter:
 
     async def _settle(self, request_id: str, used: int) -> None:
         try:
-            await asyncio.wait_for(asyncio.to_thread(store.settle, self.db, request_id, used), SETTLE_TIMEOUT)
+            async with asyncio.timeout(SETTLE_TIMEOUT):
+                await asyncio.to_thread(store.settle, self.db, request_id, used)
         except Exception as exc:  # the reservation stays held: the safe side
             log.warning("client_key_settle_failed", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
 
     async def _count(self, key_id: str, used: int) -> None:
         try:
-            await asyncio.wait_for(asyncio.to_thread(store.count_usage, self.db, key_id, used), SETTLE_TIMEOUT)
+            async with asyncio.timeout(SETTLE_TIMEOUT):
+                await asyncio.to_thread(store.count_usage, self.db, key_id, used)
         except Exception as exc:
             log.warning("client_key_usage_failed", key_id=key_id, error=f"{type(exc).__name__}: {exc}")
 

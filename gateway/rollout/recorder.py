@@ -95,8 +95,8 @@ class RolloutRecorder:
     async def refuse_frozen(self, rollout_id: str) -> None:
         """A GatewayError (409 ``rollout_frozen``) for a frozen rollout."""
         try:
-            frozen = await asyncio.wait_for(self.db.arun(lambda c: rollout_store.is_frozen(c, rollout_id)),
-                                            FROZEN_CHECK_TIMEOUT)
+            async with asyncio.timeout(FROZEN_CHECK_TIMEOUT):
+                frozen = await self.db.arun(lambda c: rollout_store.is_frozen(c, rollout_id))
         except (TimeoutError, *self.db.errors) as exc:
             log.warning("rollout_frozen_check_failed", rollout=rollout_id, error=type(exc).__name__)
             return
@@ -107,7 +107,8 @@ class RolloutRecorder:
         """The rollout's call records so far (token-in's plan), bounded: a store that does
         not answer in time gives none (the call then goes the chat way, ``first_turn``)."""
         try:
-            found = await asyncio.wait_for(self.read(rollout_id), HISTORY_TIMEOUT)
+            async with asyncio.timeout(HISTORY_TIMEOUT):
+                found = await self.read(rollout_id)
         except (TimeoutError, *self.db.errors) as exc:
             log.warning("rollout_history_failed", rollout=rollout_id, error=type(exc).__name__)
             return []
@@ -158,8 +159,8 @@ class RolloutRecorder:
 
         record, row = await asyncio.to_thread(serialise)
         try:
-            result = await asyncio.wait_for(self.durable.write("rollout_call", [row]),
-                                            self.durable.write_timeout + SPILL_BOUND)
+            async with asyncio.timeout(self.durable.write_timeout + SPILL_BOUND):
+                result = await self.durable.write("rollout_call", [row])
         except TimeoutError:
             result = "timeout"
         if result == "spilled":

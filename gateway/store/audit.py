@@ -327,7 +327,8 @@ class AuditWriter:
                 # let a batch build up; a shutdown cuts the wait short
                 assert self._closed_event is not None
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._closed_event.wait(), self.flush_interval)
+                    async with asyncio.timeout(self.flush_interval):
+                        await self._closed_event.wait()
             await self._write_batch()
 
     async def _write_all(self) -> None:

@@ -162,8 +162,8 @@ class Replication:
             await asyncio.to_thread(self._poller.stop)
             self._poller = None
         try:  # bounded: a stalled store must not hold the exit (the row then ages out by TTL)
-            await asyncio.wait_for(asyncio.to_thread(
-                self.db.execute, "DELETE FROM replicas WHERE replica_id = ?", (self.replica_id,)), LEAVE_TIMEOUT)
+            async with asyncio.timeout(LEAVE_TIMEOUT):
+                await asyncio.to_thread(self.db.execute, "DELETE FROM replicas WHERE replica_id = ?", (self.replica_id,))
         except (*self.db.errors, TimeoutError) as exc:
             log.warning("replica_leave_failed", error=type(exc).__name__)
 

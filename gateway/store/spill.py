@@ -219,7 +219,8 @@ class DurableWriter:
 
         call.add_done_callback(done)
         try:
-            return await asyncio.wait_for(asyncio.shield(call), self.read_timeout)
+            async with asyncio.timeout(self.read_timeout):
+                return await asyncio.shield(call)
         except self.db.errors as exc:
             raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from None
         except TimeoutError:
@@ -374,7 +375,8 @@ class DurableWriter:
             self._task = None
         if self.spill_entries or not self.store_writable:
             try:  # bounded: a stalled store must not hold the exit (the journal stays for next time)
-                await asyncio.wait_for(self.recover(), max(self.write_timeout, 2.0))
+                async with asyncio.timeout(max(self.write_timeout, 2.0)):
+                    await self.recover()
             except TimeoutError:
                 log.warning("spill_kept_for_next_start", spill_entries=self.spill_entries)
         for pool in (self._journal_thread, self._store_threads, self._read_threads):
