@@ -7,6 +7,7 @@ synchronous SDK clients against real HTTP. Started once per session.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import threading
 import time
@@ -214,9 +215,9 @@ def postgres_url() -> str:
     return url
 
 
-@pytest.fixture
-def postgres_schema(postgres_url: str) -> Iterator[str]:
-    """A URL whose search_path is a fresh, empty schema (dropped afterwards)."""
+@contextlib.contextmanager
+def fresh_schema(postgres_url: str) -> Iterator[str]:
+    """A URL whose search_path is a fresh, empty schema, dropped when the block ends."""
     import secrets
 
     import psycopg
@@ -224,6 +225,40 @@ def postgres_schema(postgres_url: str) -> Iterator[str]:
     name = "t_" + secrets.token_hex(6)
     with psycopg.connect(postgres_url, autocommit=True) as conn:
         conn.execute(f"CREATE SCHEMA {name}")
-    yield with_search_path(postgres_url, name)
-    with psycopg.connect(postgres_url, autocommit=True) as conn:
-        conn.execute(f"DROP SCHEMA {name} CASCADE")
+    try:
+        yield with_search_path(postgres_url, name)
+    finally:
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA {name} CASCADE")
+
+
+@pytest.fixture
+def postgres_schema(postgres_url: str) -> Iterator[str]:
+    """A URL whose search_path is a fresh, empty schema (dropped afterwards)."""
+    with fresh_schema(postgres_url) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def replica_pair(
+    server_loop: ServerLoop, postgres_url: str, tmp_path_factory: pytest.TempPathFactory, names: tuple[str, str],
+    **settings: Any,
+) -> Iterator[tuple[Gateway, Gateway, Simulator]]:
+    """Two gateways sharing one fresh PostgreSQL schema as replicas ``names``, in front of a
+    simulator of their own (its faults and request log are theirs alone); each on its own
+    server, stopped when the block ends (a module's fixture outlives no module)."""
+    with fresh_schema(postgres_url) as url:
+        sim = Simulator(server_loop.serve(create_simulator_app()))
+        servers, gateways = [], []
+        try:
+            for name in names:
+                config = Settings(upstream_url=[sim.url + "/v1"], data_dir=tmp_path_factory.mktemp(name),
+                                  database_url=url, replica_id=name, **settings)
+                app = create_app(config, {n: "default" for n in Settings.model_fields})  # type: ignore[arg-type]
+                sock = bind_loopback()
+                servers.append(server_loop.run(start_embedded(app, sock)))
+                gateways.append(Gateway(f"http://127.0.0.1:{sock.getsockname()[1]}", app))
+            yield gateways[0], gateways[1], sim
+        finally:
+            for server in reversed(servers):
+                server_loop.run(stop_embedded(*server))

@@ -4,7 +4,6 @@ the other within two seconds."""
 
 from __future__ import annotations
 
-import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -12,14 +11,9 @@ from collections.abc import Iterator
 import anthropic
 import httpx
 import openai
-import psycopg
 import pytest
 
-from gateway.app import create_app
-from gateway.servers import bind_loopback, start_embedded, stop_embedded
-from gateway.settings import Settings
-from gateway.upstream.simulator import create_simulator_app
-from tests.conftest import Gateway, ServerLoop, Simulator, wait_for, with_search_path
+from tests.conftest import Gateway, ServerLoop, replica_pair, wait_for
 from tests.test_keys import JSON_HEADERS, MESSAGES, create_key, listed, oai
 
 Pair = tuple[Gateway, Gateway]
@@ -27,24 +21,9 @@ Pair = tuple[Gateway, Gateway]
 
 @pytest.fixture(scope="module")
 def pair(server_loop: ServerLoop, postgres_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    schema = "t_keys_" + secrets.token_hex(4)
-    with psycopg.connect(postgres_url, autocommit=True) as conn:
-        conn.execute(f"CREATE SCHEMA {schema}")
-    url = with_search_path(postgres_url, schema)
-    sim = Simulator(server_loop.serve(create_simulator_app()))
-    servers, gateways = [], []
-    for name in ("keys-a", "keys-b"):
-        settings = Settings(upstream_url=[sim.url + "/v1"], data_dir=tmp_path_factory.mktemp(name),
-                            database_url=url, replica_id=name, keepalive_interval=0.5, stream_mode="realtime")
-        app = create_app(settings, {n: "default" for n in Settings.model_fields})  # type: ignore[arg-type]
-        sock = bind_loopback()
-        servers.append(server_loop.run(start_embedded(app, sock)))
-        gateways.append(Gateway(f"http://127.0.0.1:{sock.getsockname()[1]}", app))
-    yield gateways[0], gateways[1]
-    for server in reversed(servers):
-        server_loop.run(stop_embedded(*server))
-    with psycopg.connect(postgres_url, autocommit=True) as conn:
-        conn.execute(f"DROP SCHEMA {schema} CASCADE")
+    with replica_pair(server_loop, postgres_url, tmp_path_factory, ("keys-a", "keys-b"),
+                      keepalive_interval=0.5, stream_mode="realtime") as (a, b, _sim):
+        yield a, b
 
 
 def test_a_key_revoked_on_a_is_refused_by_b_within_two_seconds(pair: Pair) -> None:

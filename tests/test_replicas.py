@@ -36,7 +36,7 @@ from gateway.settings import Settings
 from gateway.store.replicas import CREDENTIAL_POLL
 from gateway.store.saved_settings import REVISION_MAX_AGE
 from gateway.upstream.simulator import create_simulator_app
-from tests.conftest import Gateway, ServerLoop, Simulator, wait_for, with_search_path
+from tests.conftest import Gateway, ServerLoop, Simulator, replica_pair, wait_for, with_search_path
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 MAX_CONCURRENT = 6
@@ -55,27 +55,11 @@ class Pair:
 
 @pytest.fixture(scope="module")
 def pair_servers(server_loop: ServerLoop, postgres_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    schema = "t_replicas_" + secrets.token_hex(4)
-    with psycopg.connect(postgres_url, autocommit=True) as conn:
-        conn.execute(f"CREATE SCHEMA {schema}")
-    url = with_search_path(postgres_url, schema)
-    sim = Simulator(server_loop.serve(create_simulator_app()))
-    servers, gateways = [], []
-    for name in ("replica-a", "replica-b"):
-        settings = Settings(upstream_url=[sim.url + "/v1"], data_dir=tmp_path_factory.mktemp(name),
-                            database_url=url, replica_id=name, max_concurrent=MAX_CONCURRENT, keepalive_interval=0.5)
-        app = create_app(settings, {n: "default" for n in Settings.model_fields})  # type: ignore[arg-type]
-        sock = bind_loopback()
-        servers.append(server_loop.run(start_embedded(app, sock)))
-        gateways.append(Gateway(f"http://127.0.0.1:{sock.getsockname()[1]}", app))
-    a, b = gateways
-    # both know the membership before anything is measured (A learns of B at its next beat)
-    wait_for(lambda: all(len(g.app.state.replication.capacity.live) == 2 for g in gateways))
-    yield Pair(a, b, sim)
-    for server in reversed(servers):
-        server_loop.run(stop_embedded(*server))
-    with psycopg.connect(postgres_url, autocommit=True) as conn:
-        conn.execute(f"DROP SCHEMA {schema} CASCADE")
+    with replica_pair(server_loop, postgres_url, tmp_path_factory, ("replica-a", "replica-b"),
+                      max_concurrent=MAX_CONCURRENT, keepalive_interval=0.5) as (a, b, sim):
+        # both know the membership before anything is measured (A learns of B at its next beat)
+        wait_for(lambda: all(len(g.app.state.replication.capacity.live) == 2 for g in (a, b)))
+        yield Pair(a, b, sim)
 
 
 @pytest.fixture
