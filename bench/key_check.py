@@ -23,9 +23,9 @@ sys.path.insert(0, str(ROOT))
 from starlette.requests import Request  # noqa: E402
 
 from gateway.keys import store  # noqa: E402
+from gateway.keys.identity import check_client_key  # noqa: E402
 from gateway.keys.model import KeyLimits, ManagedKey, hash_secret, new_key_id, new_secret  # noqa: E402
 from gateway.keys.registry import KeyRegistry  # noqa: E402
-from gateway.relay import check_client_key  # noqa: E402
 from gateway.store.db import Database  # noqa: E402
 
 KEYS = 1000  # keys in the registry

@@ -66,8 +66,8 @@ def json_loads(n: int) -> None:
 def pipeline(protocol: str) -> Callable[[int], None]:
     """accumulator.feed + realtime scheduler + the room's encoder, one text chunk at a time."""
     from gateway.protocols.chat import ChatRoom
-    from gateway.protocols.messages import MessagesRoom
-    from gateway.protocols.responses import ResponsesRoom
+    from gateway.protocols.messages.room import MessagesRoom
+    from gateway.protocols.responses.room import ResponsesRoom
     from gateway.store.db import Database
     from gateway.store.responses import ResponseStore
     from gateway.stream.accumulator import ChatSSEAccumulator
@@ -99,7 +99,7 @@ def pipeline(protocol: str) -> Callable[[int], None]:
 def parse_request(protocol: str) -> Callable[[int], None]:
     """The room's parse (validation + translation) of a one-message request."""
     from gateway.protocols.chat import ChatRoom
-    from gateway.protocols.messages import MessagesRoom
+    from gateway.protocols.messages.room import MessagesRoom
 
     room, body = {
         "chat": (ChatRoom(), b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'),

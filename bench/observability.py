@@ -18,8 +18,8 @@ import tempfile
 import time
 from typing import Any
 
+from gateway.generation.record import RequestRecord
 from gateway.observability.metrics import Metrics
-from gateway.record import RequestRecord
 
 N = 20000
 SLOW = "text;delay=0.1;chunk=16"
@@ -74,7 +74,7 @@ async def ttft_vs_ttfb(requests: int = 5) -> dict[str, Any]:
     import httpx
 
     from gateway.app import create_app
-    from gateway.servers import bind_loopback, start_embedded, stop_embedded
+    from gateway.http.servers import bind_loopback, start_embedded, stop_embedded
     from gateway.settings import Settings
 
     out: dict[str, Any] = {}

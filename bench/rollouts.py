@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 
 from gateway.app import create_app
-from gateway.servers import bind_loopback, start_embedded, stop_embedded
+from gateway.http.servers import bind_loopback, start_embedded, stop_embedded
 from gateway.settings import Settings
-from gateway.upstream.simulator import create_simulator_app
+from gateway.simulator.server import create_simulator_app
 
 KEY = "bench-rollouts-client-key-0123456789"
 MESSAGES = [{"role": "user", "content": "CALL get_weather {\"city\": \"Paris\"} " + "context " * 200}]

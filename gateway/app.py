@@ -16,52 +16,58 @@ from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.protocols.base import ProtocolRoom
-from gateway.protocols.chat import ChatRoom
-from gateway.protocols.responses import ResponsesRoom
-from gateway.protocols.messages import MessagesRoom
-from gateway.protocols.responses_ws import ConnectionSlots, websocket_endpoint as responses_websocket
 from gateway.admin import admin_mount, auth_routes
 from gateway.admin.auth import AdminAccess, login_base_url
 from gateway.admin.common import admin_error
 from gateway.admin.sessions import SessionEpoch
-from gateway.admin.surface import AdminSurface
 from gateway.admin.throttle import AttemptThrottle
-from gateway.body_limit import BodyLimit
-from gateway.cross_site import CrossSiteGuard
 from gateway.errors import GatewayError
+from gateway.generation.passthrough import CompletionsRoute, EmbeddingsRoute
+from gateway.generation.recording_gate import RecordingGate, with_spill_hint
+from gateway.generation.service import ATTEMPTS_SCOPE_KEY, GenerationService
+from gateway.http.admin_surface import AdminSurface
+from gateway.http.body_limit import BodyLimit
+from gateway.http.cross_site import CrossSiteGuard
+from gateway.http.servers import bind_loopback, on_server_exit, start_embedded, stop_embedded
+from gateway.http.shutdown import GracefulShutdown
 from gateway.keys.limiter import KeyLimiter
 from gateway.keys.registry import KeyRegistry
-from gateway.redact import SECRETS, RedactingSend
-from gateway.observability.observer import Observability, metrics_endpoint
-from gateway.models_api import keyed, list_models, retrieve_model, route_error_handlers
-from gateway.protocols.openai_shapes import error_json as openai_error
-from gateway.protocols.messages import error_json as anthropic_error
-from gateway.relay import ATTEMPTS_SCOPE_KEY, GenerationService
-from gateway.relayed import CompletionsRoute, EmbeddingsRoute
-from gateway.routes import count_tokens_endpoint, generation_endpoint, retrieve_response_endpoint
-from gateway.servers import bind_loopback, on_server_exit, start_embedded, stop_embedded
-from gateway.shutdown import GracefulShutdown
-from gateway.store.db import open_database
-from gateway.store.envelope_keys import EnvelopeKeys
-from gateway.store.responses import ResponseStore
-from gateway.store.saved_settings import SavedSettings
-from gateway.settings import LiveSettings, Settings, Source, load_settings
-from gateway.store.credentials import CredentialState, CredentialStateWriter
-from gateway.recording import RecordingGate, with_spill_hint
-from gateway.store.spill import SpillJournal
-from gateway.readiness import readyz
-from gateway.upstream.prober import CredentialProber
-from gateway.store.replicas import Replication
-from gateway.upstream.client import UpstreamClient
+from gateway.live_settings import LiveSettings
 from gateway.observability.loop_lag import LoopLagMonitor, publish_samples
-from gateway.upstream.config import build_pool
-from gateway.upstream.pool import Credential
-from gateway.upstream.urls import header_secrets, url_secrets
-from gateway.capture import CaptureWriter
+from gateway.observability.observer import Observability, metrics_endpoint
+from gateway.protocols.base import ProtocolRoom
+from gateway.protocols.chat import ChatRoom
+from gateway.protocols.messages.room import MessagesRoom
+from gateway.protocols.messages.room import error_json as anthropic_error
+from gateway.protocols.openai_shapes import error_json as openai_error
+from gateway.protocols.responses.room import ResponsesRoom
+from gateway.protocols.responses.websocket import ConnectionSlots
+from gateway.protocols.responses.websocket import websocket_endpoint as responses_websocket
+from gateway.redact import SECRETS, RedactingSend
 from gateway.rollout import store as rollout_store
+from gateway.rollout.capture_files import CaptureWriter
 from gateway.rollout.ids import RolloutPaths
 from gateway.rollout.recorder import RolloutRecorder
+from gateway.routes.generation import (
+    count_tokens_endpoint,
+    generation_endpoint,
+    retrieve_response_endpoint,
+)
+from gateway.routes.models import keyed, list_models, retrieve_model, route_error_handlers
+from gateway.routes.readiness import readyz
+from gateway.settings import Settings, Source, load_settings
+from gateway.store.credentials import CredentialState, CredentialStateWriter
+from gateway.store.db import open_database
+from gateway.store.envelope_keys import EnvelopeKeys
+from gateway.store.replicas import Replication
+from gateway.store.responses import ResponseStore
+from gateway.store.saved_settings import SavedSettings
+from gateway.store.spill import SpillJournal
+from gateway.upstream.client import UpstreamClient
+from gateway.upstream.config import build_pool
+from gateway.upstream.credential import Credential
+from gateway.upstream.prober import CredentialProber
+from gateway.upstream.urls import header_secrets, url_secrets
 
 log = structlog.get_logger("gateway")
 
@@ -212,7 +218,7 @@ def create_app(
         simulator = None
         simulator_url = None
         if simulated:
-            from gateway.upstream.simulator import create_simulator_app
+            from gateway.simulator.server import create_simulator_app
 
             sock = bind_loopback()
             simulator = await start_embedded(create_simulator_app(), sock, label="simulator")

@@ -24,7 +24,7 @@ import orjson
 from gateway import __version__
 from gateway.admin.auth import is_loopback
 from gateway.settings import Settings, base_url_hint
-from gateway.upstream.pool import Upstream
+from gateway.upstream.credential import Upstream
 
 SIMULATOR = "SIMULATOR"
 
@@ -228,7 +228,7 @@ def announce(
 ) -> None:
     """The banner at start-up: a generated token's login URL first written to its 0600
     file in ``data_dir`` (the banner names it), then the banner itself. ``amend``: what
-    the app adds to the facts (the spill journal's reservation, gateway/recording.py)."""
+    the app adds to the facts (the spill journal's reservation, gateway/generation/recording_gate.py)."""
     path = write_login_file(data_dir, login_url) if login_url else None
     facts = startup_facts(settings, upstreams, simulator_url, webui, login_url, sources, path)
     print_banner(amend(facts) if amend is not None else facts, login_url=login_url)

@@ -17,8 +17,15 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from gateway.admin.auth import AdminAccess, is_loopback, login_base_url
-from gateway.connections import server_options as connection_options
-from gateway.settings import CLI_FIELDS, ENV_PREFIX, Settings, SettingsError, StreamMode, load_settings
+from gateway.http.connections import server_options as connection_options
+from gateway.settings import (
+    CLI_FIELDS,
+    ENV_PREFIX,
+    Settings,
+    SettingsError,
+    StreamMode,
+    load_settings,
+)
 from gateway.startup_checks import operator_mistake
 
 
@@ -106,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "capture":
         return export_capture(args.rollout, args.capture_dir, args.store)
     if args.command == "simulate":
-        from gateway.upstream.simulator import run_simulator
+        from gateway.simulator.server import run_simulator
 
         return _run_or_refuse(lambda: run_simulator(args.host, args.port, announce=True), args.host, args.port)
     if args.command == "doctor":
@@ -129,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 def check_startup(settings: Settings) -> None:
     """Refuse, with one line, a start-up that would serve the wrong thing: an open
     non-loopback bind, keys for no upstream, or the simulator answering in production."""
-    from gateway.upstream.config import load_config_file
+    from gateway.upstream.config_file import load_config_file
     from gateway.upstream.urls import check_upstream_url
 
     loopback = is_loopback(settings.host)
@@ -240,10 +247,11 @@ def saved_settings_command(args: argparse.Namespace) -> int:
 
 
 def export_capture(rollout: str, capture_dir: str | None, from_store: bool = False) -> int:
+    from pathlib import Path
+
     import orjson
 
-    from gateway.capture import export_rollout
-    from pathlib import Path
+    from gateway.rollout.capture_files import export_rollout
 
     settings = load_settings()[0]
     directory = capture_dir or settings.capture_dir
@@ -358,11 +366,11 @@ def postgres_errors() -> tuple[type[BaseException], ...]:
 
 
 def run_workers(settings: Settings, common: dict[str, Any]) -> int:
-    """``--workers N`` under :class:`gateway.workers.WorkerSupervisor`: 0 after a normal
+    """``--workers N`` under :class:`gateway.http.workers.WorkerSupervisor`: 0 after a normal
     stop, 1 (with one line) when a worker's replacement kept failing to start."""
     import uvicorn
 
-    from gateway.workers import WorkerSupervisor
+    from gateway.http.workers import WorkerSupervisor
 
     config = uvicorn.Config(WORKER_APP, factory=True, workers=settings.workers, **common)
     supervisor = WorkerSupervisor(config, [config.bind_socket()], settings.worker_restart_attempts)
@@ -378,7 +386,7 @@ def run_workers(settings: Settings, common: dict[str, Any]) -> int:
 SHUTDOWN_GRACE = 5.0
 
 #: Bytes past ``--max-body-bytes`` in which a WebSocket frame still reaches the app, so the
-#: client gets the wrapped 413 (gateway.protocols.responses_ws) rather than a bare close.
+#: client gets the wrapped 413 (gateway.protocols.responses.websocket) rather than a bare close.
 WS_FRAME_SLACK = 1024 * 1024
 
 
@@ -401,7 +409,7 @@ def _banner_before_workers(settings: Settings, sources: dict, login_url: str | N
     with the saved values the workers will apply."""
     from gateway.app import WEBUI_DIR, uses_simulator
     from gateway.banner import announce
-    from gateway.settings import LiveSettings
+    from gateway.live_settings import LiveSettings
     from gateway.store.credentials import CredentialState
     from gateway.store.db import open_database
     from gateway.store.saved_settings import SavedSettings

@@ -23,7 +23,7 @@ invalid_request    400     invalid_json, invalid_request, invalid_type, invalid_
                    405     method_not_allowed (a known route, another method)
 authentication     401     invalid_api_key (also a revoked or expired managed key)
 permission         403     cross_origin, forbidden_host (a web page's request on /v1:
-                           gateway/cross_site.py), model_not_allowed (outside the
+                           gateway/http/cross_site.py), model_not_allowed (outside the
                            managed key's model globs: gateway/keys/)
 not_found          404     upstream_not_found, response_not_found, model_not_found,
                            not_found (no such route)

@@ -19,10 +19,11 @@ import httpx
 import pytest
 
 from gateway.app import create_app
-from gateway.connections import ConnectionLimits, protocol_class
-from gateway.servers import bind_loopback, start_embedded, stop_embedded
-from gateway.settings import LiveSettings, Settings
-from gateway.upstream.simulator import create_simulator_app
+from gateway.http.connections import ConnectionLimits, protocol_class
+from gateway.http.servers import bind_loopback, start_embedded, stop_embedded
+from gateway.live_settings import LiveSettings
+from gateway.settings import Settings
+from gateway.simulator.server import create_simulator_app
 
 
 def wait_for(condition: Callable[[], object], timeout: float = 5.0) -> float:
@@ -54,7 +55,7 @@ class ServerLoop:
 
     def serve(self, app: Any, **config: Any) -> str:
         """Serve ``app`` on a fresh loopback port (``config``: more uvicorn options), with
-        the connection handling ``serve`` runs (gateway/connections.py: a lingering close
+        the connection handling ``serve`` runs (gateway/http/connections.py: a lingering close
         after an answer sent before the body was read, else the client can get a reset for
         its 401; no per-address cap here, the tests all come from 127.0.0.1)."""
         config.setdefault("http", protocol_class(ConnectionLimits(max_per_ip=1 << 20)))

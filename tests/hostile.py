@@ -1,6 +1,6 @@
 """Hostile request bodies for the generation routes, and what a correct answer to one looks like.
 
-Shared by the property test (``tests/test_hostile_input.py``, hypothesis draws from the
+Shared by the property test (``tests/generation/test_hostile_input.py``, hypothesis draws from the
 same pieces) and the benchmark (``bench/malformed.py``, a seeded corpus of a few thousand
 bodies). Each case says whether it is invalid *by construction* (a known field given a
 value of the wrong type or out of range, a body that is not an object, nesting deeper

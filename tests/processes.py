@@ -89,8 +89,8 @@ class GatewayProcess:
 def own_simulator(server_loop: Any) -> Iterator[Any]:
     """A simulator of its own on the session loop whose handlers are cancelled when it
     stops: they may sleep for minutes (stalled-upstream scenarios)."""
-    from gateway.servers import bind_loopback, start_embedded
-    from gateway.upstream.simulator import create_simulator_app
+    from gateway.http.servers import bind_loopback, start_embedded
+    from gateway.simulator.server import create_simulator_app
     from tests.conftest import Simulator
 
     sock = bind_loopback()

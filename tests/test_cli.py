@@ -14,7 +14,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.settings import LiveSettings, SettingsError, StreamMode, load_settings
+from gateway.live_settings import LiveSettings
+from gateway.settings import SettingsError, StreamMode, load_settings
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

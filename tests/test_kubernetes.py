@@ -14,7 +14,7 @@ import yaml
 
 from gateway.cli import build_parser
 from gateway.settings import ENV_PREFIX, Settings
-from gateway.upstream.config import load_config_file
+from gateway.upstream.config_file import load_config_file
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 

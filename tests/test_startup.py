@@ -23,8 +23,8 @@ from gateway import __version__
 from gateway.app import UPSTREAM_HEADER, create_app
 from gateway.banner import print_banner, render_text, startup_facts
 from gateway.settings import Settings, SettingsError, base_url_hint
-from gateway.upstream.config import ConfigFile, UpstreamEntry, load_config_file
-from gateway.upstream.pool import Upstream
+from gateway.upstream.config_file import ConfigFile, UpstreamEntry, load_config_file
+from gateway.upstream.credential import Upstream
 from tests.conftest import Gateway, ServerLoop
 from tests.processes import free_port, readable, wait_healthy
 
@@ -347,7 +347,8 @@ def test_make_run_passes_simulator_and_takes_a_port() -> None:
 
 def test_banner_shows_the_saved_stream_mode(tmp_path: Path) -> None:
     """A mode changed in the WebUI (saved) is the one in force: the banner says that one."""
-    from gateway.settings import LiveSettings, load_settings
+    from gateway.live_settings import LiveSettings
+    from gateway.settings import load_settings
     from gateway.store.db import open_database
     from gateway.store.saved_settings import SavedSettings
 

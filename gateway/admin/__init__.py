@@ -4,7 +4,7 @@ Every admin route is mounted by :func:`admin_mount`, so access control lives in 
 :class:`AdminGuard`, which asks :func:`gateway.admin.auth.guarded_check` (the admin token,
 configured or generated at start-up, or the WebUI session cookie). Host, Origin and
 content-type are checked before that, for the whole admin surface, by
-:class:`gateway.admin.surface.AdminSurface`.
+:class:`gateway.http.admin_surface.AdminSurface`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from gateway.admin.audit_api import audit_routes
 from gateway.admin.auth import auth_routes, guarded_check
 from gateway.admin.capture_api import capture_routes
 from gateway.admin.credentials_api import credential_routes
-from gateway.admin.rollouts_api import rollout_routes
 from gateway.admin.envelope_keys_api import envelope_key_routes
 from gateway.admin.keys_api import key_routes
+from gateway.admin.rollouts_api import rollout_routes
 from gateway.admin.settings_api import settings_routes
 from gateway.admin.status_api import status_routes
 

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from gateway.store import audit
+from gateway.store import audit_queries
 from gateway.store.db import Database
 
 MAX_LIMIT = 1000
@@ -73,10 +73,10 @@ async def list_audit(request: Request) -> Response:
         offset = _number(request, "offset", 0, 0, 10**9)
     except BadParam as err:
         return _bad(err)
-    filters = {c: request.query_params.get(c) or None for c in audit.FILTER_COLUMNS}
+    filters = {c: request.query_params.get(c) or None for c in audit_queries.FILTER_COLUMNS}
     filters["upstream"] = request.query_params.get("upstream") or None  # any attempt's upstream name
     filters["key_id"] = request.query_params.get("key_id") or None  # the managed client key
-    rows, total = await audit.query(_db(request), since=since, until=until, limit=limit, offset=offset, **filters)
+    rows, total = await audit_queries.query(_db(request), since=since, until=until, limit=limit, offset=offset, **filters)
     return JSONResponse({
         "object": "list", "data": rows, "total": total, "limit": limit, "offset": offset,
         "has_more": offset + len(rows) < total,
@@ -85,7 +85,7 @@ async def list_audit(request: Request) -> Response:
 
 async def get_audit(request: Request) -> Response:
     request_id = request.path_params["request_id"]
-    row = await audit.get(_db(request), request_id)
+    row = await audit_queries.get(_db(request), request_id)
     if row is None:
         body = {"error": {"type": "not_found_error", "code": "audit_not_found",
                           "message": f"no audit record {request_id!r}"}}
@@ -98,7 +98,7 @@ async def aggregate_audit(request: Request) -> Response:
         window = _number(request, "window", 3600.0, 1.0, MAX_WINDOW, integer=False)
     except BadParam as err:
         return _bad(err)
-    return JSONResponse(await audit.aggregate(_db(request), window))
+    return JSONResponse(await audit_queries.aggregate(_db(request), window))
 
 
 MAX_BUCKETS = 1440
@@ -159,8 +159,8 @@ def _bucketed(rows: list[tuple[Any, ...]], start: float, bucket: float, count: i
             ordered = [sorted(getattr(c, name)) for c in slots]
             everything = sorted(v for t in ordered for v in t)
             for q in (50, 95):
-                group[f"{name}_ms_p{q}"] = [audit.percentile(t, q) for t in ordered]
-                summary[f"{name}_ms_p{q}"] = audit.percentile(everything, q)
+                group[f"{name}_ms_p{q}"] = [audit_queries.percentile(t, q) for t in ordered]
+                summary[f"{name}_ms_p{q}"] = audit_queries.percentile(everything, q)
         group["summary"] = summary  # the whole window
         out[key] = group
     return out
@@ -274,7 +274,7 @@ async def export_audit(request: Request) -> Response:
     except BadParam as err:
         return _bad(err)
     return StreamingResponse(
-        audit.export(_db(request), since, until),
+        audit_queries.export(_db(request), since, until),
         media_type="application/x-ndjson",
         headers={"content-disposition": 'attachment; filename="audit.jsonl"'},
     )

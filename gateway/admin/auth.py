@@ -11,7 +11,7 @@ store, which revokes every cookie on every worker and replica; a new token does 
 state-changing request that rides on the cookie must carry an ``Origin`` equal to the
 gateway's own. Failed token attempts (login, Bearer) are rate-limited per client address
 and in total (:mod:`gateway.admin.throttle`): 429 with ``Retry-After``. Host, Origin and
-content-type are checked before any of this by :mod:`gateway.admin.surface`.
+content-type are checked before any of this by :mod:`gateway.http.admin_surface`.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def check_admin(request: Request) -> tuple[bool, str, str]:
     if given is not None and hmac.compare_digest(given.encode(), token.encode()):
         return True, "admin-token", ""
     if valid_session(token, request.cookies.get(COOKIE), _epoch(request.scope)):
-        # its value was checked against our own origins by gateway.admin.surface; a browser
+        # its value was checked against our own origins by gateway.http.admin_surface; a browser
         # always sends one on a write, so a cookie-borne write without one is not a browser's
         if request.method in UNSAFE_METHODS and request.headers.get("origin") is None:
             return False, "", "a state-changing request must come from the gateway's own origin"

@@ -8,7 +8,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.admin.common import admin_error
-from gateway.capture import export_rollout
+from gateway.rollout.capture_files import export_rollout
 
 
 async def export(request: Request) -> Response:

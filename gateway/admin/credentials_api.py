@@ -12,10 +12,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.admin.common import BAD_BODY, NotAnObject, admin_error, json_object
-from gateway.store import audit
-
 from gateway.errors import GatewayError
-from gateway.upstream.pool import Credential, Upstream, UpstreamPool
+from gateway.store import audit_queries
+from gateway.upstream.credential import Credential, Upstream
+from gateway.upstream.pool import UpstreamPool
 from gateway.upstream.urls import UpstreamURLError, check_upstream_url
 
 #: Seconds the probe of a newly added credential may take (the admin's request waits on it).
@@ -34,7 +34,7 @@ async def list_credentials(request: Request) -> Response:
     """Every credential (never a key), with its upstream attempts over the last day."""
     pool = _pool(request)
     now = time.time()
-    stats = await audit.credential_stats(request.app.state.db, now - STATS_WINDOW)
+    stats = await audit_queries.credential_stats(request.app.state.db, now - STATS_WINDOW)
     empty = {"attempts": 0, "succeeded": 0, "failed": 0, "success_rate": None, "last_error": None}
     credentials = [c.public(now) | {"stats": stats.get(c.fingerprint, empty)} for c in pool.credentials]
     return JSONResponse({"credentials": credentials, "in_flight": pool.in_flight, "stats_window": STATS_WINDOW})

@@ -11,8 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from gateway import readiness
-
+from gateway.routes import readiness
 
 MAX_WINDOW = 90 * 86400.0
 

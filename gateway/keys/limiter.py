@@ -24,11 +24,11 @@ import orjson
 import structlog
 
 from gateway.errors import GatewayError
+from gateway.generation.policy import StreamPolicy
+from gateway.generation.record import RequestRecord
 from gateway.keys import store
 from gateway.keys.model import DEFAULT_OUTPUT_CAP, ManagedKey
-from gateway.policy import StreamPolicy
 from gateway.protocols.base import ParsedRequest
-from gateway.record import RequestRecord
 from gateway.store.db import Store
 
 log = structlog.get_logger("gateway.keys")

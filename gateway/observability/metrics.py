@@ -28,9 +28,9 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    generate_latest,
     ProcessCollector,
     disable_created_metrics,
+    generate_latest,
     multiprocess,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -38,8 +38,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from gateway.errors import ErrorCode
 
 if TYPE_CHECKING:
-    from gateway.record import RequestRecord
-    from gateway.settings import LiveSettings
+    from gateway.generation.record import RequestRecord
+    from gateway.live_settings import LiveSettings
     from gateway.upstream.pool import UpstreamPool
 
 #: No ``*_created`` samples: with every known series declared they would double the
@@ -320,7 +320,7 @@ class Metrics:
         )
         self.unrecordable_requests = Counter(
             p + "unrecordable_requests", "Generation requests that came while no record could be kept"
-            " (gateway/recording.py): refused (503 recording_unavailable) or served (--serve-unrecorded)",
+            " (gateway/generation/recording_gate.py): refused (503 recording_unavailable) or served (--serve-unrecorded)",
             ["action"], registry=r,
         )
         for action in ("refused", "served"):
@@ -339,7 +339,7 @@ class Metrics:
         self.shutdown_cut = Counter(
             p + "shutdown_cut_requests", "Requests ended by the shutdown deadline", registry=r
         )
-        # Responses over WebSocket (gateway/protocols/responses_ws.py: ConnectionSlots)
+        # Responses over WebSocket (gateway/protocols/responses/websocket.py: ConnectionSlots)
         self.websockets_open = Gauge(
             p + "websockets_open", "Responses WebSocket connections open now (--ws-max-connections per process)",
             registry=r, multiprocess_mode="livesum",
@@ -351,7 +351,7 @@ class Metrics:
         for kind in ("audit", "response"):
             for counter in (self.records_spilled, self.records_replayed, self.records_lost):
                 counter.labels(kind)
-        # gateway/observability/loop_lag.py and gateway/upstream/client.py (issue #31)
+        # gateway/observability/loop_lag.py and gateway/upstream/connections.py (issue #31)
         self.event_loop_lag = Gauge(
             p + "event_loop_lag_seconds", "How late the event loop ran its last sample (every 0.25 s)",
             registry=r, multiprocess_mode="livemax",

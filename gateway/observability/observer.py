@@ -24,9 +24,9 @@ from gateway.store.responses import RESPONSE_STATEMENTS, SPILL_KINDS
 from gateway.store.spill import DurableWriter, SpillJournal
 
 if TYPE_CHECKING:
+    from gateway.generation.record import RequestRecord
+    from gateway.live_settings import LiveSettings
     from gateway.observability.tracing import Tracing
-    from gateway.record import RequestRecord
-    from gateway.settings import LiveSettings
 
 log = structlog.get_logger("gateway.request")
 

@@ -28,15 +28,15 @@ from urllib.parse import urlsplit
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import SpanKind, Status, StatusCode, get_current_span, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from gateway.observability.metrics import build_version
 
 if TYPE_CHECKING:
-    from gateway.record import RequestRecord
+    from gateway.generation.record import RequestRecord
 
 OPERATION = "chat"  # all three client protocols are chat-style generations
 PROVIDER = "openai"  # the upstream speaks OpenAI Chat Completions

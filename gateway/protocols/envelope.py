@@ -5,7 +5,7 @@ encrypted for that client alone (reasoning items' and compaction items'
 An envelope is AES-256-GCM (``cryptography``) under one key of the store's keyring
 (gateway/store/envelope_keys.py: shared by replicas, rotatable), with the field it carries
 (``r`` reasoning, ``c`` compaction, ``gts:<call id>`` a thought signature) and the client
-identity (gateway/tenancy.py) as associated data: altered, truncated, forged or sealed for
+identity (gateway/keys/identity.py) as associated data: altered, truncated, forged or sealed for
 another client key, it does not open, and a client can neither read it nor move it to
 another field or call. The blob is ``version (1) | key number (4) | nonce (12) |
 ciphertext + tag (16)``; as ``encrypted_content`` it is ``cb2a2.`` + base64url, in a call
@@ -30,7 +30,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from gateway.errors import GatewayError, invalid_request
-from gateway.tenancy import ANONYMOUS
+from gateway.keys.identity import ANONYMOUS
 
 #: ``encrypted_content`` of the envelopes this gateway seals.
 PREFIX = "cb2a2."
@@ -64,7 +64,7 @@ class Keyring:
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled as its keys (the AEAD objects are rebuilt): a body parsed in a worker
-        process (gateway/body_work.py) opens its envelopes there."""
+        process (gateway/generation/body_parsing.py) opens its envelopes there."""
         return (Keyring, (self.keys,))
 
     @classmethod

@@ -48,7 +48,7 @@ def rollout_of(scope: Scope, headers: Any, header_name: str) -> str | None:
 
 
 def _error_body(path: str, err: GatewayError) -> dict[str, Any]:
-    from gateway.protocols.messages import error_json as anthropic_error
+    from gateway.protocols.messages.room import error_json as anthropic_error
     from gateway.protocols.openai_shapes import error_json as openai_error
 
     return anthropic_error(err) if path.startswith("/v1/messages") else openai_error(err)

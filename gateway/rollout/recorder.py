@@ -24,11 +24,11 @@ import orjson
 import structlog
 
 from gateway.errors import GatewayError
+from gateway.live_settings import LiveSettings
 from gateway.redact import SECRETS
 from gateway.rollout import store as rollout_store
 from gateway.rollout.records import answered_upstream, call_record
 from gateway.rollout.tokens import llamacpp_prompt_ids
-from gateway.settings import LiveSettings
 from gateway.store.db import Store
 from gateway.store.spill import DurableWriter
 

@@ -1,4 +1,4 @@
-"""The audit store: one row per generation request, written off the hot path, and its queries.
+"""The audit store's write side: one row per generation request, written off the hot path.
 
 :meth:`AuditWriter.submit` runs on the event loop and only appends a snapshot of the
 record to a bounded in-memory queue; a background task batch-inserts the queue in one
@@ -11,7 +11,8 @@ straight to the journal (fsync'd, no store in the way), replayed like any spill;
 both bounds, or with no journal, is a record dropped (counted, logged). Shutdown drains
 both queues completely before the database closes. Rows older than the retention period
 are deleted at start-up and hourly by :class:`AuditRetention` (on a shared store every
-replica purges; the deletes are idempotent).
+replica purges; the deletes are idempotent). Reading the rows back (list, one record,
+summaries, export) is :mod:`gateway.store.audit_queries`.
 """
 
 from __future__ import annotations
@@ -21,19 +22,18 @@ import collections
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
-
-from gateway.redact import SECRETS
 import structlog
 
+from gateway.redact import SECRETS
 from gateway.store.db import Store, upsert
 from gateway.store.spill import DurableWriter, no_report
 
 if TYPE_CHECKING:
-    from gateway.record import RequestRecord
+    from gateway.generation.record import RequestRecord
 
 log = structlog.get_logger("gateway.audit")
 
@@ -375,184 +375,3 @@ class AuditWriter:
             self.on_write_error(count)
         else:
             self.written += count
-
-
-# -- queries -----------------------------------------------------------------------------
-
-#: Columns the audit list filters on, exactly; ``transport`` is generated from the record
-#: (migration 7), so the upsert above never names it.
-FILTER_COLUMNS = ("outcome", "protocol", "mode", "model", "error_code", "request_id", "transport")
-
-
-def upstream_pattern(name: str, field: str = "upstream") -> str:
-    """A LIKE pattern for ``"upstream":"<name>"`` (or another ``field``) in a record
-    (orjson writes it compact): the name JSON-escaped, then LIKE's own wildcards escaped with ``!``."""
-    literal = f'"{field}":' + orjson.dumps(name).decode()
-    return "%" + literal.replace("!", "!!").replace("%", "!%").replace("_", "!_") + "%"
-
-
-def _where(since: float | None, until: float | None, filters: dict[str, str | None]) -> tuple[str, list[Any]]:
-    clauses: list[str] = []
-    params: list[Any] = []
-    if since is not None:
-        clauses.append("started_at >= ?")
-        params.append(since)
-    if until is not None:
-        clauses.append("started_at < ?")
-        params.append(until)
-    for column in FILTER_COLUMNS:
-        value = filters.get(column)
-        if value is not None:
-            clauses.append(f"{column} = ?")
-            params.append(value)
-    upstream = filters.get("upstream")
-    if upstream is not None:  # no column (no migration): any attempt's upstream, read in the record's JSON
-        clauses.append("record LIKE ? ESCAPE '!'")
-        params.append(upstream_pattern(upstream))
-    key_id = filters.get("key_id")
-    if key_id is not None:  # the managed client key (gateway/keys/), read in the record's JSON
-        clauses.append("record LIKE ? ESCAPE '!'")
-        params.append(upstream_pattern(key_id, "key_id"))
-    return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
-
-
-async def query(
-    db: Store,
-    *,
-    since: float | None = None,
-    until: float | None = None,
-    limit: int = 100,
-    offset: int = 0,
-    **filters: str | None,
-) -> tuple[list[dict[str, Any]], int]:
-    """Matching records, newest first, and the total number matching."""
-    where, params = _where(since, until, filters)
-
-    def run(conn: Any) -> tuple[list[dict[str, Any]], int]:
-        total = conn.execute(f"SELECT COUNT(*) FROM audit{where}", params).fetchone()[0]
-        rows = conn.execute(
-            f"SELECT record FROM audit{where} ORDER BY started_at DESC, request_id DESC LIMIT ? OFFSET ?",
-            [*params, limit, offset],
-        ).fetchall()
-        return [orjson.loads(r[0]) for r in rows], int(total)
-
-    return await db.arun(run)
-
-
-async def get(db: Store, request_id: str) -> dict[str, Any] | None:
-    rows = await db.aexecute("SELECT record FROM audit WHERE request_id = ?", (request_id,))
-    return orjson.loads(rows[0][0]) if rows else None
-
-
-def percentile(sorted_values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile of already sorted values (None when empty)."""
-    if not sorted_values:
-        return None
-    rank = max(1, -(-len(sorted_values) * q // 100))  # ceil(n * q / 100)
-    return sorted_values[int(rank) - 1]
-
-
-async def aggregate(db: Store, window: float, now: float | None = None) -> dict[str, Any]:
-    """Counts by outcome, error rate and p50/p95 TTFB by protocol and mode over the window."""
-    until = time.time() if now is None else now
-    since = until - window
-
-    def run(conn: Any) -> list[tuple[Any, ...]]:
-        return conn.execute(
-            "SELECT protocol, mode, outcome, json_extract(record, '$.ttfb_ms'),"
-            " json_extract(record, '$.duration_ms') FROM audit WHERE started_at >= ? AND started_at < ?",
-            (since, until),
-        ).fetchall()
-
-    rows = await db.arun(run)
-    by_outcome: collections.Counter[str] = collections.Counter()
-    groups: dict[tuple[str, str], dict[str, Any]] = {}
-    for protocol, mode, outcome, ttfb, duration in rows:
-        by_outcome[outcome] += 1
-        group = groups.setdefault((protocol, mode), {"count": 0, "errors": 0, "ttfb": [], "duration": []})
-        group["count"] += 1
-        group["errors"] += outcome == "error"
-        if ttfb is not None:
-            group["ttfb"].append(float(ttfb))
-        if duration is not None:
-            group["duration"].append(float(duration))
-    total = len(rows)
-    series = []
-    for (protocol, mode), group in sorted(groups.items()):
-        ttfb_sorted, duration_sorted = sorted(group["ttfb"]), sorted(group["duration"])
-        series.append({
-            "protocol": protocol,
-            "mode": mode,
-            "requests": group["count"],
-            "error_rate": group["errors"] / group["count"],
-            "ttfb_samples": len(ttfb_sorted),
-            "ttfb_ms_p50": percentile(ttfb_sorted, 50),
-            "ttfb_ms_p95": percentile(ttfb_sorted, 95),
-            "duration_ms_p50": percentile(duration_sorted, 50),
-            "duration_ms_p95": percentile(duration_sorted, 95),
-        })
-    return {
-        "window": window,
-        "since": since,
-        "until": until,
-        "requests": total,
-        "by_outcome": dict(sorted(by_outcome.items())),
-        "error_rate": (by_outcome["error"] / total) if total else 0.0,
-        "by_protocol_mode": series,
-    }
-
-
-async def credential_stats(db: Store, since: float) -> dict[str, dict[str, Any]]:
-    """Per credential fingerprint since ``since``: upstream attempts, how many succeeded
-    (answered 200 without an error) or failed, the success rate and the last error."""
-
-    def run(conn: Any) -> list[tuple[Any, ...]]:  # SQL that runs on SQLite and PostgreSQL
-        return conn.execute(
-            "SELECT started_at, json_extract(record, '$.upstream_attempts') FROM audit"
-            " WHERE started_at >= ? ORDER BY started_at",
-            (since,),
-        ).fetchall()
-
-    stats: dict[str, dict[str, Any]] = {}
-    for started_at, attempts in await db.arun(run):
-        if isinstance(attempts, (str, bytes)):
-            attempts = orjson.loads(attempts)
-        for attempt in attempts or ():
-            key = str(attempt.get("credential") or "")
-            entry = stats.setdefault(key, {"attempts": 0, "succeeded": 0, "failed": 0, "last_error": None})
-            entry["attempts"] += 1
-            if attempt.get("error"):
-                entry["failed"] += 1
-                entry["last_error"] = {
-                    "code": attempt["error"], "status": attempt.get("status"),
-                    "at": float(attempt.get("started_at") or started_at),
-                }
-            elif attempt.get("status") == 200:
-                entry["succeeded"] += 1
-    for entry in stats.values():
-        judged = entry["succeeded"] + entry["failed"]
-        entry["success_rate"] = entry["succeeded"] / judged if judged else None
-    return stats
-
-
-async def export(
-    db: Store, since: float | None = None, until: float | None = None, page: int = 500
-) -> AsyncIterator[bytes]:
-    """Every matching record as JSON lines, oldest first, read a page at a time."""
-    where, params = _where(since, until, {})
-    cursor: tuple[float, str] | None = None
-    while True:
-        clause, args = where, list(params)
-        if cursor is not None:
-            clause += (" AND " if clause else " WHERE ") + "(started_at > ? OR (started_at = ? AND request_id > ?))"
-            args += [cursor[0], cursor[0], cursor[1]]
-        rows = await db.aexecute(
-            f"SELECT started_at, request_id, record FROM audit{clause} ORDER BY started_at, request_id LIMIT ?",
-            [*args, page],
-        )
-        if not rows:
-            return
-        yield b"".join(r[2].encode() + b"\n" for r in rows)
-        if len(rows) < page:
-            return
-        cursor = (rows[-1][0], rows[-1][1])

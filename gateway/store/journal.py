@@ -3,7 +3,7 @@ where rows the store cannot take wait (see :mod:`gateway.store.spill` for how it
 
 Its whole bound is reserved up front (``posix_fallocate``), so a disk that fills up after
 start-up still has room for it; a reservation that failed is retried (:meth:`retry_reserve`)
-and, until it holds, the gateway refuses what it could not record (gateway/recording.py).
+and, until it holds, the gateway refuses what it could not record (gateway/generation/recording_gate.py).
 Unused space is zero bytes; the end of the journal is the first NUL (JSON never contains
 one: orjson escapes it). Every batch is ``fsync``'d before it counts as spilled.
 """

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from gateway.store.db import MIGRATIONS, Migration, ddl
+from gateway.store.migrations import MIGRATIONS, Migration, ddl
 
 T = TypeVar("T")
 

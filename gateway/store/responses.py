@@ -7,9 +7,9 @@ One row per response in the ``responses`` table (migration 2); ``body`` is JSON:
 replica on PostgreSQL, so a follow-up turn may land on any of them.
 
 Each row records its ``owner`` (migration 8), the client identity that created it
-(gateway/tenancy.py); :meth:`ResponseStore.load` answers only its owner, so another client
+(gateway/keys/identity.py); :meth:`ResponseStore.load` answers only its owner, so another client
 key cannot tell the id exists. Rows from before migration 8 have no owner: they are read
-only by :data:`~gateway.tenancy.ANONYMOUS` (no client key configured), as before.
+only by :data:`~gateway.keys.identity.ANONYMOUS` (no client key configured), as before.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import orjson
 import structlog
 
 from gateway.errors import GatewayError
+from gateway.keys.identity import ANONYMOUS
 from gateway.store.db import Store, upsert
 from gateway.store.spill import DurableWriter, StoreUnavailable
-from gateway.tenancy import ANONYMOUS
 
 log = structlog.get_logger("gateway.responses")
 

@@ -17,7 +17,7 @@ URL (urllib, no timeout; ``file://`` too), matches ``pattern`` with Python's bac
   evaluations against :data:`MAX_EVALUATIONS` and a deadline. Anything it cannot decide
   within those is ``None``: the caller treats the repair as not possible.
 
-Pure (no I/O): the caller decides where it runs (off the event loop: gateway/offload.py).
+Pure (no I/O): the caller decides where it runs (off the event loop: gateway/generation/offload.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from gateway.errors import GatewayError
-from gateway.policy import StreamPolicy
+from gateway.generation.policy import StreamPolicy
 from gateway.rollout.tokens import with_token_fields
 from gateway.upstream.client import ANSWERED, Send, UpstreamClient, UpstreamItem
 from gateway.upstream.pool import UpstreamPool

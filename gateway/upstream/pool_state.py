@@ -1,7 +1,7 @@
 """CredentialStateSync: the pool's learned credential state, kept in step with the store.
 
 What the pool learns (disabled, why and by whom, cooldowns) lives on each
-:class:`~gateway.upstream.pool.Credential` in memory, which is the truth on the request
+:class:`~gateway.upstream.credential.Credential` in memory, which is the truth on the request
 path. This class is the pool's one way to and from the store: it restores that state at
 start-up, hands each change to the background writer (or writes it itself when there is
 none), and adopts what other replicas stored, going by the row versions it has last
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import structlog
 
 if TYPE_CHECKING:
-    from gateway.upstream.pool import Credential
+    from gateway.upstream.credential import Credential
 
 log = structlog.get_logger("gateway.pool")
 

@@ -19,7 +19,8 @@ import structlog
 
 if TYPE_CHECKING:
     from gateway.upstream.client import UpstreamClient
-    from gateway.upstream.pool import Credential, UpstreamPool
+    from gateway.upstream.credential import Credential
+    from gateway.upstream.pool import UpstreamPool
 
 log = structlog.get_logger("gateway.prober")
 

@@ -28,11 +28,11 @@ import httpx
 import structlog
 
 from gateway.errors import GatewayError
-from gateway.policy import StreamPolicy
+from gateway.generation.policy import StreamPolicy
 from gateway.rollout.chain import TokenInPlan, splice
 from gateway.upstream.client import ANSWERED, DONE, UpstreamClient, UpstreamItem
+from gateway.upstream.credential import Credential
 from gateway.upstream.hermes import HermesParser
-from gateway.upstream.pool import Credential
 
 log = structlog.get_logger("gateway.token_in")
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from gateway.protocols.responses_compaction import SUMMARY_PROMPT
+from gateway.protocols.responses.compaction import SUMMARY_PROMPT
 from tests.clients.conftest import ClientGateway
 from tests.conftest import Simulator
 

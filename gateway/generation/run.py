@@ -1,0 +1,414 @@
+"""One generation's I/O loop: read upstream items, tick keepalives, write frames.
+
+The pieces it drives do no I/O of their own decisions:
+
+- :class:`~gateway.upstream.attempts.UpstreamAttempts` streams one upstream answer with
+  failover; a small pump task moves its items into a queue.
+- the answer state (:mod:`gateway.stream.answer`, one per mode) turns items into
+  canonical events and decides regenerations (through the repair policy);
+- the room's encoder turns events into frames.
+
+The loop waits on the queue. One timer per request queues a tick after a quiet keepalive
+interval, which becomes the room's native keepalive. Whatever is queued while the client
+is being written to is handled in one go and written once. Opening frames
+(``encoder.start()``) always go before anything else, keepalives included. A client
+disconnect cancels the loop, which cancels the pump, which closes the upstream response.
+:meth:`GenerationRun.abort` ends a running generation early with a named error (e.g.
+graceful shutdown): the upstream is closed and the client gets that error.
+
+The run never writes the request's outcome: it exposes :attr:`completion` and
+:attr:`error`, and :mod:`gateway.generation.outcome` decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+import orjson
+
+from gateway.errors import GatewayError
+from gateway.generation.offload import finish_answer
+from gateway.generation.outcome import internal_error
+from gateway.generation.policy import StreamPolicy
+from gateway.generation.record import RequestRecord
+from gateway.protocols.base import ParsedRequest, ProtocolRoom, StreamEncoder
+from gateway.protocols.tokens import usage_estimator
+from gateway.redact import SECRETS
+from gateway.settings import StreamMode
+from gateway.stream.answer import CompatibleAnswer, RealtimeAnswer
+from gateway.stream.events import KEEPALIVE, BlockDelta, Completion, Error, Event
+from gateway.stream.masking import DeltaMasker
+from gateway.stream.repair import RepairPolicy
+from gateway.stream.signatures import restore_thought_signatures
+from gateway.upstream.attempts import UpstreamAttempts
+from gateway.upstream.client import ANSWERED, UpstreamItem
+from gateway.upstream.config import with_engine_extras
+
+_TICK = object()  # the keepalive timer fired
+
+
+@dataclass(frozen=True, slots=True)
+class _Ended:
+    """The pump stopped: the answer ended (``error`` None) or failed."""
+
+    error: BaseException | None = None
+
+
+_QueueItem = UpstreamItem | _Ended | object
+
+
+async def _pump(items: AsyncIterator[UpstreamItem], queue: asyncio.Queue[_QueueItem], scope: anyio.CancelScope) -> None:
+    """Move one upstream answer's items into the queue. Cancelled (client gone, abort),
+    it closes the upstream at once, even while waiting on a full queue.
+
+    It is cancelled through ``scope`` (anyio), never ``Task.cancel()``: httpcore shields
+    the release of a connection with an anyio scope, which a native cancel goes through.
+    A cancel landing there (an upstream error event is handled while its body's last
+    bytes are read) left the connection checked out of the pool for good: one fd per
+    mid-stream error, until the pool was full and every request hung (issue #31)."""
+    with scope:
+        try:
+            async with contextlib.aclosing(items):  # type: ignore[type-var]
+                async for item in items:
+                    await queue.put(item)
+        except Exception as exc:  # GatewayError or a bug of ours; the loop reports both
+            await queue.put(_Ended(exc))
+        else:
+            await queue.put(_Ended())
+
+
+class Run(Protocol):
+    """What the generation service, its stream response and shutdown need of a run: a
+    :class:`GenerationRun`, or a relayed route's ``RelayedCall`` (gateway/generation/passthrough.py)."""
+
+    room: Any
+    record: RequestRecord
+    attempts: UpstreamAttempts
+    error: GatewayError | None
+    committed: bool  # the opening frames went out: an error now goes in-stream
+    terminated: bool  # the terminal frame was released: the answer is whole, nothing follows
+    rollout_id: str | None
+
+    def stream(self) -> AsyncIterator[bytes | GatewayError]: ...
+
+    def abort(self, error: GatewayError) -> None: ...
+
+
+class GenerationRun:
+    """One generation request's answer, as frames (stream) or a Completion (JSON)."""
+
+    def __init__(
+        self,
+        room: ProtocolRoom,
+        parsed: ParsedRequest,
+        policy: StreamPolicy,
+        record: RequestRecord,
+        attempts: UpstreamAttempts,
+    ) -> None:
+        self.room = room
+        self.parsed = parsed
+        self.policy = policy
+        self.record = record
+        self.attempts = attempts
+        self.response_id = room.new_response_id()
+        self.encoder: StreamEncoder = room.encoder(parsed, self.response_id)
+        self.upstream_body = restore_thought_signatures(
+            with_engine_extras(parsed.upstream_body, policy.engine_extras), parsed.tenant.open_signature
+        )
+        self.answer: RealtimeAnswer | CompatibleAnswer = self._answer_state(parsed.stream)
+        self.committed = False  # the opening frames went out: errors are in-stream now
+        self.terminated = False  # the terminal frame (finish or error) was released: nothing follows
+        self.completion: Completion | None = None
+        self.error: GatewayError | None = None
+        self.rollout_id: str | None = None
+        #: awaited once the answer is whole, before its terminal (or JSON body) is released:
+        #: the rollout call record's commit (gateway/rollout/recorder.py)
+        self.before_release: Callable[[GenerationRun], Awaitable[None]] | None = None
+        self._aborted: GatewayError | None = None
+        self._queue: asyncio.Queue[_QueueItem] = asyncio.Queue(maxsize=64)
+        self._pump_task: asyncio.Task[None] | None = None
+        self._pump_scope = anyio.CancelScope()
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop = asyncio.get_running_loop()
+        self._last_activity = 0.0
+
+    def _answer_state(self, streamed: bool) -> RealtimeAnswer | CompatibleAnswer:
+        p = self.policy
+        answer: RealtimeAnswer | CompatibleAnswer
+        if streamed and p.mode is StreamMode.REALTIME:
+            answer = RealtimeAnswer(p.max_collect_bytes, self.parsed.rules, self.upstream_body, self.room.sequential_blocks)
+        else:
+            repair = RepairPolicy(self.upstream_body, p.tool_repair_attempts)
+            answer = CompatibleAnswer(p.max_collect_bytes, self.parsed.rules, self.upstream_body, repair)
+        answer.reasoning_tags = p.reasoning_tags_for(self.parsed.model)
+        answer.estimate_usage = usage_estimator  # the one rule when the upstream reports none
+        answer.seal_signature = self.parsed.tenant.seal_signature
+        answer.masker = DeltaMasker(SECRETS)  # a secret split across deltas is masked too
+        return answer
+
+    # -- the two ways to consume a run ------------------------------------------------------
+
+    async def collect(self) -> Completion:
+        """The JSON path: the whole validated (and if need be repaired) answer."""
+        async for _ in self._frames(streaming=False):
+            pass
+        assert self.completion is not None
+        return self.completion
+
+    async def stream(self) -> AsyncIterator[bytes | GatewayError]:
+        """The client's stream: a GatewayError first means 'not committed, answer with a
+        status'; otherwise bytes, the first of which commit a 200."""
+        try:
+            async for out in self._frames(streaming=True):
+                yield out
+        except GatewayError as err:
+            self.error = err
+        except Exception as exc:  # a bug of ours: the protocol's error, never a silent close
+            self.error = internal_error(exc, self.record.request_id, "stream")
+        if self.error is not None and not self.terminated:
+            if self.committed:
+                self.terminated = True
+                yield self.encoder.encode(Error(self.error))
+            else:
+                yield self.error
+
+    def abort(self, error: GatewayError) -> None:
+        """End this generation early with ``error`` (closes the upstream; the client gets
+        the error as an HTTP status or, once committed, as the in-stream error event)."""
+        if self._aborted is not None or self.terminated:
+            return
+        self._aborted = error
+        self._pump_scope.cancel()
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._queue.put_nowait(_Ended(error))
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    async def _frames(self, streaming: bool) -> AsyncIterator[bytes]:
+        """Every upstream answer the answer state asks for, as frames; then (streaming)
+        the final frames. The JSON path gets no keepalives and encodes nothing."""
+        answer = self.answer
+        body = answer.begin()
+        events: list[Event] = []
+        repair = answer.repair
+        while body is not None:
+            began, logged = time.time(), len(repair.log) if repair is not None else 0
+            try:
+                async for out in self._read(body, keepalives=streaming):
+                    yield out
+                events = await finish_answer(answer)  # off the loop when it validates a schema
+            finally:
+                if repair is not None:
+                    repair.time_since(logged, began, time.time())
+            body = answer.begin()
+        self.completion = answer.completion
+        if self.before_release is not None:
+            await self.before_release(self)
+        if streaming:
+            out = self._commit() + self._encode_all(events)
+            # kept before the terminal goes out: a client that reads it and at once continues
+            # (previous_response_id) or hangs up finds the answer stored, never half-done
+            assert self.completion is not None
+            await self.room.completed(self.parsed, self.response_id, self.completion, self.encoder)
+            self.terminated = True
+            yield out
+
+    async def _read(self, body: dict[str, Any], keepalives: bool) -> AsyncIterator[bytes]:
+        """One upstream answer: what the client may see meanwhile (opening frames,
+        keepalives, realtime events), written once per batch of queued items."""
+        if self._aborted is not None:
+            raise self._aborted
+        queue = self._queue = asyncio.Queue(maxsize=64)
+        self._pump_scope = anyio.CancelScope()
+        self._pump_task = asyncio.create_task(_pump(self.attempts.stream(body), queue, self._pump_scope))
+        if keepalives:
+            self._start_keepalive_timer()
+        handle = self.answer.handle
+        try:
+            while True:
+                item = await queue.get()
+                out: list[bytes] = []
+                ended: _Ended | None = None
+                try:
+                    while True:
+                        if isinstance(item, _Ended):
+                            ended = item
+                            break
+                        if item is _TICK:
+                            if self.record.first_keepalive_ms is None:  # the trace's keepalive wait
+                                self.record.first_keepalive_ms = round((time.time() - self.record.started_at) * 1000, 2)
+                            self.record.keepalives += 1
+                            out.append(self._commit() + self.encoder.encode(KEEPALIVE))  # opening first
+                        elif item is ANSWERED:
+                            if keepalives and not self.committed:
+                                out.append(self._commit())
+                        else:
+                            events = handle(item)  # type: ignore[arg-type]
+                            if events:
+                                out.append(self._encode_all(events))
+                        if queue.empty():
+                            break
+                        item = queue.get_nowait()
+                except GatewayError:
+                    if out:  # what was already released goes out before the error
+                        yield b"".join(out)
+                    raise
+                self._last_activity = self._loop.time()
+                if out:
+                    yield b"".join(out)
+                if ended is not None:
+                    if ended.error is not None:
+                        raise ended.error
+                    return
+        finally:
+            self.record.output_bytes = self.answer.retained_bytes
+            await self._stop_reading()
+
+    async def _stop_reading(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        task = self._pump_task
+        if task is not None and not task.done():
+            self._pump_scope.cancel()  # not task.cancel(): see _pump
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _start_keepalive_timer(self) -> None:
+        """One timer per request (not one per item): after a quiet keepalive interval, a
+        tick is queued for the loop."""
+        self._loop = asyncio.get_running_loop()
+        self._last_activity = self._loop.time()
+        self._timer = self._loop.call_later(self.policy.keepalive_interval, self._keepalive_due)
+
+    def _keepalive_due(self) -> None:
+        interval = self.policy.keepalive_interval
+        quiet = self._loop.time() - self._last_activity
+        if quiet >= interval * 0.999:
+            if self._queue.empty():
+                self._queue.put_nowait(_TICK)
+            self._last_activity = self._loop.time()
+            quiet = 0.0
+        self._timer = self._loop.call_later(interval - quiet, self._keepalive_due)
+
+    # -- framing ----------------------------------------------------------------------------
+
+    def _commit(self) -> bytes:
+        """The protocol's opening frames, the first time anything is sent; else nothing."""
+        if self.committed:
+            return b""
+        self.committed = True
+        return self.encoder.start()
+
+    def _encode_all(self, events: list[Event]) -> bytes:
+        if self.record.ttft_ms is None:
+            self._note_first_content(events)
+        encode = self.encoder.encode
+        return b"".join([encode(e) for e in events])
+
+    def _note_first_content(self, events: list[Event]) -> None:
+        """``ttft_ms``: when the first text, reasoning or tool-argument delta is written."""
+        for event in events:
+            if isinstance(event, BlockDelta) and event.text:
+                self.record.ttft_ms = round((time.time() - self.record.started_at) * 1000, 2)
+                return
+
+
+def note_run(record: RequestRecord, run: GenerationRun) -> None:
+    """Copy what the run learned into the record (before it is reported)."""
+    record.upstream_attempts = run.attempts.log
+    if run.attempts.upstream_model is not None:
+        record.upstream_model = run.attempts.upstream_model
+    if run.answer.repair is not None:
+        record.repairs = run.answer.repair.log
+    completion = run.completion
+    if completion is None or run.error is not None:
+        return
+    if record.bodies is not None:
+        record.bodies["response"] = orjson.dumps({
+            "reasoning": completion.reasoning, "text": completion.text,
+            "tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in completion.tool_calls],
+        }).decode()
+    record.finish_reason = completion.finish_reason
+    record.tool_calls = len(completion.tool_calls)
+    if completion.usage:
+        u = completion.usage
+        record.usage = {
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens,
+            "reasoning_tokens": u.reasoning_tokens,
+            "cached_tokens": u.cached_tokens,
+        }
+        if u.estimated:
+            record.usage["estimated"] = True
+
+
+def capture_record(run: GenerationRun) -> dict[str, Any]:
+    """The model-call record for training harnesses (``--capture-dir``)."""
+    record = run.record
+    completion = run.completion if run.error is None else None
+    acc = run.answer.acc
+    answer: dict[str, Any] | None = None
+    if completion is not None:
+        answer = {
+            "text": completion.text,
+            "reasoning": completion.reasoning,
+            "tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in completion.tool_calls],
+            "finish_reason": completion.finish_reason,
+            "usage": record.usage,
+        }
+    elif acc is not None:  # failed: what the upstream had said so far
+        answer = {"text": acc.text, "reasoning": acc.reasoning, "finish_reason": acc.finish_reason, "partial": True}
+    token_data = completion.token_data if completion is not None else (acc.token_data if acc else None)
+    bodies = run.answer.bodies
+    return {
+        "rollout_id": run.rollout_id,
+        "request_id": record.request_id,
+        "started_at": record.started_at,
+        "ended_at": record.ended_at,
+        "protocol": record.protocol,
+        "mode": record.mode,
+        "model": record.model,
+        "upstream_model": record.upstream_model,
+        "outcome": record.outcome,
+        "error_code": record.error_code,
+        "upstream_request": bodies[-1] if bodies else run.upstream_body,
+        "upstream_attempts": len(bodies),
+        "answer": answer,
+        "token_data": token_data.as_dict() if token_data else None,
+        "repairs": record.repairs,
+    }
+
+
+class RunningGenerations:
+    """The generations running now, by request id: capacity counts them, and the app can
+    end them all early with a named error (graceful shutdown)."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, Run] = {}
+
+    def add(self, run: Run) -> None:
+        self._runs[run.record.request_id] = run
+
+    def discard(self, request_id: str) -> None:
+        self._runs.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def __iter__(self) -> Iterator[Run]:
+        return iter(list(self._runs.values()))
+
+    def abort_all(self, error: GatewayError) -> int:
+        """End every running generation with ``error``; returns how many were told."""
+        runs = list(self._runs.values())
+        for run in runs:
+            run.abort(error)
+        return len(runs)

@@ -1,0 +1,308 @@
+"""The one place that wires a generation request: client key, parse, policy snapshot,
+capacity, then a :class:`~gateway.generation.run.GenerationRun` answered as JSON or as a
+stream. Every way out goes through one :class:`~gateway.generation.outcome.RequestOutcome`, which
+writes the outcome and reports the record exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from starlette.requests import ClientDisconnect, HTTPConnection, Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.errors import ErrorCode, GatewayError
+from gateway.generation.body_parsing import BodyBudget, parse_request
+from gateway.generation.outcome import RequestOutcome, internal_error
+from gateway.generation.policy import StreamPolicy
+from gateway.generation.record import RequestObserver, RequestRecord
+from gateway.generation.response import GenerationResponse, error_response
+from gateway.generation.run import GenerationRun, Run, RunningGenerations, capture_record, note_run
+from gateway.http.body_limit import BodyTooLarge
+from gateway.http.cross_site import raise_refusal
+from gateway.keys.identity import check_client_key, client_identity
+from gateway.keys.limiter import KeyLimiter
+from gateway.keys.registry import KeyRegistry, managed_key, named_key
+from gateway.live_settings import LiveSettings
+from gateway.protocols.base import ParsedRequest, ProtocolRoom
+from gateway.protocols.envelope import PROCESS_KEYRING, Keyring, Tenant
+from gateway.rollout.capture_files import CaptureWriter
+from gateway.rollout.chain import continuation
+from gateway.rollout.ids import rollout_of
+from gateway.rollout.tokens import with_token_fields
+from gateway.upstream.attempts import UpstreamAttempts
+from gateway.upstream.client import UpstreamClient
+from gateway.upstream.pool import UpstreamPool
+from gateway.upstream.token_in import TokenIn
+
+#: The scope key under which a generation request keeps its upstream attempts, for the
+#: ``x-codebuddy2api-upstream`` header (app.SimulatorHeader reads it at the status line).
+ATTEMPTS_SCOPE_KEY = "codebuddy2api.attempts"
+
+if TYPE_CHECKING:
+    from gateway.rollout.recorder import RolloutRecorder
+    from gateway.store.replicas import CapacityPolicy
+
+
+class GenerationService:
+    """Wires generation requests for every protocol room (it does not relay bytes itself:
+    :class:`~gateway.generation.run.GenerationRun` does)."""
+
+    def __init__(self, live: LiveSettings, upstream: UpstreamClient, observer: RequestObserver) -> None:
+        self.live = live
+        self.upstream = upstream
+        self.observer = observer
+        self.pool: UpstreamPool = UpstreamPool([])  # replaced at start-up (app lifespan)
+        self.capture: CaptureWriter | None = None  # set at start-up with --capture-dir
+        self.rollouts: RolloutRecorder | None = None  # rollout call records (set at start-up)
+        #: With replicas on a shared store: this replica's share of max_concurrent
+        #: (gateway.store.replicas.SharedCapacity); None = the whole cap is local.
+        self.capacity: CapacityPolicy | None = None
+        #: the generations holding a capacity slot now; ``running.abort_all(err)`` ends them
+        self.running = RunningGenerations()
+        #: raises 503 recording_unavailable while no record can be kept (gateway/generation/recording_gate.py)
+        self.recording: Callable[[], None] | None = None
+        #: request-body bytes held by requests now (--max-body-bytes-in-flight)
+        self.bodies = BodyBudget(live.current.max_body_bytes_in_flight)
+        #: the envelope keyring now (the store's EnvelopeKeys, set at start-up)
+        self.envelope_keys: Callable[[], Keyring] = lambda: PROCESS_KEYRING
+        #: managed client keys (gateway/keys/): who may ask, and their reservations
+        self.keys: KeyRegistry | None = None
+        self.limiter: KeyLimiter | None = None
+
+    def tenant(self, request: HTTPConnection) -> Tenant:
+        """The tenant of a request whose client key was checked."""
+        return Tenant(client_identity(request, self.live.current.api_key), self.envelope_keys)
+
+    @property
+    def in_flight(self) -> int:
+        """Generation requests holding a capacity slot right now."""
+        return len(self.running)
+
+    def in_flight_by(self, dimension: str) -> dict[str, int]:
+        """Requests holding a slot now, counted by ``protocol`` or by ``mode``."""
+        counts: dict[str, int] = {}
+        for run in self.running:
+            key = run.record.protocol if dimension == "protocol" else run.record.mode
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    async def handle(
+        self, room: ProtocolRoom, request: Request, transport: str = "http"
+    ) -> Response | GenerationResponse:
+        """``transport``: how the request came (``websocket``: a Responses WebSocket frame)."""
+        settings = self.live.current
+        policy = StreamPolicy.snapshot(settings)
+        record = _open_record(room, transport, policy)
+        record.traceparent = (request.headers.get("traceparent") or "")[:128] or None
+        self.observer.on_start(record)
+        headers = {"x-request-id": record.request_id, "x-codebuddy2api-stream-mode": policy.mode.value}
+        run: GenerationRun | None = None
+        held = [0]  # body bytes this request holds in the budget, released with its report
+        outcome = RequestOutcome(record, lambda: self._report(record, run, held[0]))
+        try:  # from the headers, before a byte of the body is read
+            raise_refusal(request.scope)  # a web page's request (gateway/http/cross_site.py)
+            record.client_key_fingerprint = check_client_key(request, settings.api_key, self.keys)
+            key = managed_key(request)
+            _name_key(record, request)
+            if self.recording is not None:
+                self.recording()
+            held[0] = self._hold_body(_declared_length(request), settings.max_body_bytes_in_flight)
+            tenant = self.tenant(request)
+            body = await request.body()
+            if not held[0]:  # no Content-Length: what was read
+                held[0] = self._hold_body(len(body), settings.max_body_bytes_in_flight)
+        except GatewayError as err:
+            _name_key(record, request)
+            outcome.refused(err)
+            return error_response(room, err, headers)
+        except BodyTooLarge as exc:
+            err = exc.error()
+            outcome.invalid(err)
+            return error_response(room, err, headers)
+        except ClientDisconnect:
+            outcome.cancelled(http_status=499)
+            return Response(status_code=499)
+        if settings.audit_bodies:
+            record.bodies = {"request": body.decode("utf-8", "replace")}
+        try:
+            parsed = await parse_request(room, body, dict(request.query_params), tenant)  # off the loop when large
+            record.model = parsed.model
+            record.upstream_model = str(parsed.upstream_body.get("model", parsed.model))
+            record.streamed = parsed.stream
+            parsed = await room.resolve(parsed)
+            rollout = rollout_of(request.scope, request.headers, settings.rollout_header)
+            chat_room = getattr(room, "run_type", None) is None  # the relayed routes have no chat answer to record
+            recording = chat_room and rollout is not None and self.rollouts is not None and self.rollouts.enabled
+            token_in = None
+            if recording:
+                token_in = await _rollout_token_in(self.rollouts, rollout, parsed, self.upstream)  # type: ignore[arg-type]
+            if chat_room and settings.capture_tokens != "none":
+                tokens_body = with_token_fields(parsed.upstream_body, settings.capture_tokens)
+                parsed = dataclasses.replace(parsed, upstream_body=tokens_body)
+        except GatewayError as err:  # a 503 (stored state unreadable now) is no fault of the request
+            (outcome.refused if err.kind == "overloaded" else outcome.invalid)(err)
+            return error_response(room, err, headers)
+        except Exception as exc:  # a bug of ours (parser, tokenizer, store): a 500, not a traceback
+            err = internal_error(exc, record.request_id, "parse")
+            outcome.failed(err)
+            return error_response(room, err, headers)
+        if key is not None and self.limiter is not None:
+            try:  # its models, then a reservation in the store (before anything goes upstream)
+                parsed = await self.limiter.admit(key, parsed, policy, record.request_id)
+            except GatewayError as err:
+                outcome.refused(err)
+                return error_response(room, err, headers)
+        limit = settings.max_concurrent if self.capacity is None else self.capacity.limit(settings.max_concurrent)
+        if self.in_flight >= limit:
+            err = GatewayError(
+                "overloaded", ErrorCode.CAPACITY_EXCEEDED,
+                f"the gateway is at its limit of {limit} concurrent requests", retry_after=1,
+            )
+            outcome.refused(err)
+            return error_response(room, err, headers)
+        session = request.headers.get(settings.session_header) if settings.session_header else None
+        if rollout is not None:  # a rollout's calls stay on one credential (its prefix cache)
+            session = "rollout:" + rollout
+        try:
+            # a room may name its own run: the relayed routes' RelayedCall (gateway/generation/passthrough.py)
+            run_type = getattr(room, "run_type", GenerationRun)
+            attempts = UpstreamAttempts(self.pool, self.upstream, policy, session, record.trace_context, token_in)
+            run = run_type(room, parsed, policy, record, attempts)
+        except Exception as exc:
+            err = internal_error(exc, record.request_id, "encoder")
+            outcome.failed(err)
+            return error_response(room, err, headers)
+        run.rollout_id = rollout
+        request.scope[ATTEMPTS_SCOPE_KEY] = run.attempts  # the x-codebuddy2api-upstream header (app.SimulatorHeader)
+        if recording:
+            run.before_release = self.rollouts.commit  # type: ignore[union-attr]
+        self.running.add(run)
+        if parsed.stream:
+            return GenerationResponse(run, headers, lambda complete: _stream_outcome(outcome, run, complete))
+        return await _answer_json(room, run, outcome, headers)
+
+    def refuse_unread(
+        self, room: ProtocolRoom, error: GatewayError, transport: str, client: HTTPConnection
+    ) -> GatewayError:
+        """A request refused before it could be read as one (a WebSocket frame that is not
+        JSON, too large, or past the queue bound): still its one audit record, as the same
+        body over HTTP has, and the client key checked first as there (without one the
+        answer is the 401, not what was wrong with the frame). Returns the error to send."""
+        settings = self.live.current
+        record = _open_record(room, transport, StreamPolicy.snapshot(settings))
+        self.observer.on_start(record)
+        outcome = RequestOutcome(record, lambda: self._report(record, None))
+        try:
+            record.client_key_fingerprint = check_client_key(client, settings.api_key, self.keys)
+        except GatewayError as refused:
+            _name_key(record, client)
+            outcome.refused(refused)
+            return refused
+        _name_key(record, client)
+        outcome.invalid(error)
+        return error
+
+    def _hold_body(self, size: int, limit: int) -> int:
+        """Reserve ``size`` body bytes (returned), or the 503 that says the budget is spent."""
+        self.bodies.limit = limit
+        if not self.bodies.reserve(size):
+            raise GatewayError(
+                "overloaded", "too_many_request_bytes",
+                f"the gateway holds {limit} bytes of request bodies already (--max-body-bytes-in-flight)",
+                retry_after=1,
+            )
+        return size
+
+    def _report(self, record: RequestRecord, run: GenerationRun | None, held: int = 0) -> None:
+        """The single exit of every generation request (called once, by its
+        RequestOutcome): frees its slot and its body bytes, completes the record, reports it."""
+        self.running.discard(record.request_id)
+        self.bodies.release(held)
+        record.ended_at = time.time()
+        record.duration_ms = (record.ended_at - record.started_at) * 1000
+        chat_run = run if isinstance(run, GenerationRun) else None  # a RelayedCall noted itself
+        if chat_run is not None:
+            note_run(record, chat_run)
+        if record.key_id and self.limiter is not None and self.keys is not None:
+            key = self.keys.get(record.key_id)
+            if key is not None:
+                self.limiter.finished(key, record)  # settles its reservation (a task: no wait)
+        self.observer.on_finish(record)
+        if self.capture is not None and chat_run is not None:
+            self.capture.submit(capture_record(chat_run))
+        if self.rollouts is not None and chat_run is not None:
+            self.rollouts.finished(chat_run, record.outcome, record.error_code)
+
+
+def _open_record(room: ProtocolRoom, transport: str, policy: StreamPolicy) -> RequestRecord:
+    """A request's audit record, opened before anything about it is checked."""
+    return RequestRecord(
+        request_id="req_" + secrets.token_hex(12), protocol=room.name, started_at=time.time(),
+        transport=transport, mode=policy.mode.value,
+    )
+
+
+async def _rollout_token_in(
+    rollouts: RolloutRecorder, rollout: str, parsed: ParsedRequest, upstream: UpstreamClient
+) -> TokenIn | None:
+    """A recorded rollout's call: refused while its rollout is frozen; with token-in
+    configured, the plan to continue the rollout's tokens (else None)."""
+    await rollouts.refuse_frozen(rollout)
+    if not rollouts.token_in_configured:
+        return None
+    history = await rollouts.history(rollout)
+    # compares the whole history with the body: grows with the rollout, off the loop
+    plan = await asyncio.to_thread(continuation, history, parsed.upstream_body)
+    return TokenIn(plan, parsed.upstream_body, upstream)
+
+
+async def _answer_json(
+    room: ProtocolRoom, run: GenerationRun, outcome: RequestOutcome, headers: dict[str, str]
+) -> Response:
+    """A non-streamed request's answer: the run collected into the room's JSON body."""
+    try:
+        completion = await run.collect()
+        await room.completed(run.parsed, run.response_id, completion, None)
+        body = room.json_body(run.parsed, run.response_id, completion)
+    except GatewayError as err:
+        run.error = err
+    except asyncio.CancelledError:
+        outcome.cancelled()
+        raise
+    except Exception as exc:  # a bug of ours: the room's 500, audited as an error
+        run.error = internal_error(exc, run.record.request_id, "json")
+    if run.error is not None:
+        outcome.failed(run.error)
+        return error_response(room, run.error, headers)
+    outcome.succeeded()
+    return JSONResponse(body, headers=headers)
+
+
+def _stream_outcome(outcome: RequestOutcome, run: Run, complete: bool) -> None:
+    """How a streamed request ended, decided once after its response stopped."""
+    if not complete:
+        outcome.cancelled()
+    elif run.error is not None:
+        outcome.failed(run.error, committed=run.committed)
+    else:
+        outcome.succeeded()
+
+
+def _name_key(record: RequestRecord, request: HTTPConnection) -> None:
+    """The managed key a request presented (also a revoked one), on its record."""
+    key = named_key(request)
+    if key is not None:
+        record.key_id, record.key_name = key.key_id, key.name
+
+
+def _declared_length(request: HTTPConnection) -> int:
+    """The body's ``Content-Length`` (0 when absent or not a number; BodyLimit refuses the
+    body past --max-body-bytes however it is declared)."""
+    raw = request.headers.get("content-length") or ""
+    return int(raw) if raw.isdigit() and len(raw) < 19 else 0

@@ -1,0 +1,3 @@
+"""Anthropic Messages: the room (parse, error shape, stream encoder) and the request
+translation to chat.
+"""

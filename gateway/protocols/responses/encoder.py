@@ -1,0 +1,466 @@
+"""OpenAI Responses output: the Response object and its items, and the stream encoder.
+
+Wire contracts (see docs/protocols/responses.md): ``sequence_number`` on every event,
+contiguous from 0 (also on ``error`` and ``response.failed``); ``response.created`` then
+``response.in_progress``; every delta belongs to an item announced by
+``response.output_item.added`` and every added item gets ``response.output_item.done``;
+one response id for the whole stream; the terminal event carries the full output, built
+from exactly what was streamed; no ``[DONE]``. Keepalive is a repeated
+``response.in_progress``. Streamed and JSON answers (the room, responses.py) are built by
+the same item helpers.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from gateway.errors import GatewayError
+from gateway.protocols.base import dumps, sse
+from gateway.protocols.envelope import ANONYMOUS_TENANT, Tenant
+from gateway.protocols.responses.client_tool_calls import CustomInputStream, call_item
+from gateway.protocols.responses.compaction import compaction_item
+from gateway.protocols.responses.input_items import seal_reasoning
+from gateway.protocols.responses.tools import ToolMap
+from gateway.stream.events import (
+    BlockDelta,
+    BlockStart,
+    BlockStop,
+    Completion,
+    Error,
+    Event,
+    Finish,
+    Keepalive,
+    TokenLogprobs,
+    Usage,
+)
+
+# -- the Response object and its items (shared by stream and JSON) -----------------------
+
+
+def usage_object(usage: Usage | None) -> dict[str, Any]:
+    u = usage or Usage()
+    return {
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {
+            "cached_tokens": u.cached_tokens, "cache_write_tokens": u.prompt_details.get("cache_write_tokens", 0)
+        },
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
+        "total_tokens": u.total_tokens,
+    }
+
+
+def content_part(text: str, refusal: bool, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A message's one content part: ``output_text``, or ``refusal`` (what ``responses.parse``
+    reports instead of parsing)."""
+    if refusal:
+        return {"type": "refusal", "refusal": text}
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def logprob_object(entry: dict[str, Any]) -> dict[str, Any]:
+    """An upstream Chat ``logprobs.content`` entry as a Responses ``Logprob`` (its ``bytes``
+    are required: the token's UTF-8 when the upstream left them out)."""
+
+    def one(e: dict[str, Any]) -> dict[str, Any]:
+        token = str(e.get("token", ""))
+        raw = e.get("bytes")
+        return {"token": token, "bytes": raw if isinstance(raw, list) else list(token.encode()), "logprob": e.get("logprob", 0.0)}
+
+    tops = [one(t) for t in entry.get("top_logprobs") or () if isinstance(t, dict)]
+    return {**one(entry), "top_logprobs": tops}
+
+
+def output_logprobs(completion: Completion) -> list[dict[str, Any]]:
+    """The answer's logprobs as the JSON answer's output_text shows them."""
+    entries = completion.token_data.logprobs if completion.token_data is not None else []
+    return [logprob_object(e) for e in entries]
+
+
+def message_item(
+    item_id: str, text: str | None, status: str, refusal: bool = False, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    content = [] if text is None else [content_part(text, refusal, logprobs)]
+    return {
+        "id": item_id,
+        "type": "message",
+        "status": status,
+        "role": "assistant",
+        "content": content,
+    }
+
+
+def function_call_item(
+    item_id: str, call_id: str, client_name: tuple[str, str | None], arguments: str, status: str
+) -> dict[str, Any]:
+    name, namespace = client_name
+    item: dict[str, Any] = {
+        "id": item_id,
+        "type": "function_call",
+        "status": status,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+    }
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item
+
+
+def reasoning_item(item_id: str, text: str | None, envelope: Tenant | None) -> dict[str, Any]:
+    """``envelope``: the tenant to seal ``encrypted_content`` for (include asked), else None."""
+    item: dict[str, Any] = {"id": item_id, "type": "reasoning", "summary": []}
+    if text is not None:
+        item["summary"] = [{"type": "summary_text", "text": text}]
+        if envelope is not None:
+            item["encrypted_content"] = seal_reasoning(text, envelope)
+    return item
+
+
+def new_id(prefix: str) -> str:
+    """A fresh output id (``resp_``, ``msg_``, ``fc_`` ... plus 32 hex digits)."""
+    return prefix + secrets.token_hex(16)
+
+
+def _client_name(tool_map: ToolMap, upstream: str | None) -> tuple[str, str | None]:
+    return tool_map.client.get(upstream or "", (upstream or "", None))
+
+
+def tool_call_item(
+    tool_map: ToolMap, item_id: str, call_id: str, upstream: str | None, arguments: str, status: str
+) -> dict[str, Any]:
+    """The output item of one upstream tool call: ``function_call``, or the item of the
+    client-executed tool type it was declared as (``custom_tool_call``, ...)."""
+    name, namespace = _client_name(tool_map, upstream)
+    kind = tool_map.kinds.get(upstream or "")
+    if kind is None:
+        return function_call_item(item_id, call_id, (name, namespace), arguments, status)
+    return call_item(kind, item_id, call_id, name, namespace, arguments, status)
+
+
+def response_object(
+    echo: dict[str, Any],
+    response_id: str,
+    created_at: int,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None = None,
+    incomplete_reason: str | None = None,
+    error: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The Response object; ``echo`` holds the request fields it repeats."""
+    body: dict[str, Any] = {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
+        "background": False,
+        "error": error,
+        "incomplete_details": {"reason": incomplete_reason} if incomplete_reason else None,
+        **echo,
+        "output": output,
+        "usage": usage,
+    }
+    if status in ("completed", "incomplete", "failed"):
+        body["completed_at"] = int(time.time()) if status == "completed" else None
+    return body
+
+
+def terminal_status(finish_reason: str) -> tuple[str, str | None]:
+    """The Response status and incomplete reason a finish reason means."""
+    if finish_reason == "length":
+        return "incomplete", "max_output_tokens"
+    if finish_reason == "content_filter":
+        return "incomplete", "content_filter"
+    return "completed", None
+
+
+def _failed_error(error: GatewayError) -> dict[str, Any]:
+    """``response.error``: its ``code`` must be one of the spec's literals."""
+    code = "rate_limit_exceeded" if error.kind == "rate_limit" else "server_error"
+    return {"code": code, "message": f"{error.message} ({error.code})"}
+
+
+# -- the stream encoder -------------------------------------------------------------------
+
+
+class StreamedResponse:
+    """The Response object as the stream has told it so far. Every event takes the next
+    ``sequence_number`` here (one counter, contiguous from 0); each output index's item is
+    kept in its latest state (as announced, then final), and the order items finished is
+    the ``output`` of every snapshot: the terminal object is exactly what was streamed."""
+
+    def __init__(self, response_id: str, echo: dict[str, Any]) -> None:
+        self.response_id = response_id
+        self.echo = echo  # the request fields the Response object repeats
+        self.created_at = int(time.time())
+        self.items: dict[int, dict[str, Any]] = {}  # output index -> item (in progress, then final)
+        self.done: list[int] = []  # output indexes in the order their items finished
+        self._seq = 0
+
+    def event(self, kind: str, payload: dict[str, Any]) -> bytes:
+        """One SSE event, numbered."""
+        data = {"type": kind, **payload, "sequence_number": self._seq}
+        self._seq += 1
+        return sse(dumps(data), event=kind)
+
+    def snapshot(self, status: str, **kwargs: Any) -> dict[str, Any]:
+        """The Response object now (``output`` only once it is no longer in progress)."""
+        output = [self.items[i] for i in self.done] if status != "in_progress" else []
+        return response_object(self.echo, self.response_id, self.created_at, status, output, **kwargs)
+
+    def added(self, index: int, item: dict[str, Any]) -> bytes:
+        """``response.output_item.added``: ``item`` is the output at ``index`` from now on."""
+        self.items[index] = item
+        return self.event("response.output_item.added", {"output_index": index, "item": item})
+
+    def finished(self, index: int, final: dict[str, Any]) -> bytes:
+        """``response.output_item.done``: ``final`` is the item's last state."""
+        self.items[index] = final
+        self.done.append(index)
+        return self.event("response.output_item.done", {"output_index": index, "item": final})
+
+
+class ResponsesEncoder:
+    """Canonical events -> Responses SSE events: which items and parts each block becomes
+    (the Response and its sequence numbers are a :class:`StreamedResponse`)."""
+
+    def __init__(
+        self,
+        response_id: str,
+        *,
+        echo: dict[str, Any],
+        tool_map: ToolMap,
+        envelope: bool,
+        compaction: bool,
+        logprobs: bool = False,
+        tenant: Tenant = ANONYMOUS_TENANT,
+    ) -> None:
+        self.response = StreamedResponse(response_id, echo)
+        self._event = self.response.event  # bound once: the per-delta call stays one call
+        self.tool_map = tool_map
+        self.envelope = envelope  # include reasoning.encrypted_content
+        self.tenant = tenant  # whom envelopes are sealed for
+        #: A compaction turn: the answer's text becomes one compaction item, nothing else.
+        self.compaction = compaction
+        self._summary: list[str] = []
+        self._parts: dict[int, list[str]] = {}  # output index -> the text streamed for it
+        self._pending: set[int] = set()  # client-executed tool calls not yet announced
+        self._custom: dict[int, CustomInputStream] = {}  # open custom calls' decoded input
+        self._open: int | None = None
+        self._refusals: set[int] = set()  # output indexes of refusal messages
+        #: include message.output_text.logprobs: entries ride on the next output_text delta
+        self.logprobs = logprobs
+        self._logprobs_waiting: list[dict[str, Any]] = []
+        self._part_logprobs: dict[int, list[dict[str, Any]]] = {}  # output index -> its part's
+        self.final: dict[str, Any] | None = None
+
+    def start(self) -> bytes:
+        snapshot = self.response.snapshot
+        return self._event("response.created", {"response": snapshot("in_progress")}) + self._event(
+            "response.in_progress", {"response": snapshot("in_progress")}
+        )
+
+    # -- events ----------------------------------------------------------------------
+
+    def encode(self, event: Event) -> bytes:
+        if self.final is not None:
+            return b""
+        if self.compaction and isinstance(event, (BlockStart, BlockDelta, BlockStop, Finish)):
+            return self._compaction(event)
+        if isinstance(event, BlockDelta):
+            return self._delta(event.index, event.text)
+        if isinstance(event, BlockStart):
+            return self._start(event)
+        if isinstance(event, BlockStop):
+            return self._stop(event.index, event.content, "completed")
+        if isinstance(event, TokenLogprobs):
+            if self.logprobs:
+                self._logprobs_waiting.extend(logprob_object(e) for e in event.entries)
+            return b""
+        if isinstance(event, Keepalive):
+            return self._event("response.in_progress", {"response": self.response.snapshot("in_progress")})
+        if isinstance(event, Finish):
+            out = self._close_open("completed")
+            status, reason = terminal_status(event.finish_reason)
+            self.final = self.response.snapshot(
+                status, usage=usage_object(event.usage), incomplete_reason=reason
+            )
+            kind = "response.completed" if status == "completed" else "response.incomplete"
+            return out + self._event(kind, {"response": self.final})
+        if isinstance(event, Error):
+            err = event.error
+            out = self._close_open("incomplete")
+            out += self._event("error", {"code": err.code, "message": err.message, "param": None})
+            self.final = self.response.snapshot("failed", error=_failed_error(err))
+            return out + self._event("response.failed", {"response": self.final})
+        return b""
+
+    def _compaction(self, event: Event) -> bytes:
+        """Text blocks feed the summary; the finish emits the one compaction item."""
+        if isinstance(event, BlockStop) and event.kind == "text":
+            self._summary.append(event.content)
+        if not isinstance(event, Finish):
+            return b""
+        item = compaction_item("".join(self._summary), self.tenant)
+        out = self.response.added(0, item) + self.response.finished(0, item)
+        self.final = self.response.snapshot("completed", usage=usage_object(event.usage))
+        return out + self._event("response.completed", {"response": self.final})
+
+    def _start(self, event: BlockStart) -> bytes:
+        out = self._close_open("completed")
+        index = event.index
+        self._open = index
+        self._parts[index] = []
+        if event.kind in ("text", "refusal"):
+            item = message_item(new_id("msg_"), None, "in_progress")
+            if event.kind == "refusal":
+                self._refusals.add(index)
+            part = content_part("", event.kind == "refusal")
+            return out + self._added_with_part(index, item, "response.content_part.added", "content_index", part)
+        if event.kind == "reasoning":
+            item = reasoning_item(new_id("rs_"), None, None)
+            part = {"type": "summary_text", "text": ""}
+            return out + self._added_with_part(
+                index, item, "response.reasoning_summary_part.added", "summary_index", part
+            )
+        call_id = event.call_id or new_id("call_")
+        kind = self.tool_map.kinds.get(event.name or "")
+        if kind == "custom":
+            # freeform input streams as it is decoded from the upstream's JSON arguments
+            item = tool_call_item(self.tool_map, new_id("ctc_"), call_id, event.name, "", "in_progress")
+            item["input"] = ""
+            self._custom[index] = CustomInputStream()
+            return out + self.response.added(index, item)
+        if kind is not None:
+            # the other client-executed items need their whole action/operation: announced
+            # once the call's arguments are complete, in _stop
+            self.response.items[index] = {"id": new_id("ctc_"), "call_id": call_id, "upstream": event.name}
+            self._pending.add(index)
+            return out
+        name = _client_name(self.tool_map, event.name)
+        item = function_call_item(new_id("fc_"), call_id, name, "", "in_progress")
+        return out + self.response.added(index, item)
+
+    def _added_with_part(
+        self, index: int, item: dict[str, Any], part_event: str, part_key: str, part: dict[str, Any]
+    ) -> bytes:
+        """A message or reasoning item announced, then its first (empty) part."""
+        added = self.response.added(index, item)
+        return added + self._event(part_event, {"item_id": item["id"], "output_index": index, part_key: 0, "part": part})
+
+    def _delta(self, index: int, text: str) -> bytes:
+        item = self.response.items.get(index)
+        if not text or item is None:
+            return b""
+        self._parts[index].append(text)
+        if index in self._pending:
+            return b""
+        where = {"item_id": item["id"], "output_index": index}
+        if index in self._custom:
+            new = self._custom[index].feed(text)
+            if not new:
+                return b""
+            return self._event("response.custom_tool_call_input.delta", {**where, "delta": new})
+        if item["type"] == "message" and index in self._refusals:
+            return self._event("response.refusal.delta", {**where, "content_index": 0, "delta": text})
+        if item["type"] == "message":
+            logprobs = self._take_logprobs(index)
+            return self._event(
+                "response.output_text.delta",
+                {**where, "content_index": 0, "delta": text, "logprobs": logprobs},
+            )
+        if item["type"] == "reasoning":
+            return self._event(
+                "response.reasoning_summary_text.delta",
+                {**where, "summary_index": 0, "delta": text},
+            )
+        return self._event("response.function_call_arguments.delta", {**where, "delta": text})
+
+    def _take_logprobs(self, index: int) -> list[dict[str, Any]]:
+        """The logprobs waiting for output, now the text part at ``index``'s."""
+        taken, self._logprobs_waiting = self._logprobs_waiting, []
+        if taken:
+            self._part_logprobs.setdefault(index, []).extend(taken)
+        return taken
+
+    def _close_open(self, status: str) -> bytes:
+        if self._open is None:
+            return b""
+        return self._stop(self._open, "".join(self._parts[self._open]), status)
+
+    def _stop(self, index: int, content: str, status: str) -> bytes:
+        if index not in self.response.items or index in self.response.done:
+            return b""
+        if index in self._pending:
+            return self._stop_client_call(index, content or "".join(self._parts[index]), status)
+        if index in self._custom:
+            return self._stop_custom_call(index, content or "".join(self._parts[index]), status)
+        out = b""
+        sent = "".join(self._parts[index])
+        if content != sent and content.startswith(sent):
+            out += self._delta(index, content[len(sent) :])  # keep deltas and final in agreement
+        text = "".join(self._parts[index])
+        item = self.response.items[index]
+        where = {"item_id": item["id"], "output_index": index}
+        if item["type"] == "message" and index in self._refusals:
+            part = content_part(text, True)
+            out += self._event("response.refusal.done", {**where, "content_index": 0, "refusal": text})
+            out += self._event("response.content_part.done", {**where, "content_index": 0, "part": part})
+            final = message_item(item["id"], text, status, refusal=True)
+        elif item["type"] == "message":
+            self._take_logprobs(index)  # any that came after the last delta belong to this part
+            logprobs = self._part_logprobs.get(index, [])
+            part = content_part(text, False, logprobs)
+            out += self._event(
+                "response.output_text.done",
+                {**where, "content_index": 0, "text": text, "logprobs": logprobs},
+            )
+            out += self._event(
+                "response.content_part.done", {**where, "content_index": 0, "part": part}
+            )
+            final = message_item(item["id"], text, status, logprobs=logprobs)
+        elif item["type"] == "reasoning":
+            part = {"type": "summary_text", "text": text}
+            out += self._event(
+                "response.reasoning_summary_text.done", {**where, "summary_index": 0, "text": text}
+            )
+            out += self._event(
+                "response.reasoning_summary_part.done", {**where, "summary_index": 0, "part": part}
+            )
+            final = reasoning_item(item["id"], text, self.tenant if self.envelope else None)
+        else:
+            out += self._event(
+                "response.function_call_arguments.done", {**where, "arguments": text}
+            )
+            final = {**item, "arguments": text, "status": status}
+        return out + self._finish_item(index, final)
+
+    def _finish_item(self, index: int, final: dict[str, Any]) -> bytes:
+        if self._open == index:
+            self._open = None
+        return self.response.finished(index, final)
+
+    def _stop_client_call(self, index: int, arguments: str, status: str) -> bytes:
+        """added (in progress, with its whole action/operation), then done."""
+        self._pending.discard(index)
+        pending = self.response.items[index]
+        item_id, call_id, upstream = pending["id"], pending["call_id"], pending["upstream"]
+        added = tool_call_item(self.tool_map, item_id, call_id, upstream, arguments, "in_progress")
+        final = tool_call_item(self.tool_map, item_id, call_id, upstream, arguments, status)
+        return self.response.added(index, added) + self._finish_item(index, final)
+
+    def _stop_custom_call(self, index: int, arguments: str, status: str) -> bytes:
+        """The rest of the input, ``custom_tool_call_input.done``, the item done: the final
+        input is exactly the concatenated deltas."""
+        stream = self._custom.pop(index)
+        item = self.response.items[index]
+        where = {"item_id": item["id"], "output_index": index}
+        out = b""
+        rest = stream.finish(arguments)
+        if rest:
+            out += self._event("response.custom_tool_call_input.delta", {**where, "delta": rest})
+        out += self._event("response.custom_tool_call_input.done", {**where, "input": stream.sent})
+        return out + self._finish_item(index, {**item, "input": stream.sent, "status": status})

@@ -1,0 +1,3 @@
+"""The HTTP endpoints of the client API: the generation routes, the models routes and
+readiness.
+"""

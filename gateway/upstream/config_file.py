@@ -1,0 +1,161 @@
+"""The ``--config`` TOML file: its one validated model (``[[upstreams]]`` tables and per-model
+``[models."<glob>"]`` options), read with errors that name the file, the key and its line.
+
+::
+
+    [models."qwen3*"]
+    reasoning_tags = true        # or "auto"; "open" when the template opens <think>
+
+Per-model options are read once per file version (path and modification time), so a
+request's policy snapshot costs a stat, not a parse.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+
+from gateway.settings import SettingsError, check_base_url
+
+
+class UpstreamEntry(BaseModel):
+    """One ``[[upstreams]]`` table of the ``--config`` file (docs/configuration.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str | None = Field(None, description="shown in the banner, metrics and audit (default upstreamN)")
+    base_url: str = Field(description="the upstream's OpenAI-compatible base URL, ending in /v1")
+    api_key: SecretStr | None = Field(None, description="one key, sent as Authorization: Bearer")
+    api_keys: list[SecretStr] = Field(default_factory=list, description="several keys = several credentials")
+    api_key_env: list[str] = Field(default_factory=list, description="names of environment variables holding keys")
+    headers: dict[str, str] = Field(default_factory=dict, description="extra request headers for this upstream")
+    models: list[str] | None = Field(None, description="allow-list of client model names this upstream serves")
+    model_map: dict[str, str] = Field(default_factory=dict, description="client model name -> upstream model name")
+    capture_tokens: Literal["none", "vllm", "llamacpp"] | None = Field(
+        None, description="this upstream's token source for rollout records (default: --capture-tokens)"
+    )
+    token_in: Literal["vllm", "llamacpp"] | None = Field(
+        None, description="token-in continuation of rollout calls through this engine (docs/capture.md);"
+        " implies capture_tokens of the same engine unless set"
+    )
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        return check_base_url(value)
+
+
+class ModelEntry(BaseModel):
+    """One ``[models."<glob>"]`` table: options for the models whose name matches the glob."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reasoning_tags: bool | Literal["auto", "open"] = Field(
+        False, description='split <think> tags out of content: true/"auto", or "open" when the template opens <think>'
+    )
+
+
+class ConfigFile(BaseModel):
+    """The whole ``--config`` TOML file: unknown keys are refused (a typo must not
+    silently disable a setting)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    upstreams: list[UpstreamEntry] = Field(default_factory=list, description="one table per upstream")
+    models: dict[str, ModelEntry] = Field(default_factory=dict, description='per-model options, keyed by a name glob')
+
+
+def _key_line(text: str, loc: tuple[int | str, ...]) -> int | None:
+    """The 1-based line a validation error's location points at. tomllib keeps no
+    positions, so scan: the ``loc[1]``-th ``[[upstreams]]`` header, then the key in it."""
+    lines = text.splitlines()
+    if not loc:
+        return None
+    table, rest = loc[0], loc[1:]
+    if table == "models" and len(rest) >= 2:  # [models."<glob>"], then the key in it
+        header = re.compile(rf"""^\s*\[\s*models\s*\.\s*["']?{re.escape(str(rest[0]))}["']?\s*\]""")
+        key = re.compile(rf"^\s*{re.escape(str(rest[1]))}\s*=")
+        start = next((n for n, line in enumerate(lines, 1) if header.match(line)), None)
+        if start is not None:
+            for n in range(start + 1, len(lines) + 1):
+                if re.match(r"^\s*\[", lines[n - 1]):
+                    break
+                if key.match(lines[n - 1]):
+                    return n
+        return start
+    if table != "upstreams" or not rest or not isinstance(rest[0], int):
+        pattern = re.compile(rf"^\s*(\[\[?\s*)?{re.escape(str(table))}\b")
+        return next((n for n, line in enumerate(lines, 1) if pattern.match(line)), None)
+    headers = [n for n, line in enumerate(lines, 1) if re.match(r"^\s*\[\[\s*upstreams\s*\]\]", line)]
+    if rest[0] >= len(headers):
+        return next((n for n, line in enumerate(lines, 1) if re.match(r"^\s*upstreams\s*=", line)), None)
+    start = headers[rest[0]]
+    if len(rest) < 2:
+        return start
+    key = re.compile(rf"^\s*[\"']?{re.escape(str(rest[1]))}[\"']?\s*[=.]")
+    for n in range(start + 1, len(lines) + 1):
+        line = lines[n - 1]
+        if re.match(r"^\s*\[", line) and not re.match(rf"^\s*\[\s*upstreams\.{re.escape(str(rest[1]))}", line):
+            break
+        if key.match(line):
+            return n
+    return start
+
+
+def _error_line(path: Path, text: str, exc: ValidationError) -> str:
+    """The first validation error as one line: file:line: key: what is wrong."""
+    err = exc.errors()[0]
+    loc = tuple(err["loc"])
+    key = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".") or "(file)"
+    line = _key_line(text, loc)
+    where = f"{path}:{line}" if line else str(path)
+    message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        parent = ConfigFile if len(loc) == 1 else ModelEntry if loc[0] == "models" else UpstreamEntry
+        message = "unknown key (allowed: " + ", ".join(parent.model_fields) + ")"
+    return f"--config {where}: {key}: {message}"
+
+
+def load_config_file(path: Path) -> ConfigFile:
+    """Read and validate ``--config``; raises SettingsError with one line naming the
+    file, the key and its line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SettingsError(f"--config {path}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"--config {path}: not valid TOML: {exc}") from None
+    try:
+        return ConfigFile.model_validate(data)
+    except ValidationError as exc:
+        raise SettingsError(_error_line(path, text, exc)) from None
+
+
+def model_reasoning_tags(path: Path | None) -> dict[str, str]:
+    """model glob -> "auto" | "open" from the config file (empty without one)."""
+    if path is None:
+        return {}
+    try:
+        mtime = path.stat().st_mtime_ns
+    except OSError:
+        return {}
+    return dict(_read(str(path), mtime))
+
+
+@lru_cache(maxsize=8)
+def _read(path: str, mtime: int) -> tuple[tuple[str, str], ...]:
+    """The file's ``[models]`` tables, validated by the one TOML model (unknown keys refused)."""
+    found: list[tuple[str, str]] = []
+    for glob, entry in load_config_file(Path(path)).models.items():
+        value = entry.reasoning_tags
+        if value is False:
+            continue
+        found.append((glob, "auto" if value is True else value))
+    return tuple(found)
