@@ -26,7 +26,7 @@ from gateway.generation.run import GenerationRun, Run, RunningGenerations, captu
 from gateway.http.body_limit import BodyTooLarge
 from gateway.http.cross_site import raise_refusal
 from gateway.keys.identity import check_client_key, client_identity
-from gateway.keys.limiter import KeyLimiter
+from gateway.keys.limiter import KeyLimiter, KeyRefusal
 from gateway.keys.registry import KeyRegistry, managed_key, named_key
 from gateway.live_settings import LiveSettings
 from gateway.protocols.base import ParsedRequest, ProtocolRoom
@@ -154,10 +154,14 @@ class GenerationService:
             return error_response(room, err, headers)
         if key is not None and self.limiter is not None:
             try:  # its models, then a reservation in the store (before anything goes upstream)
-                parsed = await self.limiter.admit(key, parsed, policy, record.request_id)
+                admission = await self.limiter.admit(key, parsed, policy, record.request_id)
             except GatewayError as err:
+                if isinstance(err, KeyRefusal):
+                    headers.update(err.headers)
                 outcome.refused(err)
                 return error_response(room, err, headers)
+            parsed = admission.parsed
+            headers.update(admission.headers)  # x-ratelimit-*: what the key has left
         limit = settings.max_concurrent if self.capacity is None else self.capacity.limit(settings.max_concurrent)
         if self.in_flight >= limit:
             err = GatewayError(
