@@ -141,7 +141,7 @@ class GenerationService:
             recording = chat_room and rollout is not None and self.rollouts is not None and self.rollouts.enabled
             token_in = None
             if recording:
-                token_in = await _rollout_token_in(self.rollouts, rollout, parsed, self.upstream)  # type: ignore[arg-type]
+                token_in = await _rollout_token_in(self.rollouts, rollout, parsed, self.upstream, tenant.identity)  # type: ignore[arg-type]
             if chat_room and settings.capture_tokens != "none":
                 tokens_body = with_token_fields(parsed.upstream_body, settings.capture_tokens)
                 parsed = dataclasses.replace(parsed, upstream_body=tokens_body)
@@ -253,10 +253,12 @@ def _open_record(room: ProtocolRoom, transport: str, policy: StreamPolicy) -> Re
 
 
 async def _rollout_token_in(
-    rollouts: RolloutRecorder, rollout: str, parsed: ParsedRequest, upstream: UpstreamClient
+    rollouts: RolloutRecorder, rollout: str, parsed: ParsedRequest, upstream: UpstreamClient, owner: str
 ) -> TokenIn | None:
-    """A recorded rollout's call: refused while its rollout is frozen; with token-in
-    configured, the plan to continue the rollout's tokens (else None)."""
+    """A recorded rollout's call: refused when the rollout is another client key's (or was
+    deleted lately), and while it is frozen; with token-in configured, the plan to continue
+    the rollout's tokens (else None)."""
+    await rollouts.claim(rollout, owner)
     await rollouts.refuse_frozen(rollout)
     if not rollouts.token_in_configured:
         return None
