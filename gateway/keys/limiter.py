@@ -118,7 +118,28 @@ class KeyLimiter:
         key.check_model(parsed.model)
         if not key.limits.counted:
             return Admission(parsed, {})
-        job = asyncio.ensure_future(asyncio.to_thread(self._reserve, key, request_id, parsed, policy))
+        grant = await self._decide(request_id, lambda: store.admit(self.db, key, request_id, ask_of(key, parsed, policy)))
+        self._open.add(request_id)
+        if key.limits.token_limited and parsed.protocol != "embeddings":
+            parsed = dataclasses.replace(parsed, upstream_body=capped(parsed.upstream_body, grant.cap))
+        return Admission(parsed, grant.quota.headers())
+
+    async def admit_side(self, key: ManagedKey, model: str | None, request_id: str) -> dict[str, str]:
+        """A request that generates nothing (``count_tokens``, a Responses WebSocket
+        ``generate: false`` frame): the model check (when the model is known), and, for a
+        key with ``rpm``, one request in its window (no tokens, recorded as ended).
+        Returns the ``x-ratelimit-*`` headers, or raises the refusal."""
+        if model is not None:
+            key.check_model(model)
+        if key.limits.rpm is None:
+            return {}
+        grant = await self._decide(request_id, lambda: store.admit(self.db, key, request_id, Ask(generates=False)))
+        return grant.quota.headers()
+
+    async def _decide(self, request_id: str, reserve: Any) -> Grant:
+        """``reserve()`` in a worker thread (sizing serialises the body: megabytes, past a
+        millisecond, not on the loop; then the store's transaction), within its bound."""
+        job = asyncio.ensure_future(asyncio.to_thread(reserve))
         done, _ = await asyncio.wait({job}, timeout=self.reserve_timeout)
         if not done:  # it may still commit: give it back then
             job.add_done_callback(lambda f: self._late(f, request_id))
@@ -130,15 +151,7 @@ class KeyLimiter:
             raise _unavailable("the key store cannot answer now") from None
         if isinstance(decision, Refusal):
             raise KeyRefusal(decision)
-        self._open.add(request_id)
-        if key.limits.token_limited and parsed.protocol != "embeddings":
-            parsed = dataclasses.replace(parsed, upstream_body=capped(parsed.upstream_body, decision.cap))
-        return Admission(parsed, decision.quota.headers())
-
-    def _reserve(self, key: ManagedKey, request_id: str, parsed: ParsedRequest, policy: StreamPolicy) -> Grant | Refusal:
-        """In the worker thread: sizing serialises the body (megabytes, past a millisecond:
-        not on the loop), then the store's transaction."""
-        return store.admit(self.db, key, request_id, ask_of(key, parsed, policy))
+        return decision  # type: ignore[no-any-return]
 
     def _late(self, job: asyncio.Future[Any], request_id: str) -> None:
         if not job.cancelled() and job.exception() is None and isinstance(job.result(), Grant):

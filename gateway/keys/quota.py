@@ -31,6 +31,7 @@ class Ask:
     cap: int = 0
     answers: int = 1
     flexible: bool = False
+    generates: bool = True  # False: count_tokens, a warm-up frame: only rpm applies
 
     @property
     def tokens(self) -> int:
@@ -148,10 +149,13 @@ def quota(limits: KeyLimits, counts: Counts, taken: int = 0, requests: int = 0) 
 
 
 def decide(limits: KeyLimits, counts: Counts, ask: Ask) -> Grant | Refusal:
-    """Admit ``ask`` against the key's limits (rpm, max_concurrent, then its tokens)."""
+    """Admit ``ask`` against the key's limits (rpm, max_concurrent, then its tokens; a
+    request that generates nothing: rpm only)."""
     if limits.rpm is not None and counts.window_requests + 1 > limits.rpm:
         return Refusal("rate_limited", f"this API key is limited to {limits.rpm} requests per minute",
                        _window_wait(counts), quota(limits, counts))
+    if not ask.generates:
+        return Grant(0, 0, quota(limits, counts, 0, 1))
     if limits.max_concurrent is not None and counts.open_requests + 1 > limits.max_concurrent:
         return Refusal("concurrency_limited",
                        f"this API key is limited to {limits.max_concurrent} concurrent requests", 1,

@@ -162,9 +162,9 @@ def admit(db: Store, key: ManagedKey, request_id: str, ask: Ask) -> Grant | Refu
         decision = decide(limits, counts, ask)
         if isinstance(decision, Refusal):
             return decision
-        conn.execute(
-            "INSERT INTO client_key_requests (request_id, key_id, at, day, reserved, used, open) VALUES (?, ?, ?, ?, ?, 0, 1)",
-            (request_id, k, now, day, decision.tokens),
+        conn.execute(  # a request that generates nothing is ended as it is counted
+            "INSERT INTO client_key_requests (request_id, key_id, at, day, reserved, used, open) VALUES (?, ?, ?, ?, ?, 0, ?)",
+            (request_id, k, now, day, decision.tokens, 1 if ask.generates else 0),
         )
         conn.execute(_USAGE_ADD, (k, day, 1, decision.tokens))
         conn.execute("DELETE FROM client_key_requests WHERE key_id = ? AND open = 0 AND at < ?", (k, now - KEEP_ENDED))

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
@@ -55,6 +56,7 @@ from gateway.generation.body_parsing import off_loop, parse_request
 from gateway.generation.response import error_response
 from gateway.generation.service import GenerationService
 from gateway.keys.identity import check_client_key
+from gateway.keys.registry import managed_key
 from gateway.protocols.base import ParsedRequest
 from gateway.protocols.responses.room import ResponsesFacts, ResponsesRoom
 from gateway.protocols.responses.websocket_frames import (
@@ -346,11 +348,15 @@ class ResponsesConnection:
 
     async def _prewarm(self, frame: Frame) -> bool:
         """``generate: false``: validate, remember the input, answer created + completed
-        with no output; nothing goes upstream and no audit record is written."""
+        with no output; nothing goes upstream and no audit record is written. A managed
+        key's model globs and ``rpm`` apply as to a generating frame."""
         try:
             check_client_key(self.websocket, self.relay.live.current.api_key, self.relay.keys)
             tenant = self.relay.tenant(self.websocket)
             parsed = await self.room.resolve(await parse_request(self.room, frame.body, {}, tenant))
+            key = managed_key(self.websocket)
+            if key is not None and self.relay.limiter is not None:
+                await self.relay.limiter.admit_side(key, parsed.model, "warm_" + secrets.token_hex(12))
         except GatewayError as err:
             await self._send_error(err)
             return False
