@@ -26,7 +26,7 @@ from gateway.generation.run import GenerationRun, Run, RunningGenerations, captu
 from gateway.http.body_limit import BodyTooLarge
 from gateway.http.cross_site import raise_refusal
 from gateway.keys.identity import check_client_key, client_identity
-from gateway.keys.limiter import KeyLimiter, KeyRefusal
+from gateway.keys.limiter import Arrived, KeyLimiter, KeyRefusal
 from gateway.keys.registry import KeyRegistry, managed_key, named_key
 from gateway.live_settings import LiveSettings
 from gateway.protocols.base import ParsedRequest, ProtocolRoom
@@ -236,12 +236,26 @@ class GenerationService:
         if record.key_id and self.limiter is not None and self.keys is not None:
             key = self.keys.get(record.key_id)
             if key is not None:
-                self.limiter.finished(key, record)  # settles its reservation (a task: no wait)
+                self.limiter.finished(key, record, _arrived(chat_run))  # settles its reservation (a task: no wait)
         self.observer.on_finish(record)
         if self.capture is not None and chat_run is not None:
             self.capture.submit(capture_record(chat_run))
         if self.rollouts is not None and chat_run is not None:
             self.rollouts.finished(chat_run, record.outcome, record.error_code)
+
+
+def _arrived(run: GenerationRun | None) -> Arrived | None:
+    """What the upstream produced for the run, for a request that ends without usage (a
+    cancelled or cut stream is charged this: keys/limiter.py). References, not copies: the
+    run is over, and the counting happens in a worker thread."""
+    if run is None:
+        return None
+    acc = run.answer.acc
+    if not any(a.get("status") == 200 for a in run.attempts.log) or acc is None:
+        return Arrived()  # the upstream never answered: it generated nothing
+    reported = acc.usage.total_tokens if acc.usage is not None and not acc.usage_estimated else 0
+    body = run.answer.bodies[-1] if run.answer.bodies else run.upstream_body
+    return Arrived(reported, body, (acc.text_parts, acc.reasoning_parts, *(s.parts for s in acc.tools.slots)))
 
 
 def _open_record(room: ProtocolRoom, transport: str, policy: StreamPolicy) -> RequestRecord:

@@ -95,6 +95,28 @@ class KeyRefusal(GatewayError):
             self.headers["x-should-retry"] = "false"
 
 
+@dataclass(frozen=True, slots=True)
+class Arrived:
+    """What the upstream produced for a request that ended without its usage (the client
+    cancelled, the stream was cut, the answer failed): the last running usage it reported,
+    else its prompt (the body sent) and the pieces of answer that arrived, counted with
+    o200k_base in the settlement's worker thread (not on the loop)."""
+
+    reported: int = 0  # a running total the upstream sent before the end (vLLM continuous usage)
+    body: dict[str, Any] | None = None  # None: the upstream never answered
+    pieces: tuple[list[str], ...] = ()  # text, reasoning, tool-argument parts (not joined yet)
+
+    def tokens(self) -> int:
+        """Blocking (tokenizer): the tokens to charge."""
+        if self.reported > 0:
+            return self.reported
+        if self.body is None:
+            return 0
+        from gateway.protocols.tokens import count_chat_tokens, count_text
+
+        return count_chat_tokens(self.body) + sum(count_text("".join(parts)) for parts in self.pieces)
+
+
 def used_tokens(record: RequestRecord) -> int:
     usage = record.usage or {}
     total = usage.get("total_tokens")
@@ -157,26 +179,32 @@ class KeyLimiter:
         if not job.cancelled() and job.exception() is None and isinstance(job.result(), Grant):
             self._spawn(self._settle(request_id, 0))
 
-    def finished(self, key: ManagedKey, record: RequestRecord) -> None:
+    def finished(self, key: ManagedKey, record: RequestRecord, arrived: Arrived | None = None) -> None:
         """At the request's one report: settle its reservation to what it used (or count
-        the usage of a key without counted limits). Never waits: a task does it."""
+        the usage of a key without counted limits); a request that ended without usage is
+        charged what ``arrived``. Never waits: a task does it."""
         used = used_tokens(record)
+        charge = arrived if used == 0 and arrived is not None else None
         if record.request_id in self._open:
             self._open.discard(record.request_id)
-            self._spawn(self._settle(record.request_id, used))
+            self._spawn(self._settle(record.request_id, used, charge))
         elif not key.limits.counted and record.outcome not in ("refused", "invalid"):
-            self._spawn(self._count(key.key_id, used))
+            self._spawn(self._count(key.key_id, used, charge))
 
-    async def _settle(self, request_id: str, used: int) -> None:
+    async def _settle(self, request_id: str, used: int, charge: Arrived | None = None) -> None:
         try:
             async with asyncio.timeout(SETTLE_TIMEOUT):
+                if charge is not None:
+                    used = await asyncio.to_thread(charge.tokens)
                 await asyncio.to_thread(store.settle, self.db, request_id, used)
         except Exception as exc:  # the reservation stays held: the safe side
             log.warning("client_key_settle_failed", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
 
-    async def _count(self, key_id: str, used: int) -> None:
+    async def _count(self, key_id: str, used: int, charge: Arrived | None = None) -> None:
         try:
             async with asyncio.timeout(SETTLE_TIMEOUT):
+                if charge is not None:
+                    used = await asyncio.to_thread(charge.tokens)
                 await asyncio.to_thread(store.count_usage, self.db, key_id, used)
         except Exception as exc:
             log.warning("client_key_usage_failed", key_id=key_id, error=f"{type(exc).__name__}: {exc}")

@@ -281,8 +281,9 @@ def _frames(reply: Reply, ctx: Ctx) -> list[Frame]:
         chunks[-1]["choices"][0]["finish_reason"] = reply.finish
     elif reply.finish:
         chunks.append(_chunk({}, reply.finish))
-    if reply.usage_at is not None:
-        _place_usage(chunks, reply, ctx)
+    where = reply.usage_at or ("running" if ctx.opts.usage == "running" else None)
+    if where is not None:
+        _place_usage(chunks, reply, ctx, where)
     elif ctx.opts.usage == "last":
         chunks[-1]["usage"] = _usage(ctx.body, reply.deltas)
     elif ctx.opts.usage == "separate" and _wants_usage(ctx.body):
@@ -292,12 +293,12 @@ def _frames(reply: Reply, ctx: Ctx) -> list[Frame]:
     return chunks
 
 
-def _place_usage(chunks: list[Frame], reply: Reply, ctx: Ctx) -> None:
+def _place_usage(chunks: list[Frame], reply: Reply, ctx: Ctx, where: str) -> None:
     """Usage where some servers put it (always sent, as they do)."""
     usage = _usage(ctx.body, reply.deltas)
-    if reply.usage_at == "choice":
+    if where == "choice":
         chunks[-1]["choices"][0]["usage"] = usage
-    elif reply.usage_at == "x_groq":
+    elif where == "x_groq":
         chunks[-1]["x_groq"] = {"id": "req_sim", "usage": usage}
     else:  # running: a growing total on every chunk, the last one exact
         for n, chunk in enumerate(chunks, 1):
