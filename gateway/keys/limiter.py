@@ -5,9 +5,10 @@ request ends. A request that cannot reserve is refused, and so is one whose rese
 the store cannot answer in time (fail closed): the limits hold under any concurrency, on
 any number of replicas.
 
-The input reservation is an upper bound, not an estimate: the UTF-8 bytes of the messages
-and tools sent upstream (a token is at least one byte; the JSON punctuation pays for the
-per-message tokens). The output cap is the smallest length the request names in any
+The input reservation is an upper bound for text, not an estimate: the UTF-8 bytes of the
+messages and tools sent upstream (a token is at least one byte; the JSON punctuation pays
+for the per-message tokens); each media part is reserved at a per-item estimate instead
+(gateway/keys/media.py: an image costs its pixels, not its bytes). The output cap is the smallest length the request names in any
 engine's field (gateway/keys/output_cap.py), or, when it names none, the key's
 ``max_output_tokens`` (default :data:`~gateway.keys.model.DEFAULT_OUTPUT_CAP`) lowered to
 what the key has left (gateway/keys/quota.py); the granted cap is then sent upstream in
@@ -30,6 +31,7 @@ from gateway.errors import GatewayError
 from gateway.generation.policy import StreamPolicy
 from gateway.generation.record import RequestRecord
 from gateway.keys import store
+from gateway.keys.media import media_adjustment
 from gateway.keys.model import DEFAULT_OUTPUT_CAP, ManagedKey
 from gateway.keys.output_cap import answers_of, capped, requested_cap
 from gateway.keys.quota import Ask, Grant, Refusal
@@ -45,11 +47,13 @@ SETTLE_TIMEOUT = 10.0
 
 
 def input_bound(body: dict[str, Any]) -> int:
-    """At least the input tokens of an upstream body (see the module docstring): a chat
-    body's messages and tools, else (``/v1/completions``, ``/v1/embeddings``) the whole body."""
+    """The input tokens an upstream body reserves (see the module docstring): a chat body's
+    messages and tools, with each media part at its estimate (gateway/keys/media.py), else
+    (``/v1/completions``, ``/v1/embeddings``) the whole body."""
     if "messages" not in body:
         return len(orjson.dumps(body))
-    return len(orjson.dumps(body.get("messages") or [])) + len(orjson.dumps(body.get("tools") or []))
+    messages = body.get("messages") or []
+    return len(orjson.dumps(messages)) + len(orjson.dumps(body.get("tools") or [])) + media_adjustment(messages)
 
 
 def repair_answers(parsed: ParsedRequest, policy: StreamPolicy) -> int:

@@ -239,9 +239,19 @@ def _chunk(delta: Delta, finish: str | None = None) -> Frame:
     return {"choices": [{"index": 0, "delta": dict(delta), "finish_reason": finish}]}
 
 
+#: What the simulator charges an image part: OpenAI's high detail for a 512 x 512 image.
+IMAGE_PROMPT_TOKENS = 765
+
+
+def _images(content: Any) -> int:
+    return sum(1 for p in content if isinstance(p, dict) and p.get("type") == "image_url") if isinstance(content, list) else 0
+
+
 def _usage(body: Mapping[str, Any], deltas: list[Delta]) -> dict[str, Any]:
-    """Deterministic token counts: characters // 4 + 1."""
-    prompt = sum(len(text_of(m.get("content"))) for m in chat_messages(body)) // 4 + 1
+    """Deterministic token counts: characters // 4 + 1, and :data:`IMAGE_PROMPT_TOKENS` an image."""
+    messages = chat_messages(body)
+    prompt = sum(len(text_of(m.get("content"))) for m in messages) // 4 + 1
+    prompt += IMAGE_PROMPT_TOKENS * sum(_images(m.get("content")) for m in messages)
     text = reasoning = 0
     for d in deltas:
         text += len(d.get("content") or "")
