@@ -43,7 +43,7 @@ def turn(oai: openai.OpenAI, messages: list[dict[str, Any]]) -> Any:
 
 
 def test_another_keys_call_cannot_write_into_or_continue_a_rollout(gw: Gateway, simulator: Simulator) -> None:
-    alice = create_key(gw, name="alice-" + secrets.token_hex(3))
+    alice = create_key(gw, name="alice-" + secrets.token_hex(3), daily_tokens=10**6)
     bob = create_key(gw, name="bob-" + secrets.token_hex(3))
     rollout, nonce = f"own.{secrets.token_hex(4)}", secrets.token_hex(6)
     messages: list[dict[str, Any]] = [{"role": "user", "content": f"{nonce}: {PLAN}"}]
@@ -69,6 +69,8 @@ def test_another_keys_call_cannot_write_into_or_continue_a_rollout(gw: Gateway, 
     assert second.tool_calls and second.tool_calls[0].function.name == "get_time"
     calls = read_back(gw, rollout)["calls"]
     assert [c["token_in"]["status"] for c in calls] == ["skipped: first_turn", "used"]
+    engine = engine_requests(simulator, nonce)[-1]  # the token-id request carries the key's cap too
+    assert engine["path"] == "/v1/completions" and engine["body"]["max_tokens"] == 4096
     assert calls[1]["continuity"] == {"previous_call_id": calls[0]["call_id"], "prefix": "exact", "diverged_at": None}
     [segment] = read_back(gw, rollout, "/trajectory")["segments"]
     assert segment["call_ids"] == [c["call_id"] for c in calls]
