@@ -26,7 +26,7 @@ from gateway.generation.run import GenerationRun, Run, RunningGenerations, captu
 from gateway.http.body_limit import BodyTooLarge
 from gateway.http.cross_site import raise_refusal
 from gateway.keys.identity import check_client_key, client_identity
-from gateway.keys.limiter import Arrived, KeyLimiter, KeyRefusal
+from gateway.keys.limiter import Arrived, KeyLimiter, KeyRefusal, key_share_cap
 from gateway.keys.registry import KeyRegistry, managed_key, named_key
 from gateway.live_settings import LiveSettings
 from gateway.protocols.base import ParsedRequest, ProtocolRoom
@@ -110,6 +110,8 @@ class GenerationService:
             record.client_key_fingerprint = check_client_key(request, settings.api_key, self.keys)
             key = managed_key(request)
             _name_key(record, request)
+            if key is not None:  # one key's flood is refused here, before it costs a parse
+                self._check_share(key.key_id, settings.max_concurrent, settings.key_share)
             if self.recording is not None:
                 self.recording()
             held[0] = self._hold_body(_declared_length(request), settings.max_body_bytes_in_flight)
@@ -162,6 +164,12 @@ class GenerationService:
                 return error_response(room, err, headers)
             parsed = admission.parsed
             headers.update(admission.headers)  # x-ratelimit-*: what the key has left
+        if key is not None:  # again here: no await between this check and the slot taken below
+            try:
+                self._check_share(key.key_id, settings.max_concurrent, settings.key_share)
+            except GatewayError as err:
+                outcome.refused(err)
+                return error_response(room, err, headers)
         limit = settings.max_concurrent if self.capacity is None else self.capacity.limit(settings.max_concurrent)
         if self.in_flight >= limit:
             err = GatewayError(
@@ -211,6 +219,16 @@ class GenerationService:
         _name_key(record, client)
         outcome.invalid(error)
         return error
+
+    def _check_share(self, key_id: str, max_concurrent: int, share: float) -> None:
+        """A managed key may hold ``share`` of this process's generation slots (at least one):
+        past it, 429 ``concurrency_limited`` while other keys are still served."""
+        limit = max_concurrent if self.capacity is None else self.capacity.limit(max_concurrent)
+        cap = key_share_cap(limit, share)
+        if self.running.of_key(key_id) >= cap:
+            raise GatewayError("rate_limit", "concurrency_limited",
+                               f"this API key holds its share of the gateway: {cap} of its {limit} concurrent requests"
+                               " (--key-share)", retry_after=1)
 
     def _hold_body(self, size: int, limit: int) -> int:
         """Reserve ``size`` body bytes (returned), or the 503 that says the budget is spent."""

@@ -56,6 +56,11 @@ def input_bound(body: dict[str, Any]) -> int:
     return len(orjson.dumps(messages)) + len(orjson.dumps(body.get("tools") or [])) + media_adjustment(messages)
 
 
+def key_share_cap(total: int, share: float) -> int:
+    """What one managed key may hold of ``total`` slots or connections (``--key-share``)."""
+    return max(1, int(total * share))
+
+
 def repair_answers(parsed: ParsedRequest, policy: StreamPolicy) -> int:
     """Answers one request may generate: tool repair in compatible mode may regenerate."""
     if parsed.upstream_body.get("tools") and policy.mode.value == "compatible":
