@@ -41,8 +41,8 @@ from gateway.protocols.messages.room import MessagesRoom
 from gateway.protocols.messages.room import error_json as anthropic_error
 from gateway.protocols.openai_shapes import error_json as openai_error
 from gateway.protocols.responses.room import ResponsesRoom
-from gateway.protocols.responses.websocket import ConnectionSlots
 from gateway.protocols.responses.websocket import websocket_endpoint as responses_websocket
+from gateway.protocols.responses.websocket_slots import ConnectionSlots
 from gateway.redact import SECRETS, RedactingSend
 from gateway.rollout import store as rollout_store
 from gateway.rollout.capture_files import CaptureWriter

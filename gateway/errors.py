@@ -24,7 +24,10 @@ invalid_request    400     invalid_json, invalid_request, invalid_type, invalid_
 authentication     401     invalid_api_key (also a revoked or expired managed key)
 permission         403     cross_origin, forbidden_host (a web page's request on /v1:
                            gateway/http/cross_site.py), model_not_allowed (outside the
-                           managed key's model globs: gateway/keys/)
+                           managed key's model globs: gateway/keys/), rollout_forbidden
+                           (a rollout id of another client key: gateway/rollout/owners.py)
+                   409     rollout_frozen; 410 rollout_deleted (a rollout id an admin deleted
+                           less than 24 h ago)
 not_found          404     upstream_not_found, response_not_found, model_not_found,
                            not_found (no such route)
 too_large          413     request_too_large (the body is over --max-body-bytes)

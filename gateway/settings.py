@@ -61,6 +61,7 @@ class Settings(BaseSettings):
     api_key: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
     allow_open: bool = False
     max_concurrent: int = Field(64, ge=1)
+    key_share: float = Field(0.5, gt=0, le=1, description="share of max_concurrent and ws_max_connections one managed key may hold")
     max_in_flight_per_credential: int = Field(0, ge=0, description="0 = no per-credential cap")
     failover_max: int = Field(2, ge=0, le=20)
     session_header: str | None = None
@@ -282,6 +283,8 @@ CLI_FIELDS: dict[str, str] = {
     "api_key": "client API key the gateway requires (repeatable)",
     "allow_open": "allow binding a non-loopback address with no client API keys",
     "max_concurrent": "global cap on concurrent generation requests",
+    "key_share": "share (0-1] of --max-concurrent and of --ws-max-connections that one managed client key may hold"
+                 " in this process (at least 1 each; default 0.5)",
     "max_in_flight_per_credential": "cap on concurrent requests per upstream credential (0 = none)",
     "failover_max": "how many other credentials to try before the first client byte",
     "session_header": "request header naming a conversation, for credential stickiness",

@@ -13,6 +13,7 @@ from starlette.routing import BaseRoute, Route
 
 from gateway.admin.audit_api import BadParam, _bad, _number, _time
 from gateway.admin.common import admin_error
+from gateway.rollout import owners
 from gateway.rollout import store as rollout_store
 from gateway.rollout.ids import VALID
 from gateway.rollout.recorder import RolloutRecorder
@@ -45,8 +46,12 @@ async def list_rollouts(request: Request) -> Response:
     except BadParam as err:
         return _bad(err)
     db = _recorder(request).db
-    rows = await db.arun(lambda conn: rollout_store.list_rollouts(conn, since, limit))
-    return JSONResponse({"rollouts": rows})
+    def read(conn: Any) -> list[dict[str, Any]]:
+        found = rollout_store.list_rollouts(conn, since, limit)
+        held = owners.owners(conn)
+        return [{**r, **owners.shown(held.get(r["rollout_id"]))} for r in found]
+
+    return JSONResponse({"rollouts": await db.arun(read)})
 
 
 async def _snapshot(request: Request, rollout_id: str) -> dict[str, Any] | None:
@@ -54,7 +59,9 @@ async def _snapshot(request: Request, rollout_id: str) -> dict[str, Any] | None:
     if read is None:
         return None
     records, marks = read
-    return await asyncio.to_thread(rollout_store.snapshot, records, marks, rollout_id)
+    snap = await asyncio.to_thread(rollout_store.snapshot, records, marks, rollout_id)
+    owner = await _recorder(request).db.arun(lambda conn: owners.owner_of(conn, rollout_id))
+    return {**snap, **owners.shown(owner)}
 
 
 async def get_rollout(request: Request) -> Response:
@@ -116,8 +123,11 @@ async def delete(request: Request) -> Response:
     if not any(kind == "frozen" for kind, _, _ in read[1]):
         return admin_error(409, "rollout_not_frozen", "freeze the rollout before deleting it")
 
+    now = time.time()
+
     def remove(conn: Any) -> None:
         rollout_store.delete_rollout(conn, rollout_id)
+        owners.mark_deleted(conn, rollout_id, now)  # the id stays taken for a grace period
 
     try:
         async with asyncio.timeout(WRITE_TIMEOUT):

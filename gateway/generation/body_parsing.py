@@ -86,12 +86,13 @@ def _child_parse(kind: str, body: bytes, query: dict[str, str], tenant: Tenant) 
         return "error", _error_fields(err)
 
 
-def _count(body: bytes | str) -> int:
-    """Input tokens of a count_tokens body (its translation, then the o200k count)."""
+def _count(body: bytes | str) -> tuple[str, int]:
+    """The model and input tokens of a count_tokens body (its translation, then the o200k count)."""
     from gateway.protocols.messages.translate import translate
     from gateway.protocols.tokens import count_chat_tokens
 
-    return count_chat_tokens(translate(body, count_only=True).body)  # type: ignore[arg-type]
+    translation = translate(body, count_only=True)  # type: ignore[arg-type]
+    return translation.model, count_chat_tokens(translation.body)
 
 
 def _raise(fields: tuple[Any, ...]) -> GatewayError:
@@ -254,8 +255,8 @@ async def off_loop(fn: Callable[[bytes | str], T], body: bytes | str, what: str)
         raise overloaded(what) from None
 
 
-async def count_tokens(body: bytes) -> int:
-    """``count_tokens``' translation and o200k count, off the loop past :data:`SMALL_BODY`."""
+async def count_tokens(body: bytes) -> tuple[str, int]:
+    """``count_tokens``' model, translation and o200k count, off the loop past :data:`SMALL_BODY`."""
     return await off_loop(_count, body, "counting other large requests")
 
 

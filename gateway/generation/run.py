@@ -393,12 +393,26 @@ class RunningGenerations:
 
     def __init__(self) -> None:
         self._runs: dict[str, Run] = {}
+        self._by_key: dict[str, int] = {}  # managed key id -> its runs here (no zero entries)
 
     def add(self, run: Run) -> None:
         self._runs[run.record.request_id] = run
+        if run.record.key_id:
+            self._by_key[run.record.key_id] = self._by_key.get(run.record.key_id, 0) + 1
 
     def discard(self, request_id: str) -> None:
-        self._runs.pop(request_id, None)
+        run = self._runs.pop(request_id, None)
+        key_id = run.record.key_id if run is not None else None
+        if key_id:
+            left = self._by_key.get(key_id, 1) - 1
+            if left > 0:
+                self._by_key[key_id] = left
+            else:
+                self._by_key.pop(key_id, None)
+
+    def of_key(self, key_id: str) -> int:
+        """Generations of one managed key running here now (its fair share is counted on it)."""
+        return self._by_key.get(key_id, 0)
 
     def __len__(self) -> int:
         return len(self._runs)

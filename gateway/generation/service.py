@@ -26,7 +26,7 @@ from gateway.generation.run import GenerationRun, Run, RunningGenerations, captu
 from gateway.http.body_limit import BodyTooLarge
 from gateway.http.cross_site import raise_refusal
 from gateway.keys.identity import check_client_key, client_identity
-from gateway.keys.limiter import KeyLimiter
+from gateway.keys.limiter import Arrived, KeyLimiter, KeyRefusal, key_share_cap
 from gateway.keys.registry import KeyRegistry, managed_key, named_key
 from gateway.live_settings import LiveSettings
 from gateway.protocols.base import ParsedRequest, ProtocolRoom
@@ -110,6 +110,8 @@ class GenerationService:
             record.client_key_fingerprint = check_client_key(request, settings.api_key, self.keys)
             key = managed_key(request)
             _name_key(record, request)
+            if key is not None:  # one key's flood is refused here, before it costs a parse
+                self._check_share(key.key_id, settings.max_concurrent, settings.key_share)
             if self.recording is not None:
                 self.recording()
             held[0] = self._hold_body(_declared_length(request), settings.max_body_bytes_in_flight)
@@ -141,7 +143,7 @@ class GenerationService:
             recording = chat_room and rollout is not None and self.rollouts is not None and self.rollouts.enabled
             token_in = None
             if recording:
-                token_in = await _rollout_token_in(self.rollouts, rollout, parsed, self.upstream)  # type: ignore[arg-type]
+                token_in = await _rollout_token_in(self.rollouts, rollout, parsed, self.upstream, tenant.identity)  # type: ignore[arg-type]
             if chat_room and settings.capture_tokens != "none":
                 tokens_body = with_token_fields(parsed.upstream_body, settings.capture_tokens)
                 parsed = dataclasses.replace(parsed, upstream_body=tokens_body)
@@ -154,7 +156,17 @@ class GenerationService:
             return error_response(room, err, headers)
         if key is not None and self.limiter is not None:
             try:  # its models, then a reservation in the store (before anything goes upstream)
-                parsed = await self.limiter.admit(key, parsed, policy, record.request_id)
+                admission = await self.limiter.admit(key, parsed, policy, record.request_id)
+            except GatewayError as err:
+                if isinstance(err, KeyRefusal):
+                    headers.update(err.headers)
+                outcome.refused(err)
+                return error_response(room, err, headers)
+            parsed = admission.parsed
+            headers.update(admission.headers)  # x-ratelimit-*: what the key has left
+        if key is not None:  # again here: no await between this check and the slot taken below
+            try:
+                self._check_share(key.key_id, settings.max_concurrent, settings.key_share)
             except GatewayError as err:
                 outcome.refused(err)
                 return error_response(room, err, headers)
@@ -208,6 +220,16 @@ class GenerationService:
         outcome.invalid(error)
         return error
 
+    def _check_share(self, key_id: str, max_concurrent: int, share: float) -> None:
+        """A managed key may hold ``share`` of this process's generation slots (at least one):
+        past it, 429 ``concurrency_limited`` while other keys are still served."""
+        limit = max_concurrent if self.capacity is None else self.capacity.limit(max_concurrent)
+        cap = key_share_cap(limit, share)
+        if self.running.of_key(key_id) >= cap:
+            raise GatewayError("rate_limit", "concurrency_limited",
+                               f"this API key holds its share of the gateway: {cap} of its {limit} concurrent requests"
+                               " (--key-share)", retry_after=1)
+
     def _hold_body(self, size: int, limit: int) -> int:
         """Reserve ``size`` body bytes (returned), or the 503 that says the budget is spent."""
         self.bodies.limit = limit
@@ -232,12 +254,26 @@ class GenerationService:
         if record.key_id and self.limiter is not None and self.keys is not None:
             key = self.keys.get(record.key_id)
             if key is not None:
-                self.limiter.finished(key, record)  # settles its reservation (a task: no wait)
+                self.limiter.finished(key, record, _arrived(chat_run))  # settles its reservation (a task: no wait)
         self.observer.on_finish(record)
         if self.capture is not None and chat_run is not None:
             self.capture.submit(capture_record(chat_run))
         if self.rollouts is not None and chat_run is not None:
             self.rollouts.finished(chat_run, record.outcome, record.error_code)
+
+
+def _arrived(run: GenerationRun | None) -> Arrived | None:
+    """What the upstream produced for the run, for a request that ends without usage (a
+    cancelled or cut stream is charged this: keys/limiter.py). References, not copies: the
+    run is over, and the counting happens in a worker thread."""
+    if run is None:
+        return None
+    acc = run.answer.acc
+    if not any(a.get("status") == 200 for a in run.attempts.log) or acc is None:
+        return Arrived()  # the upstream never answered: it generated nothing
+    reported = acc.usage.total_tokens if acc.usage is not None and not acc.usage_estimated else 0
+    body = run.answer.bodies[-1] if run.answer.bodies else run.upstream_body
+    return Arrived(reported, body, (acc.text_parts, acc.reasoning_parts, *(s.parts for s in acc.tools.slots)))
 
 
 def _open_record(room: ProtocolRoom, transport: str, policy: StreamPolicy) -> RequestRecord:
@@ -249,10 +285,12 @@ def _open_record(room: ProtocolRoom, transport: str, policy: StreamPolicy) -> Re
 
 
 async def _rollout_token_in(
-    rollouts: RolloutRecorder, rollout: str, parsed: ParsedRequest, upstream: UpstreamClient
+    rollouts: RolloutRecorder, rollout: str, parsed: ParsedRequest, upstream: UpstreamClient, owner: str
 ) -> TokenIn | None:
-    """A recorded rollout's call: refused while its rollout is frozen; with token-in
-    configured, the plan to continue the rollout's tokens (else None)."""
+    """A recorded rollout's call: refused when the rollout is another client key's (or was
+    deleted lately), and while it is frozen; with token-in configured, the plan to continue
+    the rollout's tokens (else None)."""
+    await rollouts.claim(rollout, owner)
     await rollouts.refuse_frozen(rollout)
     if not rollouts.token_in_configured:
         return None

@@ -5,19 +5,23 @@ request ends. A request that cannot reserve is refused, and so is one whose rese
 the store cannot answer in time (fail closed): the limits hold under any concurrency, on
 any number of replicas.
 
-The input reservation is an upper bound, not an estimate: the UTF-8 bytes of the messages
-and tools sent upstream (a token is at least one byte; the JSON punctuation pays for the
-per-message tokens). The output cap is the request's ``max_tokens``, or the key's
-``max_output_tokens`` (default :data:`~gateway.keys.model.DEFAULT_OUTPUT_CAP`), which is
-then sent upstream as ``max_tokens`` so the answer cannot outgrow what was reserved; with
-tool repair in compatible mode every regeneration may spend it again, so it counts that
-many times.
+The input reservation is an upper bound for text, not an estimate: the UTF-8 bytes of the
+messages and tools sent upstream (a token is at least one byte; the JSON punctuation pays
+for the per-message tokens); each media part is reserved at a per-item estimate instead
+(gateway/keys/media.py: an image costs its pixels, not its bytes). The output cap is the smallest length the request names in any
+engine's field (gateway/keys/output_cap.py), or, when it names none, the key's
+``max_output_tokens`` (default :data:`~gateway.keys.model.DEFAULT_OUTPUT_CAP`) lowered to
+what the key has left (gateway/keys/quota.py); the granted cap is then sent upstream in
+every length field the body speaks, so the answer cannot outgrow what was reserved. With
+tool repair in compatible mode every regeneration may spend it again, and a text
+completion's ``n`` / ``best_of`` answers each, so it counts that many times.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -27,7 +31,10 @@ from gateway.errors import GatewayError
 from gateway.generation.policy import StreamPolicy
 from gateway.generation.record import RequestRecord
 from gateway.keys import store
+from gateway.keys.media import media_adjustment
 from gateway.keys.model import DEFAULT_OUTPUT_CAP, ManagedKey
+from gateway.keys.output_cap import answers_of, capped, requested_cap
+from gateway.keys.quota import Ask, Grant, Refusal
 from gateway.protocols.base import ParsedRequest
 from gateway.store.db import Store
 
@@ -40,37 +47,83 @@ SETTLE_TIMEOUT = 10.0
 
 
 def input_bound(body: dict[str, Any]) -> int:
-    """At least the input tokens of an upstream body (see the module docstring): a chat
-    body's messages and tools, else (``/v1/completions``, ``/v1/embeddings``) the whole body."""
+    """The input tokens an upstream body reserves (see the module docstring): a chat body's
+    messages and tools, with each media part at its estimate (gateway/keys/media.py), else
+    (``/v1/completions``, ``/v1/embeddings``) the whole body."""
     if "messages" not in body:
         return len(orjson.dumps(body))
-    return len(orjson.dumps(body.get("messages") or [])) + len(orjson.dumps(body.get("tools") or []))
+    messages = body.get("messages") or []
+    return len(orjson.dumps(messages)) + len(orjson.dumps(body.get("tools") or [])) + media_adjustment(messages)
 
 
-def output_cap(body: dict[str, Any]) -> int | None:
-    for name in ("max_completion_tokens", "max_tokens"):
-        value = body.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return value
-    return None
+def key_share_cap(total: int, share: float) -> int:
+    """What one managed key may hold of ``total`` slots or connections (``--key-share``)."""
+    return max(1, int(total * share))
 
 
-def with_output_cap(parsed: ParsedRequest, key: ManagedKey) -> tuple[ParsedRequest, int]:
-    """The request with an upstream ``max_tokens`` (the key's cap when it named none), and
-    the output tokens it may spend (none for embeddings)."""
-    if parsed.protocol == "embeddings":
-        return parsed, 0
-    cap = output_cap(parsed.upstream_body)
-    if cap is not None:
-        return parsed, cap
-    cap = key.limits.max_output_tokens or DEFAULT_OUTPUT_CAP
-    return dataclasses.replace(parsed, upstream_body={**parsed.upstream_body, "max_tokens": cap}), cap
+def repair_answers(parsed: ParsedRequest, policy: StreamPolicy) -> int:
+    """Answers one request may generate: tool repair in compatible mode may regenerate."""
+    if parsed.upstream_body.get("tools") and policy.mode.value == "compatible":
+        return 1 + policy.tool_repair_attempts
+    return 1
 
 
-def reservation_size(parsed: ParsedRequest, cap: int, policy: StreamPolicy) -> int:
+def ask_of(key: ManagedKey, parsed: ParsedRequest, policy: StreamPolicy) -> Ask:
+    """What a request asks to hold: nothing for a key without token limits; else its input
+    bound, and its own output cap (the smallest length it names in any engine's field) or,
+    when it names none, the key's ``max_output_tokens``, which the gateway may lower to
+    what remains."""
+    if not key.limits.token_limited:
+        return Ask()
     body = parsed.upstream_body
-    answers = 1 + (policy.tool_repair_attempts if body.get("tools") and policy.mode.value == "compatible" else 0)
-    return input_bound(body) + cap * answers
+    if parsed.protocol == "embeddings":
+        return Ask(input_bound(body))
+    requested = requested_cap(body)
+    cap = requested if requested is not None else key.limits.max_output_tokens or DEFAULT_OUTPUT_CAP
+    answers = repair_answers(parsed, policy) * answers_of(body, parsed.protocol)
+    return Ask(input_bound(body), cap, answers, flexible=requested is None)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """An admitted request: the body as it goes upstream and the key's ``x-ratelimit-*``."""
+
+    parsed: ParsedRequest
+    headers: dict[str, str]
+
+
+class KeyRefusal(GatewayError):
+    """A refusal of the key's limits, with the ``x-ratelimit-*`` headers of the key then
+    (and ``x-should-retry: false``, which the OpenAI and Anthropic SDKs obey, when
+    waiting cannot help)."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__("rate_limit", refusal.code, refusal.message, retry_after=refusal.retry_after)
+        self.headers = refusal.quota.headers() if refusal.quota is not None else {}
+        if refusal.retry_after is None:
+            self.headers["x-should-retry"] = "false"
+
+
+@dataclass(frozen=True, slots=True)
+class Arrived:
+    """What the upstream produced for a request that ended without its usage (the client
+    cancelled, the stream was cut, the answer failed): the last running usage it reported,
+    else its prompt (the body sent) and the pieces of answer that arrived, counted with
+    o200k_base in the settlement's worker thread (not on the loop)."""
+
+    reported: int = 0  # a running total the upstream sent before the end (vLLM continuous usage)
+    body: dict[str, Any] | None = None  # None: the upstream never answered
+    pieces: tuple[list[str], ...] = ()  # text, reasoning, tool-argument parts (not joined yet)
+
+    def tokens(self) -> int:
+        """Blocking (tokenizer): the tokens to charge."""
+        if self.reported > 0:
+            return self.reported
+        if self.body is None:
+            return 0
+        from gateway.protocols.tokens import count_chat_tokens, count_text
+
+        return count_chat_tokens(self.body) + sum(count_text("".join(parts)) for parts in self.pieces)
 
 
 def used_tokens(record: RequestRecord) -> int:
@@ -90,63 +143,77 @@ class KeyLimiter:
         self._open: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    async def admit(self, key: ManagedKey, parsed: ParsedRequest, policy: StreamPolicy, request_id: str) -> ParsedRequest:
+    async def admit(self, key: ManagedKey, parsed: ParsedRequest, policy: StreamPolicy, request_id: str) -> Admission:
         """The model check, then the reservation (for a key with counted limits); returns
-        the request as it goes upstream (with its output cap), or raises the refusal."""
+        the request as it goes upstream (with the granted output cap), or raises the refusal."""
         key.check_model(parsed.model)
         if not key.limits.counted:
-            return parsed
-        if key.limits.token_limited:
-            parsed, cap = with_output_cap(parsed, key)
-        else:
-            cap = output_cap(parsed.upstream_body) or 0
-        sized = parsed if key.limits.token_limited else None
-        job = asyncio.ensure_future(asyncio.to_thread(self._reserve, key, request_id, sized, cap, policy))
+            return Admission(parsed, {})
+        grant = await self._decide(request_id, lambda: store.admit(self.db, key, request_id, ask_of(key, parsed, policy)))
+        self._open.add(request_id)
+        if key.limits.token_limited and parsed.protocol != "embeddings":
+            parsed = dataclasses.replace(parsed, upstream_body=capped(parsed.upstream_body, grant.cap))
+        return Admission(parsed, grant.quota.headers())
+
+    async def admit_side(self, key: ManagedKey, model: str | None, request_id: str) -> dict[str, str]:
+        """A request that generates nothing (``count_tokens``, a Responses WebSocket
+        ``generate: false`` frame): the model check (when the model is known), and, for a
+        key with ``rpm``, one request in its window (no tokens, recorded as ended).
+        Returns the ``x-ratelimit-*`` headers, or raises the refusal."""
+        if model is not None:
+            key.check_model(model)
+        if key.limits.rpm is None:
+            return {}
+        grant = await self._decide(request_id, lambda: store.admit(self.db, key, request_id, Ask(generates=False)))
+        return grant.quota.headers()
+
+    async def _decide(self, request_id: str, reserve: Any) -> Grant:
+        """``reserve()`` in a worker thread (sizing serialises the body: megabytes, past a
+        millisecond, not on the loop; then the store's transaction), within its bound."""
+        job = asyncio.ensure_future(asyncio.to_thread(reserve))
         done, _ = await asyncio.wait({job}, timeout=self.reserve_timeout)
         if not done:  # it may still commit: give it back then
             job.add_done_callback(lambda f: self._late(f, request_id))
             raise _unavailable("the key store did not answer in time")
         try:
-            refusal = job.result()
+            decision = job.result()
         except Exception as exc:
             log.warning("client_key_reserve_failed", error=f"{type(exc).__name__}: {exc}")
             raise _unavailable("the key store cannot answer now") from None
-        if refusal is not None:
-            raise GatewayError("rate_limit", refusal.code, refusal.message, retry_after=refusal.retry_after)
-        self._open.add(request_id)
-        return parsed
-
-    def _reserve(self, key: ManagedKey, request_id: str, sized: ParsedRequest | None, cap: int,
-                 policy: StreamPolicy) -> store.Refusal | None:
-        """In the worker thread: sizing serialises the body (megabytes, past a millisecond:
-        not on the loop), then the store's transaction."""
-        tokens = reservation_size(sized, cap, policy) if sized is not None else 0
-        return store.reserve(self.db, key, request_id, tokens)
+        if isinstance(decision, Refusal):
+            raise KeyRefusal(decision)
+        return decision  # type: ignore[no-any-return]
 
     def _late(self, job: asyncio.Future[Any], request_id: str) -> None:
-        if not job.cancelled() and job.exception() is None and job.result() is None:
+        if not job.cancelled() and job.exception() is None and isinstance(job.result(), Grant):
             self._spawn(self._settle(request_id, 0))
 
-    def finished(self, key: ManagedKey, record: RequestRecord) -> None:
+    def finished(self, key: ManagedKey, record: RequestRecord, arrived: Arrived | None = None) -> None:
         """At the request's one report: settle its reservation to what it used (or count
-        the usage of a key without counted limits). Never waits: a task does it."""
+        the usage of a key without counted limits); a request that ended without usage is
+        charged what ``arrived``. Never waits: a task does it."""
         used = used_tokens(record)
+        charge = arrived if used == 0 and arrived is not None else None
         if record.request_id in self._open:
             self._open.discard(record.request_id)
-            self._spawn(self._settle(record.request_id, used))
+            self._spawn(self._settle(record.request_id, used, charge))
         elif not key.limits.counted and record.outcome not in ("refused", "invalid"):
-            self._spawn(self._count(key.key_id, used))
+            self._spawn(self._count(key.key_id, used, charge))
 
-    async def _settle(self, request_id: str, used: int) -> None:
+    async def _settle(self, request_id: str, used: int, charge: Arrived | None = None) -> None:
         try:
             async with asyncio.timeout(SETTLE_TIMEOUT):
+                if charge is not None:
+                    used = await asyncio.to_thread(charge.tokens)
                 await asyncio.to_thread(store.settle, self.db, request_id, used)
         except Exception as exc:  # the reservation stays held: the safe side
             log.warning("client_key_settle_failed", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
 
-    async def _count(self, key_id: str, used: int) -> None:
+    async def _count(self, key_id: str, used: int, charge: Arrived | None = None) -> None:
         try:
             async with asyncio.timeout(SETTLE_TIMEOUT):
+                if charge is not None:
+                    used = await asyncio.to_thread(charge.tokens)
                 await asyncio.to_thread(store.count_usage, self.db, key_id, used)
         except Exception as exc:
             log.warning("client_key_usage_failed", key_id=key_id, error=f"{type(exc).__name__}: {exc}")

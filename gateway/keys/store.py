@@ -15,19 +15,17 @@ and the limits hold exactly across them. Times come from the database's clock.
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
 
 from gateway.keys.model import KeyLimits, ManagedKey
+from gateway.keys.quota import WINDOW, Ask, Counts, Grant, Refusal, decide
 from gateway.store.db import Store
 
-#: The window of rpm and tpm, in seconds.
-WINDOW = 60.0
 #: An open request older than this is taken as lost (its replica died): it no longer
 #: counts against max_concurrent. (Its tokens stay reserved for the day: the safe side.)
 STALE_OPEN = 3600.0
@@ -40,10 +38,6 @@ _COLUMNS = "key_id, name, prefix, secret_hash, limits, metadata, created_at, rev
 
 def day_of(at: float) -> str:
     return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d")
-
-
-def seconds_to_midnight(at: float) -> int:
-    return max(1, math.ceil(86400 - at % 86400))
 
 
 def _limits_json(limits: KeyLimits) -> str:
@@ -115,15 +109,6 @@ def usage_today(db: Store) -> dict[str, dict[str, int]]:
     return db.run_tx(run, write=False)
 
 
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    """Why a reservation was refused, and when to try again."""
-
-    code: str  # rate_limited | budget_exceeded | concurrency_limited
-    message: str
-    retry_after: int
-
-
 #: One scan of the key's recent rows (ended ones are deleted after KEEP_ENDED, so the
 #: scan holds the last two minutes and the open ones): requests and tokens in the window,
 #: its oldest request, the open requests; and the day's tokens.
@@ -148,46 +133,42 @@ def _clock(conn: Any, db: Store) -> float:
 
 
 def reserve(db: Store, key: ManagedKey, request_id: str, tokens: int) -> Refusal | None:
-    """Count one request and hold ``tokens`` for it, or say which limit refuses it."""
+    """Count one request and hold exactly ``tokens`` for it, or say which limit refuses it."""
+    decision = admit(db, key, request_id, Ask(input_tokens=tokens))
+    return decision if isinstance(decision, Refusal) else None
+
+
+def admit(db: Store, key: ManagedKey, request_id: str, ask: Ask) -> Grant | Refusal:
+    """Count one request and hold what :func:`gateway.keys.quota.decide` grants it (its
+    output cap lowered to what remains when the client named none), or the refusal."""
     limits = key.limits
     k = key.key_id
 
-    def run(conn: Any) -> Refusal | None:
+    def run(conn: Any) -> Grant | Refusal:
         if db.dialect == "postgres":  # one reservation per key at a time, on every replica
             conn.execute("SELECT key_id FROM client_keys WHERE key_id = ? FOR UPDATE", (k,))
         now = _clock(conn, db)
         day = day_of(now)
-        window = now - WINDOW
         if limits.rpm is None and limits.tpm is None and limits.max_concurrent is None:
-            count = window_tokens = open_now = 0  # a budget alone: the day's row is enough
-            oldest = None
-            row = conn.execute(_DAY_TOKENS, (k, day)).fetchone()
-            used = row[0] if row else 0
+            row = conn.execute(_DAY_TOKENS, (k, day)).fetchone()  # a budget alone: the day's row is enough
+            counts = Counts(now, day_tokens=int(row[0] if row else 0))
         else:
+            window = now - WINDOW
             count, window_tokens, oldest, open_now, used = conn.execute(
                 _COUNTS, (window, window, window, k, day, k, now - STALE_OPEN)
             ).fetchone()
-        wait = max(1, math.ceil(float(oldest) + WINDOW - now)) if oldest is not None else 1
-        if limits.rpm is not None and int(count) + 1 > limits.rpm:
-            return Refusal("rate_limited", f"this API key is limited to {limits.rpm} requests per minute", wait)
-        if limits.tpm is not None and int(window_tokens) + tokens > limits.tpm:
-            return Refusal("rate_limited", f"this API key is limited to {limits.tpm} tokens per minute "
-                           f"(this request reserves {tokens})", wait)
-        if limits.max_concurrent is not None and int(open_now) + 1 > limits.max_concurrent:
-            return Refusal("concurrency_limited",
-                           f"this API key is limited to {limits.max_concurrent} concurrent requests", 1)
-        used = int(used or 0)
-        if limits.daily_tokens is not None and used + tokens > limits.daily_tokens:
-            return Refusal("budget_exceeded", f"this API key's daily budget of {limits.daily_tokens} tokens "
-                           f"cannot hold this request's {tokens} (used or held: {used})",
-                           seconds_to_midnight(now))
-        conn.execute(
-            "INSERT INTO client_key_requests (request_id, key_id, at, day, reserved, used, open) VALUES (?, ?, ?, ?, ?, 0, 1)",
-            (request_id, k, now, day, tokens),
+            counts = Counts(now, int(count), int(window_tokens), None if oldest is None else float(oldest),
+                            int(open_now), int(used or 0))
+        decision = decide(limits, counts, ask)
+        if isinstance(decision, Refusal):
+            return decision
+        conn.execute(  # a request that generates nothing is ended as it is counted
+            "INSERT INTO client_key_requests (request_id, key_id, at, day, reserved, used, open) VALUES (?, ?, ?, ?, ?, 0, ?)",
+            (request_id, k, now, day, decision.tokens, 1 if ask.generates else 0),
         )
-        conn.execute(_USAGE_ADD, (k, day, 1, tokens))
+        conn.execute(_USAGE_ADD, (k, day, 1, decision.tokens))
         conn.execute("DELETE FROM client_key_requests WHERE key_id = ? AND open = 0 AND at < ?", (k, now - KEEP_ENDED))
-        return None
+        return decision
 
     return db.run_tx(run)
 

@@ -339,7 +339,7 @@ class Metrics:
         self.shutdown_cut = Counter(
             p + "shutdown_cut_requests", "Requests ended by the shutdown deadline", registry=r
         )
-        # Responses over WebSocket (gateway/protocols/responses/websocket.py: ConnectionSlots)
+        # Responses over WebSocket (gateway/protocols/responses/websocket_slots.py: ConnectionSlots)
         self.websockets_open = Gauge(
             p + "websockets_open", "Responses WebSocket connections open now (--ws-max-connections per process)",
             registry=r, multiprocess_mode="livesum",

@@ -1,4 +1,5 @@
-"""The I/O shell of rollouts: refuse calls for a frozen rollout, commit each call's
+"""The I/O shell of rollouts: refuse calls of another client key or for a frozen (or
+lately deleted) rollout, commit each call's
 record before its answer is released, record failed calls at their end, read back.
 
 Commit before release: :meth:`RolloutRecorder.commit` is the run's ``before_release``
@@ -26,6 +27,7 @@ import structlog
 from gateway.errors import GatewayError
 from gateway.live_settings import LiveSettings
 from gateway.redact import SECRETS
+from gateway.rollout import owners
 from gateway.rollout import store as rollout_store
 from gateway.rollout.records import answered_upstream, call_record
 from gateway.rollout.tokens import llamacpp_prompt_ids
@@ -38,6 +40,8 @@ log = structlog.get_logger("gateway.rollout")
 SPILL_BOUND = 2.0
 #: Seconds the frozen check may take (a store that does not answer: the call goes on).
 FROZEN_CHECK_TIMEOUT = 1.0
+#: Seconds the ownership claim may take (then 503: fail closed).
+CLAIM_TIMEOUT = 2.0
 #: Seconds reading a rollout's earlier calls for token-in may take.
 HISTORY_TIMEOUT = 2.0
 
@@ -91,6 +95,20 @@ class RolloutRecorder:
         return None
 
     # -- before the call ---------------------------------------------------------------------
+
+    async def claim(self, rollout_id: str, owner: str) -> None:
+        """The rollout id for this client identity, or its refusal (403 another key's,
+        410 deleted lately; gateway/rollout/owners.py). Fails closed: a store that cannot
+        answer in time is a 503, never a call written into a rollout nobody checked."""
+        try:
+            async with asyncio.timeout(CLAIM_TIMEOUT):
+                refusal = await asyncio.to_thread(owners.claim, self.db, rollout_id, owner, time.time())
+        except (TimeoutError, *self.db.errors) as exc:
+            log.warning("rollout_claim_failed", rollout=rollout_id, error=type(exc).__name__)
+            raise GatewayError("overloaded", "store_unavailable",
+                               "the store cannot say whose rollout this is now; try again", retry_after=1) from None
+        if refusal is not None:
+            raise refusal
 
     async def refuse_frozen(self, rollout_id: str) -> None:
         """A GatewayError (409 ``rollout_frozen``) for a frozen rollout."""

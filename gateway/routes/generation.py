@@ -7,6 +7,7 @@ count_tokens) are small handlers over a room's translation or storage.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
@@ -16,6 +17,8 @@ from gateway.errors import GatewayError
 from gateway.generation.body_parsing import count_tokens
 from gateway.generation.service import GenerationService
 from gateway.keys.identity import client_identity
+from gateway.keys.limiter import KeyRefusal
+from gateway.keys.registry import managed_key
 from gateway.protocols.base import ProtocolRoom
 from gateway.protocols.messages.room import error_json as anthropic_error
 from gateway.protocols.openai_shapes import error_json as openai_error
@@ -58,11 +61,22 @@ async def count_tokens_endpoint(request: Request) -> Response:
     """``POST /v1/messages/count_tokens``: the translated request's o200k_base count.
 
     Same validation and translation as ``/v1/messages`` (``max_tokens`` optional, as in
-    Anthropic's API); nothing is sent upstream.
+    Anthropic's API); nothing is sent upstream. A managed key's ``rpm`` counts it before
+    its body is read (the count is real work), and its model globs apply.
     """
+    key = managed_key(request)
+    limiter = request.app.state.relay.limiter
+    headers: dict[str, str] = {}
     try:
-        tokens = await count_tokens(await request.body())  # off the loop when large
+        if key is not None and limiter is not None:
+            headers = await limiter.admit_side(key, None, "count_" + secrets.token_hex(12))
+        model, tokens = await count_tokens(await request.body())  # off the loop when large
+        if key is not None:
+            key.check_model(model)
     except GatewayError as err:
-        headers = {"retry-after": str(err.retry_after)} if err.retry_after is not None else None
+        if isinstance(err, KeyRefusal):
+            headers.update(err.headers)
+        if err.retry_after is not None:
+            headers["retry-after"] = str(err.retry_after)
         return JSONResponse(anthropic_error(err), status_code=err.status, headers=headers)
-    return JSONResponse({"input_tokens": tokens})
+    return JSONResponse({"input_tokens": tokens}, headers=headers)

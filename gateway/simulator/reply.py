@@ -32,12 +32,12 @@ def _flag(raw: str) -> bool:
 _OPTION_TYPES: dict[str, Callable[[str], Any]] = {
     "chunk": int, "delay": float, "ttfb": float, "first_chunk_delay": float,
     "usage": str, "done": _flag, "finish_chunk": str, "unstable_id": _flag,
-    "size": int, "status": int, "retry_after": int, "repairable": _flag,
+    "size": int, "status": int, "retry_after": int, "repairable": _flag, "pause_at": float,
 }
 _SCENARIO_DEFAULTS: dict[str, dict[str, Any]] = {
     "slow_first_byte": {"ttfb": 2.0}, "slow_headers": {"ttfb": 2.0}, "large": {"chunk": 256},
 }
-_CHOICES = {"usage": {"separate", "last", "none"}, "finish_chunk": {"own", "last"}}
+_CHOICES = {"usage": {"separate", "last", "none", "running"}, "finish_chunk": {"own", "last"}}
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ class Options:
     status: int | None = None
     retry_after: int | None = None
     repairable: bool = False  # answer like `tool` once the gateway asks for a repair
+    pause_at: float = 0.0  # a fraction of the frames (0 < f < 1) after which the stream stalls (PAUSE_SECONDS)
 
 
 def parse_model(model: str) -> Options:

@@ -239,9 +239,19 @@ def _chunk(delta: Delta, finish: str | None = None) -> Frame:
     return {"choices": [{"index": 0, "delta": dict(delta), "finish_reason": finish}]}
 
 
+#: What the simulator charges an image part: OpenAI's high detail for a 512 x 512 image.
+IMAGE_PROMPT_TOKENS = 765
+
+
+def _images(content: Any) -> int:
+    return sum(1 for p in content if isinstance(p, dict) and p.get("type") == "image_url") if isinstance(content, list) else 0
+
+
 def _usage(body: Mapping[str, Any], deltas: list[Delta]) -> dict[str, Any]:
-    """Deterministic token counts: characters // 4 + 1."""
-    prompt = sum(len(text_of(m.get("content"))) for m in chat_messages(body)) // 4 + 1
+    """Deterministic token counts: characters // 4 + 1, and :data:`IMAGE_PROMPT_TOKENS` an image."""
+    messages = chat_messages(body)
+    prompt = sum(len(text_of(m.get("content"))) for m in messages) // 4 + 1
+    prompt += IMAGE_PROMPT_TOKENS * sum(_images(m.get("content")) for m in messages)
     text = reasoning = 0
     for d in deltas:
         text += len(d.get("content") or "")
@@ -281,8 +291,9 @@ def _frames(reply: Reply, ctx: Ctx) -> list[Frame]:
         chunks[-1]["choices"][0]["finish_reason"] = reply.finish
     elif reply.finish:
         chunks.append(_chunk({}, reply.finish))
-    if reply.usage_at is not None:
-        _place_usage(chunks, reply, ctx)
+    where = reply.usage_at or ("running" if ctx.opts.usage == "running" else None)
+    if where is not None:
+        _place_usage(chunks, reply, ctx, where)
     elif ctx.opts.usage == "last":
         chunks[-1]["usage"] = _usage(ctx.body, reply.deltas)
     elif ctx.opts.usage == "separate" and _wants_usage(ctx.body):
@@ -292,12 +303,12 @@ def _frames(reply: Reply, ctx: Ctx) -> list[Frame]:
     return chunks
 
 
-def _place_usage(chunks: list[Frame], reply: Reply, ctx: Ctx) -> None:
+def _place_usage(chunks: list[Frame], reply: Reply, ctx: Ctx, where: str) -> None:
     """Usage where some servers put it (always sent, as they do)."""
     usage = _usage(ctx.body, reply.deltas)
-    if reply.usage_at == "choice":
+    if where == "choice":
         chunks[-1]["choices"][0]["usage"] = usage
-    elif reply.usage_at == "x_groq":
+    elif where == "x_groq":
         chunks[-1]["x_groq"] = {"id": "req_sim", "usage": usage}
     else:  # running: a growing total on every chunk, the last one exact
         for n, chunk in enumerate(chunks, 1):

@@ -78,6 +78,10 @@ class Stamp:
         return {**envelope, **frame}
 
 
+#: Seconds a ``pause_at`` stream stalls mid-answer.
+PAUSE_SECONDS = 60.0
+
+
 @dataclass
 class Stats:
     """Stream lifecycle counters; lets tests prove cancellation reached the upstream."""
@@ -87,6 +91,9 @@ class Stats:
     cancelled: int = 0
     dropped: int = 0
     last_cancel_at: float | None = None
+    #: the usage of the last frame sent that carried one (with ``usage=running``: what the
+    #: stream had generated when it ended, cancelled or not)
+    last_sent_usage: dict[str, Any] | None = None
 
 
 @dataclass
@@ -108,13 +115,16 @@ def _sse_bytes(frame: Frame, stamp: Stamp) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-async def _sse(plan: Plan, stamp: Stamp) -> AsyncGenerator[bytes, None]:
+async def _sse(plan: Plan, stamp: Stamp, stats: Stats | None = None) -> AsyncGenerator[bytes, None]:
     """Yield one SSE event per frame, honouring delays so each frame is flushed separately."""
     if plan.options.first_chunk_delay > 0:
         await asyncio.sleep(plan.options.first_chunk_delay)
+    pause_at = int(len(plan.frames) * plan.options.pause_at) if 0 < plan.options.pause_at < 1 else -1
     for n, frame in enumerate(plan.frames):
         if n and plan.options.delay > 0:
             await asyncio.sleep(plan.options.delay)
+        if n == pause_at:  # a stream caught mid-answer, until the reader gives up on it
+            await asyncio.sleep(PAUSE_SECONDS)
         op = frame.get("_op")
         if op == "sleep":
             await asyncio.sleep(float(frame.get("seconds", 0)))
@@ -122,6 +132,8 @@ async def _sse(plan: Plan, stamp: Stamp) -> AsyncGenerator[bytes, None]:
             raise SimulatedDrop("simulated connection drop")
         else:
             yield _sse_bytes(frame, stamp)
+            if stats is not None and isinstance(frame.get("usage"), dict):
+                stats.last_sent_usage = frame["usage"]
 
 
 async def _truncated(payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
@@ -239,7 +251,7 @@ async def chat_completions(request: Request) -> Response:
     if not stream:
         return await _non_stream(plan, stamp, _sim(request).stats)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **plan.headers}
-    body_iter = _tracked(_sim(request).stats, _sse(plan, stamp))
+    body_iter = _tracked(_sim(request).stats, _sse(plan, stamp, _sim(request).stats))
     return ClosingStreamingResponse(body_iter, media_type="text/event-stream", headers=headers)
 
 

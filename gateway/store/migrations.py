@@ -218,6 +218,20 @@ MIGRATIONS: list[Migration] = [
         CREATE INDEX client_key_requests_key ON client_key_requests (key_id, at);
         """,
     ),
+    (
+        11,
+        # rollout owners (gateway/rollout/owners.py): the client identity whose first
+        # recorded call claimed a rollout id, and when an admin deleted it (the id is not
+        # taken again for a grace period).
+        """
+        CREATE TABLE rollout_owners (
+            rollout_id TEXT PRIMARY KEY,
+            owner TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            deleted_at REAL
+        );
+        """,
+    ),
 ]
 
 _PG_TYPES = ((re.compile(r"\bREAL\b"), "DOUBLE PRECISION"), (re.compile(r"\bINTEGER\b"), "BIGINT"))

@@ -559,7 +559,7 @@ def _wait_open(gw: Gateway, count: float) -> None:
 
 
 def test_connection_slots_count_refusals() -> None:
-    from gateway.protocols.responses.websocket import ConnectionSlots
+    from gateway.protocols.responses.websocket_slots import ConnectionSlots
 
     seen: list[int] = []
     refused: list[bool] = []

@@ -232,6 +232,8 @@ def upstream_tools(
     for i, tool in enumerate(tools):
         kind = tool.get("type")
         param = f"tools[{i}]"
+        if not isinstance(kind, str):  # a list or an object here was a 500 (unhashable in the set tests)
+            raise invalid_request(f"{param}.type must be a string", param=f"{param}.type", code="invalid_type")
         if kind == "function":
             out.append(_function_tool(tool, None, tool_map, param))
         elif kind == "namespace":

@@ -40,9 +40,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -55,6 +55,8 @@ from gateway.generation.body_parsing import off_loop, parse_request
 from gateway.generation.response import error_response
 from gateway.generation.service import GenerationService
 from gateway.keys.identity import check_client_key
+from gateway.keys.limiter import key_share_cap
+from gateway.keys.registry import managed_key
 from gateway.protocols.base import ParsedRequest
 from gateway.protocols.responses.room import ResponsesFacts, ResponsesRoom
 from gateway.protocols.responses.websocket_frames import (
@@ -71,6 +73,7 @@ from gateway.protocols.responses.websocket_frames import (
     sse_data,
     wrapped_error,
 )
+from gateway.protocols.responses.websocket_slots import ConnectionSlots, too_many_websockets
 from gateway.stream.events import Finish, Usage
 
 log = structlog.get_logger("gateway.responses_ws")
@@ -81,54 +84,6 @@ CONNECTION_MEMORY = 64
 #: ... and one whose JSON is over this many ``--max-body-bytes`` is not remembered at all
 #: (a later turn could not have sent it over HTTP either).
 CONNECTION_MEMORY_BODIES = 2
-
-#: Seconds a client refused for too many open connections is told to wait (Retry-After).
-REFUSED_RETRY_AFTER = 5
-
-
-class ConnectionSlots:
-    """The Responses WebSockets open in this process, at most ``limit`` at a time.
-
-    Counted from the upgrade to the end of the connection (each holds an inbox and
-    remembered conversations, whatever it does); ``on_open(count)`` / ``on_refused()``
-    feed the metrics. One event loop per process: no lock needed."""
-
-    def __init__(self, on_open: Callable[[int], None] | None = None, on_refused: Callable[[], None] | None = None) -> None:
-        self.open = 0
-        self.by_client: dict[str, int] = {}  # client address -> its open connections (no zero entries)
-        self._on_open = on_open or (lambda count: None)
-        self._on_refused = on_refused or (lambda: None)
-
-    def take(self, limit: int, client: str = "", per_client: int = 0) -> bool:
-        """A slot for one more connection, or False (counted as refused) at ``limit`` open
-        in all, or ``per_client`` (0: no such cap) open from ``client``."""
-        if self.open >= limit or (per_client and self.by_client.get(client, 0) >= per_client):
-            self._on_refused()
-            return False
-        self.open += 1
-        self.by_client[client] = self.by_client.get(client, 0) + 1
-        self._on_open(self.open)
-        return True
-
-    def give_back(self, client: str = "") -> None:
-        self.open -= 1
-        left = self.by_client.get(client, 1) - 1
-        if left > 0:
-            self.by_client[client] = left
-        else:
-            self.by_client.pop(client, None)
-        self._on_open(self.open)
-
-
-def too_many_websockets(limit: int, per_client: bool = False) -> GatewayError:
-    whose = "from your address" if per_client else "open"
-    return GatewayError(
-        "overloaded", "too_many_websockets",
-        f"the gateway has its limit of {limit} Responses WebSocket connections {whose}: retry later"
-        " (or send the request as POST /v1/responses)",
-        retry_after=REFUSED_RETRY_AFTER,
-    )
-
 
 async def refuse_upgrade(websocket: WebSocket, room: ResponsesRoom, err: GatewayError) -> None:
     """Refuse the upgrade before accepting it: the HTTP status and the room's error body
@@ -346,11 +301,15 @@ class ResponsesConnection:
 
     async def _prewarm(self, frame: Frame) -> bool:
         """``generate: false``: validate, remember the input, answer created + completed
-        with no output; nothing goes upstream and no audit record is written."""
+        with no output; nothing goes upstream and no audit record is written. A managed
+        key's model globs and ``rpm`` apply as to a generating frame."""
         try:
             check_client_key(self.websocket, self.relay.live.current.api_key, self.relay.keys)
             tenant = self.relay.tenant(self.websocket)
             parsed = await self.room.resolve(await parse_request(self.room, frame.body, {}, tenant))
+            key = managed_key(self.websocket)
+            if key is not None and self.relay.limiter is not None:
+                await self.relay.limiter.admit_side(key, parsed.model, "warm_" + secrets.token_hex(12))
         except GatewayError as err:
             await self._send_error(err)
             return False
@@ -442,14 +401,20 @@ def websocket_endpoint(relay: GenerationService, room: ResponsesRoom, slots: Con
             return
         client = websocket.client.host if websocket.client else ""
         limit, per_client = settings.ws_max_connections, settings.ws_max_connections_per_ip
-        if not slots.take(limit, client, per_client):
+        managed = managed_key(websocket)
+        key = managed.key_id if managed is not None else ""
+        per_key = key_share_cap(limit, settings.key_share) if key else 0
+        if not slots.take(limit, client, per_client, key, per_key):
             log.warning("responses_ws_upgrade_refused", code="too_many_websockets", open=slots.open, limit=limit)
             whole = slots.open >= limit
-            await refuse_upgrade(websocket, room, too_many_websockets(limit if whole else per_client, per_client=not whole))
+            by_address = not whole and slots.by_client.get(client, 0) >= per_client
+            shown = limit if whole else per_client if by_address else per_key
+            await refuse_upgrade(websocket, room, too_many_websockets(shown, per_client=by_address,
+                                                                      per_key=not whole and not by_address))
             return
         try:
             await ResponsesConnection(relay, room, websocket).run()
         finally:
-            slots.give_back(client)
+            slots.give_back(client, key)
 
     return endpoint
