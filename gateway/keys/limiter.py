@@ -12,12 +12,22 @@ per-message tokens). The output cap is the request's ``max_tokens``, or the key'
 then sent upstream as ``max_tokens`` so the answer cannot outgrow what was reserved; with
 tool repair in compatible mode every regeneration may spend it again, so it counts that
 many times.
+
+Settlement never leaks a reservation nor loses usage: it goes through the app's
+:class:`~gateway.store.spill.DurableWriter` like an audit row (the store, else the fsync'd
+spill journal, replayed when the store is back; both idempotent per request id). While
+the request runs, its reservation's lease is renewed every
+:data:`~gateway.keys.store.RENEW_EVERY` seconds; one whose settlement is still in the
+journal (or whose process died) is reclaimed by the key's next reservation once its lease
+(:data:`~gateway.keys.store.LEASE`) has run out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import orjson
@@ -30,13 +40,18 @@ from gateway.keys import store
 from gateway.keys.model import DEFAULT_OUTPUT_CAP, ManagedKey
 from gateway.protocols.base import ParsedRequest
 from gateway.store.db import Store
+from gateway.store.refresher import Refresher
+from gateway.store.spill import DurableWriter
 
 log = structlog.get_logger("gateway.keys")
 
 #: Seconds a reservation may take before the request is refused (fail closed).
 RESERVE_TIMEOUT = 2.0
-#: Seconds a settlement may take (its reservation stays held if it does not finish).
+#: Seconds a settlement may take to be stored or journaled (past it: logged as lost; the
+#: lease still frees the reservation).
 SETTLE_TIMEOUT = 10.0
+#: Seconds one lease renewal may take.
+RENEW_TIMEOUT = 5.0
 
 
 def input_bound(body: dict[str, Any]) -> int:
@@ -82,13 +97,30 @@ def used_tokens(record: RequestRecord) -> int:
 
 
 class KeyLimiter:
-    """Reserves and settles for one store; remembers the open reservations of this process."""
+    """Reserves and settles for one store; remembers the open reservations of this process
+    and renews their leases (:meth:`start`)."""
 
-    def __init__(self, db: Store, reserve_timeout: float = RESERVE_TIMEOUT) -> None:
+    def __init__(self, db: Store, durable: DurableWriter, reserve_timeout: float = RESERVE_TIMEOUT,
+                 renew_every: float = store.RENEW_EVERY) -> None:
         self.db = db
+        self.durable = durable
         self.reserve_timeout = reserve_timeout
         self._open: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: settlements neither stored nor journaled (their reservations wait for the lease)
+        self.unsettled = 0
+        self.leases = Refresher("client-key-leases", self._renew, renew_every, RENEW_TIMEOUT)
+        # its own thread: a renewal stuck on the store holds none of the shared executor's
+        self._lease_thread = ThreadPoolExecutor(1, thread_name_prefix="key-leases")
+
+    async def start(self) -> None:
+        await self.leases.start()
+
+    async def _renew(self) -> None:
+        if self._open:
+            held = list(self._open)
+            call = functools.partial(store.renew, self.db, held)
+            await asyncio.get_running_loop().run_in_executor(self._lease_thread, call)
 
     async def admit(self, key: ManagedKey, parsed: ParsedRequest, policy: StreamPolicy, request_id: str) -> ParsedRequest:
         """The model check, then the reservation (for a key with counted limits); returns
@@ -125,41 +157,42 @@ class KeyLimiter:
 
     def _late(self, job: asyncio.Future[Any], request_id: str) -> None:
         if not job.cancelled() and job.exception() is None and job.result() is None:
-            self._spawn(self._settle(request_id, 0))
+            self._spawn(self._record(store.SETTLE_KIND, (request_id, 0)))
 
-    def finished(self, key: ManagedKey, record: RequestRecord) -> None:
+    def finished(self, key: ManagedKey | None, record: RequestRecord) -> None:
         """At the request's one report: settle its reservation to what it used (or count
-        the usage of a key without counted limits). Never waits: a task does it."""
+        the usage of a key without counted limits; ``key`` None: deleted meanwhile). Never
+        waits: a task does it."""
         used = used_tokens(record)
         if record.request_id in self._open:
             self._open.discard(record.request_id)
-            self._spawn(self._settle(record.request_id, used))
-        elif not key.limits.counted and record.outcome not in ("refused", "invalid"):
-            self._spawn(self._count(key.key_id, used))
+            self._spawn(self._record(store.SETTLE_KIND, (record.request_id, used)))
+        elif key is not None and not key.limits.counted and record.outcome not in ("refused", "invalid"):
+            self._spawn(self._record(store.COUNT_KIND, (record.request_id, key.key_id, used)))
 
-    async def _settle(self, request_id: str, used: int) -> None:
+    async def _record(self, kind: str, row: tuple[Any, ...]) -> None:
+        """Store the settlement, else journal it (replayed when the store is back)."""
         try:
             async with asyncio.timeout(SETTLE_TIMEOUT):
-                await asyncio.to_thread(store.settle, self.db, request_id, used)
-        except Exception as exc:  # the reservation stays held: the safe side
-            log.warning("client_key_settle_failed", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
-
-    async def _count(self, key_id: str, used: int) -> None:
-        try:
-            async with asyncio.timeout(SETTLE_TIMEOUT):
-                await asyncio.to_thread(store.count_usage, self.db, key_id, used)
-        except Exception as exc:
-            log.warning("client_key_usage_failed", key_id=key_id, error=f"{type(exc).__name__}: {exc}")
+                result = await self.durable.write(kind, [row])
+        except TimeoutError:
+            result = "timeout"
+        if result not in ("stored", "spilled"):  # the lease still frees a reservation
+            self.unsettled += 1
+            log.error("client_key_settlement_lost", kind=kind, request_id=row[0], result=result)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def drain(self) -> None:
-        """At shutdown: let the settlements under way finish (each is bounded)."""
+    async def aclose(self) -> None:
+        """At shutdown: stop renewing, let the settlements under way finish (each is
+        bounded: stored or journaled)."""
+        await self.leases.aclose()
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        self._lease_thread.shutdown(wait=False)
 
 
 def _unavailable(message: str) -> GatewayError:
