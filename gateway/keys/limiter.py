@@ -133,7 +133,7 @@ class KeyLimiter:
         else:
             cap = output_cap(parsed.upstream_body) or 0
         sized = parsed if key.limits.token_limited else None
-        job = asyncio.ensure_future(asyncio.to_thread(self._reserve, key, request_id, sized, cap, policy))
+        job = asyncio.ensure_future(self.db.acall(self._reserve, key, request_id, sized, cap, policy))
         done, _ = await asyncio.wait({job}, timeout=self.reserve_timeout)
         if not done:  # it may still commit: give it back then
             job.add_done_callback(lambda f: self._late(f, request_id))
