@@ -145,7 +145,9 @@ def test_a_write_locked_store_holds_no_answer_and_a_sigkill_loses_no_finished_re
                 client.responses.create(model="echo", input="x", previous_response_id="resp_" + "0" * 24)
             assert unknown.value.code == "previous_response_not_found"
             sent = 12 + 24 + 2 + 1 + 1  # warm, locked, chat, messages, follow-up, unknown id
-            ready = httpx.get(gw.url + "/readyz").json()
+            readyz = httpx.get(gw.url + "/readyz")  # degraded, still in rotation: it answers all of the above
+            ready = readyz.json()
+            assert readyz.status_code == 200 and ready["status"] == "degraded", ready
             assert {r["code"] for r in ready["reasons"]} >= {"store_unwritable", "spill_in_use"}, ready
             time.sleep(1.0)  # every request above finished >= 1 s ago
             gw.proc.send_signal(signal.SIGKILL)
@@ -299,6 +301,9 @@ def test_serve_unrecorded_chooses_availability(simulator: Simulator, tmp_path: P
             gw.wait_healthy()
             assert "SERVED UNRECORDED" in gw.log()
             assert chat_stream(openai_client(gw), "anyway") == "You said: anyway"
+            readyz = httpx.get(gw.url + "/readyz")  # it serves: degraded, not out of rotation
+            assert readyz.status_code == 200 and readyz.json()["status"] == "degraded"
+            assert {r["code"]: r["impact"] for r in readyz.json()["reasons"]}["spill_not_reserved"] == "degraded"
             metrics = httpx.get(gw.url + "/metrics").text
             assert 'codebuddy2api_unrecordable_requests_total{action="served"} 1.0' in metrics
         finally:
