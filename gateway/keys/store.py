@@ -41,6 +41,11 @@ WINDOW = 60.0
 #: next reservation of its key at most this long after the last renewal.
 LEASE = 30.0
 RENEW_EVERY = LEASE / 3
+#: Seconds a row may be stamped ahead of the clock and still count. Further ahead, the clock
+#: stepped back since (SQLite uses this machine's clock): such rows are out of the rpm/tpm
+#: window and their leases have run out, so a 1 h backward step does not lock a key for an
+#: hour (issue #40); at worst the window forgets the requests made before the step.
+CLOCK_SLACK = 5.0
 #: A row from before leases (no ``lease_until``) is taken as lost this long after it began.
 STALE_OPEN = 3600.0
 #: Ended requests are deleted once this old (past the window).
@@ -143,18 +148,20 @@ class Refusal:
 #: scan holds the last two minutes and the held ones): requests and tokens in the window
 #: (a reclaimed row's ``used`` is what it reserved), its oldest request, the held
 #: requests; and the day's tokens.
+_IN_WINDOW = "at > ? AND at <= ?"
 _COUNTS = (
-    "SELECT COUNT(CASE WHEN at > ? THEN 1 END),"
-    " COALESCE(SUM(CASE WHEN at > ? THEN (CASE WHEN open = 1 THEN reserved ELSE used END) ELSE 0 END), 0),"
-    " MIN(CASE WHEN at > ? THEN at END), COALESCE(SUM(CASE WHEN open = 1 THEN 1 ELSE 0 END), 0),"
+    f"SELECT COUNT(CASE WHEN {_IN_WINDOW} THEN 1 END),"
+    f" COALESCE(SUM(CASE WHEN {_IN_WINDOW} THEN (CASE WHEN open = 1 THEN reserved ELSE used END) ELSE 0 END), 0),"
+    f" MIN(CASE WHEN {_IN_WINDOW} THEN at END), COALESCE(SUM(CASE WHEN open = 1 THEN 1 ELSE 0 END), 0),"
     " (SELECT tokens FROM client_key_usage WHERE key_id = ? AND day = ?)"
     " FROM client_key_requests WHERE key_id = ? AND (at > ? OR open = 1)"
 )
 #: Held reservations whose lease ran out: reclaimed (no longer concurrent; what they
-#: reserved counts as used until their settlement arrives).
+#: reserved counts as used until their settlement arrives). A lease further ahead than any
+#: renewal can set was stamped before the clock stepped back: it has run out too.
 _RECLAIM = (
     "UPDATE client_key_requests SET open = 2, used = reserved"
-    f" WHERE key_id = ? AND open = 1 AND COALESCE(lease_until, at + {STALE_OPEN}) < ?"
+    f" WHERE key_id = ? AND open = 1 AND (COALESCE(lease_until, at + {STALE_OPEN}) < ? OR lease_until > ?)"
 )
 _DAY_TOKENS = "SELECT tokens FROM client_key_usage WHERE key_id = ? AND day = ?"
 _USAGE_ADD = (
@@ -180,7 +187,7 @@ def reserve(db: Store, key: ManagedKey, request_id: str, tokens: int) -> Refusal
         now = _clock(conn, db)
         day = day_of(now)
         window = now - WINDOW
-        conn.execute(_RECLAIM, (k, now))
+        conn.execute(_RECLAIM, (k, now, now + LEASE + CLOCK_SLACK))
         if limits.rpm is None and limits.tpm is None and limits.max_concurrent is None:
             count = window_tokens = open_now = 0  # a budget alone: the day's row is enough
             oldest = None
@@ -188,7 +195,7 @@ def reserve(db: Store, key: ManagedKey, request_id: str, tokens: int) -> Refusal
             used = row[0] if row else 0
         else:
             count, window_tokens, oldest, open_now, used = conn.execute(
-                _COUNTS, (window, window, window, k, day, k, window)
+                _COUNTS, (window, now + CLOCK_SLACK) * 3 + (k, day, k, window)
             ).fetchone()
         wait = max(1, math.ceil(float(oldest) + WINDOW - now)) if oldest is not None else 1
         if limits.rpm is not None and int(count) + 1 > limits.rpm:
@@ -217,9 +224,12 @@ def reserve(db: Store, key: ManagedKey, request_id: str, tokens: int) -> Refusal
 
 
 def _purge(conn: Any, key_id: str, now: float) -> None:
+    """Ended rows past the window (or stamped ahead of a clock that stepped back), and
+    reclaimed rows whose settlement never came."""
     conn.execute(
-        "DELETE FROM client_key_requests WHERE key_id = ? AND ((open = 0 AND at < ?) OR (open = 2 AND at < ?))",
-        (key_id, now - KEEP_ENDED, now - KEEP_RECLAIMED),
+        "DELETE FROM client_key_requests WHERE key_id = ?"
+        " AND ((open = 0 AND (at < ? OR at > ?)) OR (open = 2 AND at < ?))",
+        (key_id, now - KEEP_ENDED, now + CLOCK_SLACK, now - KEEP_RECLAIMED),
     )
 
 

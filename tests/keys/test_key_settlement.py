@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import orjson
@@ -205,3 +206,30 @@ def test_a_store_out_during_settlement_through_the_gateway_leaks_nothing_and_los
     assert db.execute(held, (limited["id"],)) == [(0,)]
     again = oai(gw, limited["key"]).chat.completions.create(model="echo", messages=[{"role": "user", "content": "next"}])
     assert again.choices[0].message.content == "You said: next"  # admitted: nothing leaked
+
+
+def test_a_backward_clock_step_does_not_lock_a_key_and_its_limits_still_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite stamps rows with this machine's clock: after a 1 h step back, the rows stamped
+    before it are 'in the future'. They must not fill the rpm window nor hold a lease for
+    that hour (issue #40); the limits then count the requests made after the step."""
+    db = open_database(None, tmp_path)
+    clock = [time.time()]
+    monkeypatch.setattr(store, "time", SimpleNamespace(time=lambda: clock[0]))
+    key = make_key(db, rpm=2, max_concurrent=1)
+    assert store.reserve(db, key, "r1", 0) is None and store.settle(db, "r1", 3)
+    assert store.reserve(db, key, "r2", 0) is None  # its replica dies: never settled
+    refused = store.reserve(db, key, "r3", 0)
+    assert refused is not None and refused.code == "rate_limited"
+    clock[0] -= 3600  # NTP steps the clock back an hour
+    assert store.reserve(db, key, "r3", 0) is None
+    assert state(db, "r2")[0] == 2  # its lease, stamped an hour ahead, counts as run out
+    assert db.execute("SELECT COUNT(*) FROM client_key_requests WHERE request_id = 'r1'") == [(0,)]  # dropped
+    limited = store.reserve(db, key, "r4", 0)
+    assert limited is not None and limited.code == "concurrency_limited"  # r3 is held
+    store.settle(db, "r3", 1)
+    assert store.reserve(db, key, "r4", 0) is None and store.settle(db, "r4", 1)
+    over = store.reserve(db, key, "r5", 0)
+    assert over is not None and over.code == "rate_limited" and 59 <= over.retry_after <= 60  # r3, r4 in this minute
+    db.close()
