@@ -30,6 +30,7 @@ from gateway.http.body_limit import BodyLimit
 from gateway.http.cross_site import CrossSiteGuard
 from gateway.http.servers import bind_loopback, on_server_exit, start_embedded, stop_embedded
 from gateway.http.shutdown import GracefulShutdown
+from gateway.keys import store as key_store
 from gateway.keys.limiter import KeyLimiter
 from gateway.keys.registry import KeyRegistry
 from gateway.live_settings import LiveSettings
@@ -199,7 +200,8 @@ def create_app(
     client_keys = relay.keys = KeyRegistry(db)
     client_keys.on_load = observability.metrics.declare_keys
     client_keys.load()  # before serving: requests authenticate against the in-memory keys
-    relay.limiter = KeyLimiter(db)
+    observability.durable.statements.update(key_store.statements(db))  # settlements, journaled too
+    relay.limiter = KeyLimiter(db, observability.durable)
     credential_state = CredentialState(db)
     # several processes on one store (PostgreSQL replicas, --workers): shared cap and health
     replication = Replication(db, settings.replica_id, lambda: relay.in_flight) if db.shared or settings.workers > 1 else None
@@ -255,6 +257,7 @@ def create_app(
         await loop_lag.start()
         await envelope_keys.start()
         await client_keys.start()
+        await relay.limiter.start()  # renews the leases of this process's reservations
         shutdown = app.state.shutdown = GracefulShutdown(
             settings.shutdown_timeout, relay.running.abort_all, lambda: relay.in_flight, observability.metrics.shutdown_cut.inc
         )
@@ -277,7 +280,7 @@ def create_app(
             await upstream.aclose()
             if relay.capture is not None:
                 relay.capture.close()  # drains: every finished call is on disk
-            await relay.limiter.drain()  # settlements under way, before the store closes
+            await relay.limiter.aclose()  # settlements under way, before the writer closes
             await relay.rollouts.aclose()  # failed calls' records, before the writer closes
             await observability.aclose()  # drains the audit queue
             await state_writer.aclose()

@@ -308,7 +308,7 @@ def serve(settings: Settings, sources: dict, cli_values: dict[str, Any] | None =
     problem = wait_for_postgres(settings)
     if problem:
         print(f"codebuddy2api: error: {problem}", file=sys.stderr)
-        return 2
+        return EXIT_TEMPFAIL
     common: dict[str, Any] = dict(
         host=settings.host, port=settings.port, log_level=settings.log_level, log_config=None, access_log=True,
         timeout_graceful_shutdown=settings.shutdown_timeout + SHUTDOWN_GRACE,
@@ -329,7 +329,7 @@ def serve(settings: Settings, sources: dict, cli_values: dict[str, Any] | None =
         from gateway.store.wait import describe
 
         print(f"codebuddy2api: error: cannot open the database: {describe(exc, settings)}", file=sys.stderr)
-        return 2
+        return EXIT_TEMPFAIL
     except (OSError, sqlite3.Error) as exc:  # the store or the spill journal cannot be opened
         where = settings.spill_dir if isinstance(exc, OSError) and settings.spill_dir else settings.data_dir
         print(f"codebuddy2api: error: cannot open the gateway's state in {where}: "
@@ -341,7 +341,7 @@ def serve(settings: Settings, sources: dict, cli_values: dict[str, Any] | None =
 
 def wait_for_postgres(settings: Settings) -> str | None:
     """With a PostgreSQL URL: wait up to ``--database-wait`` for it (gateway.store.wait);
-    the one line to exit 2 with when it never came, else None."""
+    the one line to exit :data:`EXIT_TEMPFAIL` with when it never came, else None."""
     from gateway.store.db import is_postgres_url
 
     url = settings.database_url.get_secret_value() if settings.database_url is not None else ""
@@ -381,6 +381,12 @@ def run_workers(settings: Settings, common: dict[str, Any]) -> int:
         return 1
     return 0
 
+
+#: The exit status of a start-up that found PostgreSQL unreachable (past ``--database-wait``):
+#: sysexits' EX_TEMPFAIL, "try again later". Not 2, a refused configuration that retrying
+#: cannot fix: systemd's ``RestartPreventExitStatus=2`` must not keep a gateway down once
+#: its database comes back (issue #40).
+EXIT_TEMPFAIL = 75
 
 #: Seconds past ``--shutdown-timeout`` uvicorn waits for the cut streams to say goodbye.
 SHUTDOWN_GRACE = 5.0

@@ -354,7 +354,7 @@ CLI_FIELDS: dict[str, str] = {
     "otlp_endpoint": "send OpenTelemetry traces (GenAI conventions) to this OTLP/HTTP collector, e.g. http://127.0.0.1:4318",
     "serve_unrecorded": "keep serving when neither the store nor the spill journal can keep a request's record (e.g. the"
                         " journal's reservation failed on a full disk); default: refuse with 503 recording_unavailable",
-    "database_wait": "seconds to wait for PostgreSQL at start-up (retried with backoff) before exit code 2 (default 60)",
+    "database_wait": "seconds to wait for PostgreSQL at start-up (retried with backoff) before exit code 75 (default 60)",
     "worker_restart_attempts": "with --workers: times a dead worker's replacement may fail (backoff 1 s doubling"
                                " up to 30 s) before the gateway gives up with exit code 1 (default 8)",
 }

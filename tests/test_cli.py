@@ -154,3 +154,23 @@ def test_open_bind_without_client_keys_is_refused() -> None:
     assert result.returncode == 2
     assert "--api-key" in result.stderr and "--allow-open" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_database_not_there_at_start_exits_ex_tempfail_not_the_refusal_status(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue #40: exit 2 means a refused configuration (the systemd unit never restarts it);
+    a PostgreSQL that is not up yet is worth a restart: 75 (EX_TEMPFAIL)."""
+    from gateway.cli import EXIT_TEMPFAIL, main
+
+    for name in [k for k in os.environ if k.startswith("CODEBUDDY2API_")]:
+        monkeypatch.delenv(name)
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    status = main(["serve", "--data-dir", str(tmp_path / "d"), "--database-wait", "0", "--port", "0",
+                   "--database-url", f"postgresql://gw:secret-pw@127.0.0.1:{port}/gateway"])
+    said = capsys.readouterr().err
+    assert status == EXIT_TEMPFAIL == 75, said
+    assert said.strip().splitlines()[-1].startswith("codebuddy2api: error: database 127.0.0.1:")
+    assert "secret-pw" not in said and "Traceback" not in said

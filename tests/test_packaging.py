@@ -216,6 +216,11 @@ def test_systemd_unit_runs_serve_and_does_not_retry_a_refusal(tmp_path: Path) ->
     exec_start = shlex.split(values["ExecStart"])
     assert Path(exec_start[0]).name == "codebuddy2api" and exec_start[1:] == ["serve"]
     assert values["RestartPreventExitStatus"] == "2"  # the CLI's refusal status (tests/test_startup.py)
+    # ... but a database that was not there yet (exit EX_TEMPFAIL after --database-wait) is retried
+    from gateway.cli import EXIT_TEMPFAIL
+
+    assert values["Restart"] == "on-failure" and EXIT_TEMPFAIL != 2
+    assert str(EXIT_TEMPFAIL) not in values["RestartPreventExitStatus"].split()
     assert values["User"] != "root" and values["ReadWritePaths"] == "/var/lib/codebuddy2api"
     assert "CODEBUDDY2API_DATA_DIR=/var/lib/codebuddy2api" in values["Environment"]
     if not shutil.which("systemd-analyze"):

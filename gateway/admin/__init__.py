@@ -4,7 +4,8 @@ Every admin route is mounted by :func:`admin_mount`, so access control lives in 
 :class:`AdminGuard`, which asks :func:`gateway.admin.auth.guarded_check` (the admin token,
 configured or generated at start-up, or the WebUI session cookie). Host, Origin and
 content-type are checked before that, for the whole admin surface, by
-:class:`gateway.http.admin_surface.AdminSurface`.
+:class:`gateway.http.admin_surface.AdminSurface`; after it, :class:`StoreBound` bounds the
+wait on the store (503 ``store_unavailable``, never a 500 after 30 s).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from gateway.admin.keys_api import key_routes
 from gateway.admin.rollouts_api import rollout_routes
 from gateway.admin.settings_api import settings_routes
 from gateway.admin.status_api import status_routes
+from gateway.admin.store_bound import StoreBound
 
 __all__ = ["AdminGuard", "admin_mount", "auth_routes"]
 
@@ -60,4 +62,4 @@ def admin_routes() -> list[BaseRoute]:
 
 
 def admin_mount() -> Mount:
-    return Mount("/admin/api", routes=admin_routes(), middleware=[Middleware(AdminGuard)])
+    return Mount("/admin/api", routes=admin_routes(), middleware=[Middleware(AdminGuard), Middleware(StoreBound)])

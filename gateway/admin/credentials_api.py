@@ -65,7 +65,7 @@ async def add_credential(request: Request) -> Response:
     probe = await probe_new(request, credential)
     state = request.app.state.credential_state
     # off the event loop: a slow store must not stall the streams this process serves
-    await asyncio.to_thread(state.add_credential, credential.id, credential.upstream.name, base_url, api_key)
+    await state.db.acall(state.add_credential, credential.id, credential.upstream.name, base_url, api_key)
     pool.add(credential)
     if probe["status"] in (401, 403):  # the key is refused: out of rotation, probed again later
         refused = GatewayError("upstream", "upstream_auth_failed", probe["result"])
@@ -108,7 +108,7 @@ async def delete_credential(request: Request) -> Response:
     if not credential.added_by_admin:
         return admin_error(409, "credential_configured", "this credential comes from --upstream-url/--config; "
                            "remove it there and restart", "credential_id")
-    await asyncio.to_thread(request.app.state.credential_state.delete_credential, credential_id)
+    await request.app.state.db.acall(request.app.state.credential_state.delete_credential, credential_id)
     pool.remove(credential_id)
     return JSONResponse({"deleted": credential_id, "credential": credential.public()})
 

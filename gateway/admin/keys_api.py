@@ -32,7 +32,7 @@ def _invalid(exc: InvalidField) -> Response:
 
 
 async def _keys(request: Request) -> list[ManagedKey]:
-    return await asyncio.to_thread(store.load_all, request.app.state.db)
+    return await request.app.state.db.acall(store.load_all, request.app.state.db)
 
 
 def _name_taken(keys: list[ManagedKey], name: str, except_id: str | None = None) -> bool:
@@ -54,7 +54,7 @@ async def create_key(request: Request) -> Response:
         return admin_error(409, "key_name_taken", f"a key named {name!r} exists already (names label the metrics)", "name")
     secret = new_secret()
     key = ManagedKey(new_key_id(), name, secret[:PREFIX_CHARS], hash_secret(secret), limits, time.time(), None, metadata)
-    await asyncio.to_thread(store.insert, request.app.state.db, key)
+    await request.app.state.db.acall(store.insert, request.app.state.db, key)
     _registry(request).put(key)
     return JSONResponse({**key.public(), "key": secret}, status_code=201)
 
@@ -62,7 +62,7 @@ async def create_key(request: Request) -> Response:
 async def list_keys(request: Request) -> Response:
     """Every key (revoked ones too), never a secret, with today's usage (UTC day)."""
     db = request.app.state.db
-    keys, usage = await asyncio.gather(_keys(request), asyncio.to_thread(store.usage_today, db))
+    keys, usage = await asyncio.gather(_keys(request), db.acall(store.usage_today, db))
     zero = {"requests_today": 0, "tokens_today": 0}
     return JSONResponse({"keys": [k.public() | {"usage": usage.get(k.key_id, zero)} for k in keys]})
 
@@ -87,7 +87,7 @@ async def change_key(request: Request) -> Response:
     if _name_taken(keys, name, except_id=key_id):
         return admin_error(409, "key_name_taken", f"a key named {name!r} exists already", "name")
     changed = ManagedKey(key.key_id, name, key.prefix, key.secret_hash, limits, key.created_at, key.revoked_at, metadata)
-    await asyncio.to_thread(store.update, request.app.state.db, changed)
+    await request.app.state.db.acall(store.update, request.app.state.db, changed)
     _registry(request).put(changed)
     return JSONResponse(changed.public())
 
@@ -96,7 +96,7 @@ async def revoke_key(request: Request) -> Response:
     """Revoke a key: refused at once here, on every replica within two seconds."""
     key_id = request.path_params["key_id"]
     db = request.app.state.db
-    if not await asyncio.to_thread(store.revoke, db, key_id):
+    if not await db.acall(store.revoke, db, key_id):
         return admin_error(404, "key_not_found", f"no key {key_id!r}", "key_id")
     revoked = next((k for k in await _keys(request) if k.key_id == key_id), None)
     if revoked is not None:

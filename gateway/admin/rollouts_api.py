@@ -94,7 +94,7 @@ async def freeze(request: Request) -> Response:
         request.scope.get("state", {}).get("admin_actor") or "admin"), "")
     try:
         async with asyncio.timeout(WRITE_TIMEOUT):
-            await asyncio.to_thread(recorder.db.run_tx, lambda conn: _upsert_mark(conn, row))
+            await recorder.db.acall(recorder.db.run_tx, lambda conn: _upsert_mark(conn, row))
     except (TimeoutError, *recorder.db.errors):
         return admin_error(503, "store_unavailable", "the store did not take the freeze; try again")
     await _settle(recorder)
@@ -131,7 +131,7 @@ async def delete(request: Request) -> Response:
 
     try:
         async with asyncio.timeout(WRITE_TIMEOUT):
-            await asyncio.to_thread(recorder.db.run_tx, remove)
+            await recorder.db.acall(recorder.db.run_tx, remove)
     except (TimeoutError, *recorder.db.errors):
         return admin_error(503, "store_unavailable", "the store did not take the delete; try again")
     recorder.forget(rollout_id)

@@ -252,9 +252,8 @@ class GenerationService:
         if chat_run is not None:
             note_run(record, chat_run)
         if record.key_id and self.limiter is not None and self.keys is not None:
-            key = self.keys.get(record.key_id)
-            if key is not None:
-                self.limiter.finished(key, record, _arrived(chat_run))  # settles its reservation (a task: no wait)
+            # settles its reservation (a task: no wait), also for a key deleted meanwhile
+            self.limiter.finished(self.keys.get(record.key_id), record, _arrived(chat_run))
         self.observer.on_finish(record)
         if self.capture is not None and chat_run is not None:
             self.capture.submit(capture_record(chat_run))

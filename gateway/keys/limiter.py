@@ -15,12 +15,22 @@ what the key has left (gateway/keys/quota.py); the granted cap is then sent upst
 every length field the body speaks, so the answer cannot outgrow what was reserved. With
 tool repair in compatible mode every regeneration may spend it again, and a text
 completion's ``n`` / ``best_of`` answers each, so it counts that many times.
+
+Settlement never leaks a reservation nor loses usage: it goes through the app's
+:class:`~gateway.store.spill.DurableWriter` like an audit row (the store, else the fsync'd
+spill journal, replayed when the store is back; both idempotent per request id). While
+the request runs, its reservation's lease is renewed every
+:data:`~gateway.keys.store.RENEW_EVERY` seconds; one whose settlement is still in the
+journal (or whose process died) is reclaimed by the key's next reservation once its lease
+(:data:`~gateway.keys.store.LEASE`) has run out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,13 +47,18 @@ from gateway.keys.output_cap import answers_of, capped, requested_cap
 from gateway.keys.quota import Ask, Grant, Refusal
 from gateway.protocols.base import ParsedRequest
 from gateway.store.db import Store
+from gateway.store.refresher import Refresher
+from gateway.store.spill import DurableWriter
 
 log = structlog.get_logger("gateway.keys")
 
 #: Seconds a reservation may take before the request is refused (fail closed).
 RESERVE_TIMEOUT = 2.0
-#: Seconds a settlement may take (its reservation stays held if it does not finish).
+#: Seconds a settlement may take to be stored or journaled (past it: logged as lost; the
+#: lease still frees the reservation).
 SETTLE_TIMEOUT = 10.0
+#: Seconds one lease renewal may take.
+RENEW_TIMEOUT = 5.0
 
 
 def input_bound(body: dict[str, Any]) -> int:
@@ -135,13 +150,30 @@ def used_tokens(record: RequestRecord) -> int:
 
 
 class KeyLimiter:
-    """Reserves and settles for one store; remembers the open reservations of this process."""
+    """Reserves and settles for one store; remembers the open reservations of this process
+    and renews their leases (:meth:`start`)."""
 
-    def __init__(self, db: Store, reserve_timeout: float = RESERVE_TIMEOUT) -> None:
+    def __init__(self, db: Store, durable: DurableWriter, reserve_timeout: float = RESERVE_TIMEOUT,
+                 renew_every: float = store.RENEW_EVERY) -> None:
         self.db = db
+        self.durable = durable
         self.reserve_timeout = reserve_timeout
         self._open: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: settlements neither stored nor journaled (their reservations wait for the lease)
+        self.unsettled = 0
+        self.leases = Refresher("client-key-leases", self._renew, renew_every, RENEW_TIMEOUT)
+        # its own thread: a renewal stuck on the store holds none of the shared executor's
+        self._lease_thread = ThreadPoolExecutor(1, thread_name_prefix="key-leases")
+
+    async def start(self) -> None:
+        await self.leases.start()
+
+    async def _renew(self) -> None:
+        if self._open:
+            held = list(self._open)
+            call = functools.partial(store.renew, self.db, held)
+            await asyncio.get_running_loop().run_in_executor(self._lease_thread, call)
 
     async def admit(self, key: ManagedKey, parsed: ParsedRequest, policy: StreamPolicy, request_id: str) -> Admission:
         """The model check, then the reservation (for a key with counted limits); returns
@@ -168,9 +200,9 @@ class KeyLimiter:
         return grant.quota.headers()
 
     async def _decide(self, request_id: str, reserve: Any) -> Grant:
-        """``reserve()`` in a worker thread (sizing serialises the body: megabytes, past a
+        """``reserve()`` on the store's threads (sizing serialises the body: megabytes, past a
         millisecond, not on the loop; then the store's transaction), within its bound."""
-        job = asyncio.ensure_future(asyncio.to_thread(reserve))
+        job = asyncio.ensure_future(self.db.acall(reserve))  # the store's own threads
         done, _ = await asyncio.wait({job}, timeout=self.reserve_timeout)
         if not done:  # it may still commit: give it back then
             job.add_done_callback(lambda f: self._late(f, request_id))
@@ -186,47 +218,54 @@ class KeyLimiter:
 
     def _late(self, job: asyncio.Future[Any], request_id: str) -> None:
         if not job.cancelled() and job.exception() is None and isinstance(job.result(), Grant):
-            self._spawn(self._settle(request_id, 0))
+            self._spawn(self._record(store.SETTLE_KIND, (request_id, 0)))
 
-    def finished(self, key: ManagedKey, record: RequestRecord, arrived: Arrived | None = None) -> None:
+    def finished(self, key: ManagedKey | None, record: RequestRecord, arrived: Arrived | None = None) -> None:
         """At the request's one report: settle its reservation to what it used (or count
-        the usage of a key without counted limits); a request that ended without usage is
-        charged what ``arrived``. Never waits: a task does it."""
+        the usage of a key without counted limits; ``key`` None: deleted meanwhile); a
+        request that ended without usage is charged what ``arrived``. Never waits: a task
+        does it."""
         used = used_tokens(record)
         charge = arrived if used == 0 and arrived is not None else None
         if record.request_id in self._open:
             self._open.discard(record.request_id)
-            self._spawn(self._settle(record.request_id, used, charge))
-        elif not key.limits.counted and record.outcome not in ("refused", "invalid"):
-            self._spawn(self._count(key.key_id, used, charge))
+            self._spawn(self._settle(store.SETTLE_KIND, (record.request_id,), used, charge))
+        elif key is not None and not key.limits.counted and record.outcome not in ("refused", "invalid"):
+            self._spawn(self._settle(store.COUNT_KIND, (record.request_id, key.key_id), used, charge))
 
-    async def _settle(self, request_id: str, used: int, charge: Arrived | None = None) -> None:
+    async def _settle(self, kind: str, head: tuple[Any, ...], used: int, charge: Arrived | None) -> None:
+        """The usage (counted from what arrived, in a worker thread, when the upstream sent
+        none), then its settlement recorded durably."""
+        if charge is not None:
+            try:
+                async with asyncio.timeout(SETTLE_TIMEOUT):
+                    used = await asyncio.to_thread(charge.tokens)
+            except Exception as exc:  # the reservation is settled to what the usage said
+                log.warning("client_key_charge_failed", request_id=head[0], error=f"{type(exc).__name__}: {exc}")
+        await self._record(kind, (*head, used))
+    async def _record(self, kind: str, row: tuple[Any, ...]) -> None:
+        """Store the settlement, else journal it (replayed when the store is back)."""
         try:
             async with asyncio.timeout(SETTLE_TIMEOUT):
-                if charge is not None:
-                    used = await asyncio.to_thread(charge.tokens)
-                await asyncio.to_thread(store.settle, self.db, request_id, used)
-        except Exception as exc:  # the reservation stays held: the safe side
-            log.warning("client_key_settle_failed", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
-
-    async def _count(self, key_id: str, used: int, charge: Arrived | None = None) -> None:
-        try:
-            async with asyncio.timeout(SETTLE_TIMEOUT):
-                if charge is not None:
-                    used = await asyncio.to_thread(charge.tokens)
-                await asyncio.to_thread(store.count_usage, self.db, key_id, used)
-        except Exception as exc:
-            log.warning("client_key_usage_failed", key_id=key_id, error=f"{type(exc).__name__}: {exc}")
+                result = await self.durable.write(kind, [row])
+        except TimeoutError:
+            result = "timeout"
+        if result not in ("stored", "spilled"):  # the lease still frees a reservation
+            self.unsettled += 1
+            log.error("client_key_settlement_lost", kind=kind, request_id=row[0], result=result)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def drain(self) -> None:
-        """At shutdown: let the settlements under way finish (each is bounded)."""
+    async def aclose(self) -> None:
+        """At shutdown: stop renewing, let the settlements under way finish (each is
+        bounded: stored or journaled)."""
+        await self.leases.aclose()
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        self._lease_thread.shutdown(wait=False)
 
 
 def _unavailable(message: str) -> GatewayError:

@@ -6,7 +6,6 @@ two seconds; the replica that made the change applies it at once.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 
@@ -107,7 +106,7 @@ class KeyRegistry:
         self.replace(store.load_all(self.db))
 
     async def refresh(self) -> None:
-        self.replace(await asyncio.to_thread(store.load_all, self.db))
+        self.replace(await self.db.acall(store.load_all, self.db))
 
     async def start(self) -> None:
         await self._refresher.start()

@@ -7,6 +7,14 @@ so a reservation is refused when it would take the day past ``daily_tokens``.
 rpm and tpm are counted over the last 60 seconds of these rows (a sliding window, not a
 calendar minute) and ``max_concurrent`` over the open ones.
 
+A reservation is held on a lease (``lease_until``, :data:`LEASE` seconds, renewed by its
+process while the request runs: :func:`renew`). One whose process died, or whose
+settlement could not reach the store, is reclaimed by the next reservation of its key once
+the lease has run out: it stops counting against ``max_concurrent`` (``open = 2``) and its
+reserved tokens count as used until its settlement arrives (the settlement is journaled
+when the store is out: gateway/keys/limiter.py), which then corrects them. ``open``: 1 held,
+2 reclaimed (awaiting its settlement), 0 settled.
+
 Every function here blocks: callers run them in a worker thread. A reservation is one
 transaction that first locks the key's row (PostgreSQL ``SELECT ... FOR UPDATE``; SQLite's
 ``BEGIN IMMEDIATE`` locks the file), so two replicas reserving for one key take turns
@@ -26,11 +34,23 @@ from gateway.keys.model import KeyLimits, ManagedKey
 from gateway.keys.quota import WINDOW, Ask, Counts, Grant, Refusal, decide
 from gateway.store.db import Store
 
-#: An open request older than this is taken as lost (its replica died): it no longer
-#: counts against max_concurrent. (Its tokens stay reserved for the day: the safe side.)
+#: Seconds a reservation's lease runs; its process renews it every :data:`RENEW_EVERY`.
+#: A reservation nobody renews (its process died, the store was out) is reclaimed by the
+#: next reservation of its key at most this long after the last renewal.
+LEASE = 30.0
+RENEW_EVERY = LEASE / 3
+#: Seconds a row may be stamped ahead of the clock and still count. Further ahead, the clock
+#: stepped back since (SQLite uses this machine's clock): such rows are out of the rpm/tpm
+#: window and their leases have run out, so a 1 h backward step does not lock a key for an
+#: hour (issue #40); at worst the window forgets the requests made before the step.
+CLOCK_SLACK = 5.0
+#: A row from before leases (no ``lease_until``) is taken as lost this long after it began.
 STALE_OPEN = 3600.0
 #: Ended requests are deleted once this old (past the window).
 KEEP_ENDED = 2 * WINDOW
+#: A reclaimed reservation whose settlement never came is deleted once this old (its
+#: reserved tokens stay counted as the day's usage: the safe side).
+KEEP_RECLAIMED = 2 * 86400.0
 
 
 _COLUMNS = "key_id, name, prefix, secret_hash, limits, metadata, created_at, revoked_at"
@@ -110,14 +130,23 @@ def usage_today(db: Store) -> dict[str, dict[str, int]]:
 
 
 #: One scan of the key's recent rows (ended ones are deleted after KEEP_ENDED, so the
-#: scan holds the last two minutes and the open ones): requests and tokens in the window,
-#: its oldest request, the open requests; and the day's tokens.
+#: scan holds the last two minutes and the held ones): requests and tokens in the window
+#: (a reclaimed row's ``used`` is what it reserved), its oldest request, the held
+#: requests; and the day's tokens.
+_IN_WINDOW = "at > ? AND at <= ?"
 _COUNTS = (
-    "SELECT COUNT(CASE WHEN at > ? THEN 1 END),"
-    " COALESCE(SUM(CASE WHEN at > ? THEN (CASE WHEN open = 1 THEN reserved ELSE used END) ELSE 0 END), 0),"
-    " MIN(CASE WHEN at > ? THEN at END), COALESCE(SUM(open), 0),"
+    f"SELECT COUNT(CASE WHEN {_IN_WINDOW} THEN 1 END),"
+    f" COALESCE(SUM(CASE WHEN {_IN_WINDOW} THEN (CASE WHEN open = 1 THEN reserved ELSE used END) ELSE 0 END), 0),"
+    f" MIN(CASE WHEN {_IN_WINDOW} THEN at END), COALESCE(SUM(CASE WHEN open = 1 THEN 1 ELSE 0 END), 0),"
     " (SELECT tokens FROM client_key_usage WHERE key_id = ? AND day = ?)"
-    " FROM client_key_requests WHERE key_id = ? AND at > ?"
+    " FROM client_key_requests WHERE key_id = ? AND (at > ? OR open = 1)"
+)
+#: Held reservations whose lease ran out: reclaimed (no longer concurrent; what they
+#: reserved counts as used until their settlement arrives). A lease further ahead than any
+#: renewal can set was stamped before the clock stepped back: it has run out too.
+_RECLAIM = (
+    "UPDATE client_key_requests SET open = 2, used = reserved"
+    f" WHERE key_id = ? AND open = 1 AND (COALESCE(lease_until, at + {STALE_OPEN}) < ? OR lease_until > ?)"
 )
 _DAY_TOKENS = "SELECT tokens FROM client_key_usage WHERE key_id = ? AND day = ?"
 _USAGE_ADD = (
@@ -149,13 +178,14 @@ def admit(db: Store, key: ManagedKey, request_id: str, ask: Ask) -> Grant | Refu
             conn.execute("SELECT key_id FROM client_keys WHERE key_id = ? FOR UPDATE", (k,))
         now = _clock(conn, db)
         day = day_of(now)
+        conn.execute(_RECLAIM, (k, now, now + LEASE + CLOCK_SLACK))
         if limits.rpm is None and limits.tpm is None and limits.max_concurrent is None:
             row = conn.execute(_DAY_TOKENS, (k, day)).fetchone()  # a budget alone: the day's row is enough
             counts = Counts(now, day_tokens=int(row[0] if row else 0))
         else:
             window = now - WINDOW
             count, window_tokens, oldest, open_now, used = conn.execute(
-                _COUNTS, (window, window, window, k, day, k, now - STALE_OPEN)
+                _COUNTS, (window, now + CLOCK_SLACK) * 3 + (k, day, k, window)
             ).fetchone()
             counts = Counts(now, int(count), int(window_tokens), None if oldest is None else float(oldest),
                             int(open_now), int(used or 0))
@@ -163,40 +193,105 @@ def admit(db: Store, key: ManagedKey, request_id: str, ask: Ask) -> Grant | Refu
         if isinstance(decision, Refusal):
             return decision
         conn.execute(  # a request that generates nothing is ended as it is counted
-            "INSERT INTO client_key_requests (request_id, key_id, at, day, reserved, used, open) VALUES (?, ?, ?, ?, ?, 0, ?)",
-            (request_id, k, now, day, decision.tokens, 1 if ask.generates else 0),
+            "INSERT INTO client_key_requests (request_id, key_id, at, day, reserved, used, open, lease_until)"
+            " VALUES (?, ?, ?, ?, ?, 0, ?, ?)",
+            (request_id, k, now, day, decision.tokens, 1 if ask.generates else 0, now + LEASE),
         )
         conn.execute(_USAGE_ADD, (k, day, 1, decision.tokens))
-        conn.execute("DELETE FROM client_key_requests WHERE key_id = ? AND open = 0 AND at < ?", (k, now - KEEP_ENDED))
+        _purge(conn, k, now)
         return decision
 
     return db.run_tx(run)
 
 
+def _purge(conn: Any, key_id: str, now: float) -> None:
+    """Ended rows past the window (or stamped ahead of a clock that stepped back), and
+    reclaimed rows whose settlement never came."""
+    conn.execute(
+        "DELETE FROM client_key_requests WHERE key_id = ?"
+        " AND ((open = 0 AND (at < ? OR at > ?)) OR (open = 2 AND at < ?))",
+        (key_id, now - KEEP_ENDED, now + CLOCK_SLACK, now - KEEP_RECLAIMED),
+    )
+
+
+def renew(db: Store, request_ids: list[str]) -> int:
+    """Extend the leases of this process's held reservations; how many were still held."""
+
+    def run(conn: Any) -> int:
+        until = _clock(conn, db) + LEASE
+        renewed = 0
+        for start in range(0, len(request_ids), 500):
+            chunk = request_ids[start:start + 500]
+            cursor = conn.execute(
+                f"UPDATE client_key_requests SET lease_until = ? WHERE open = 1 AND request_id IN"
+                f" ({', '.join('?' for _ in chunk)})", (until, *chunk),
+            )
+            renewed += max(0, cursor.rowcount)
+        return renewed
+
+    return db.run_tx(run) if request_ids else 0
+
+
+def settle_in(conn: Any, request_id: str, used: int) -> bool:
+    """In a transaction: a reservation (held or reclaimed) becomes what the request really
+    used; False if there was none to settle. Idempotent: a replayed settlement finds the
+    row settled and changes nothing."""
+    row = conn.execute(
+        "SELECT key_id, day, reserved FROM client_key_requests WHERE request_id = ? AND open IN (1, 2)", (request_id,)
+    ).fetchone()
+    if row is None:
+        return False
+    key_id, day, reserved = row
+    conn.execute("UPDATE client_key_requests SET open = 0, used = ? WHERE request_id = ?", (used, request_id))
+    conn.execute(
+        "UPDATE client_key_usage SET tokens = tokens + ? WHERE key_id = ? AND day = ?",
+        (used - int(reserved), key_id, day),
+    )
+    return True
+
+
 def settle(db: Store, request_id: str, used: int) -> bool:
-    """A reservation becomes what the request really used; False if there was none open."""
-
-    def run(conn: Any) -> bool:
-        row = conn.execute(
-            "SELECT key_id, day, reserved FROM client_key_requests WHERE request_id = ? AND open = 1", (request_id,)
-        ).fetchone()
-        if row is None:
-            return False
-        key_id, day, reserved = row
-        conn.execute("UPDATE client_key_requests SET open = 0, used = ? WHERE request_id = ?", (used, request_id))
-        conn.execute(
-            "UPDATE client_key_usage SET tokens = tokens + ? WHERE key_id = ? AND day = ?",
-            (used - int(reserved), key_id, day),
-        )
-        return True
-
-    return db.run_tx(run)
+    """:func:`settle_in` in its own transaction."""
+    return db.run_tx(lambda conn: settle_in(conn, request_id, used))
 
 
-def count_usage(db: Store, key_id: str, used: int) -> None:
-    """A request of a key without counted limits: its usage, after the fact."""
+def count_usage_in(conn: Any, db: Store, request_id: str, key_id: str, used: int) -> bool:
+    """In a transaction: a request of a key without counted limits, its usage after the
+    fact. Kept as an ended request row (keyed by the request id), so a replayed count is
+    counted once; False when it was counted already."""
+    now = _clock(conn, db)
+    cursor = conn.execute(
+        "INSERT INTO client_key_requests (request_id, key_id, at, day, reserved, used, open)"
+        " VALUES (?, ?, ?, ?, 0, ?, 0) ON CONFLICT (request_id) DO NOTHING",
+        (request_id, key_id, now, day_of(now), used),
+    )
+    if cursor.rowcount != 1:
+        return False
+    conn.execute(_USAGE_ADD, (key_id, day_of(now), 1, used))
+    _purge(conn, key_id, now)
+    return True
 
-    def run(conn: Any) -> None:
-        conn.execute(_USAGE_ADD, (key_id, day_of(_clock(conn, db)), 1, used))
 
-    db.run_tx(run)
+def count_usage(db: Store, request_id: str, key_id: str, used: int) -> bool:
+    """:func:`count_usage_in` in its own transaction."""
+    return db.run_tx(lambda conn: count_usage_in(conn, db, request_id, key_id, used))
+
+
+#: The spill kinds of settlements (gateway/store/spill.py replays them): a row is
+#: (request_id, used) for a reservation, (request_id, key_id, used) for a count.
+SETTLE_KIND, COUNT_KIND = "key_settle", "key_count"
+
+
+def statements(db: Store) -> dict[str, Any]:
+    """The DurableWriter statements of settlements: callables over a batch of rows (each
+    idempotent, so a replay cut short and retried counts every request once)."""
+
+    def settle_rows(conn: Any, rows: Any) -> None:
+        for request_id, used in rows:
+            settle_in(conn, str(request_id), int(used))
+
+    def count_rows(conn: Any, rows: Any) -> None:
+        for request_id, key_id, used in rows:
+            count_usage_in(conn, db, str(request_id), str(key_id), int(used))
+
+    return {SETTLE_KIND: settle_rows, COUNT_KIND: count_rows}

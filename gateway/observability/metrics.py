@@ -348,7 +348,7 @@ class Metrics:
             p + "websocket_upgrades_refused", "Responses WebSocket upgrades refused: --ws-max-connections were open",
             registry=r,
         )
-        for kind in ("audit", "response"):
+        for kind in ("audit", "response", "key_settle", "key_count"):
             for counter in (self.records_spilled, self.records_replayed, self.records_lost):
                 counter.labels(kind)
         # gateway/observability/loop_lag.py and gateway/upstream/connections.py (issue #31)

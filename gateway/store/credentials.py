@@ -115,7 +115,7 @@ class CredentialStateWriter:
             credential_id, state = next(iter(self._pending.items()))
             del self._pending[credential_id]
             try:
-                version = await asyncio.to_thread(self.state.save, credential_id, state)
+                version = await self.state.db.acall(self.state.save, credential_id, state)
             except self.state.db.errors as exc:
                 self._pending.setdefault(credential_id, state)  # a newer state wins
                 if ok and not self.failures:

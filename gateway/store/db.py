@@ -8,12 +8,14 @@ Callers use one interface on both backends, :class:`Store`: ``run(fn)`` / ``run_
 hand ``fn`` a connection whose ``execute(sql, params)`` takes ``?`` placeholders and
 returns a cursor (``fetchone``/``fetchall``/``rowcount``); ``execute``/``aexecute`` are
 shortcuts. Every call blocks, so the ``a*`` variants run it in a worker thread: the event
-loop never waits on disk or network.
+loop never waits on disk or network. Those threads are the store's own
+(:class:`~gateway.store.threads.StoreThreads`), never asyncio's shared executor: a store
+that hangs holds them, not every other worker-thread job of the process; ``acall(fn,
+*args)`` runs any blocking store function there (``asyncio.to_thread``'s place).
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sqlite3
 import threading
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from gateway.store.migrations import MIGRATIONS, Migration, ddl
+from gateway.store.threads import StoreThreads
 
 T = TypeVar("T")
 
@@ -74,6 +77,8 @@ class Store(Protocol):
 
     async def arun(self, fn: Callable[[Any], T]) -> T: ...
 
+    async def acall(self, fn: Callable[..., T], *args: Any) -> T: ...
+
     def execute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]: ...
 
     async def aexecute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]: ...
@@ -116,6 +121,7 @@ class Database:
             self._wal()
             self._conn.execute("PRAGMA synchronous=NORMAL")
         self._lock = threading.Lock()
+        self.threads = StoreThreads("sqlite-store")
         if migrate:
             self.migrate(MIGRATIONS)
 
@@ -172,13 +178,16 @@ class Database:
             return _closed_if_cursor(result)
 
     async def arun(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        return await asyncio.to_thread(self.run, fn)
+        return await self.threads.call(self.run, fn)
+
+    async def acall(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self.threads.call(fn, *args)
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         return self.run(lambda c: c.execute(sql, params).fetchall())
 
     async def aexecute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        return await asyncio.to_thread(self.execute, sql, params)
+        return await self.threads.call(self.execute, sql, params)
 
     def open_own(self) -> Database:
         """A second handle on the same file with its own connection (no migrations)."""
@@ -188,6 +197,7 @@ class Database:
         return str(self.run(lambda c: c.execute("PRAGMA integrity_check").fetchone()[0]))
 
     def close(self) -> None:
+        self.threads.close()
         with self._lock:
             self._conn.close()
 

@@ -12,7 +12,6 @@ before any replica seals with it; older keys keep opening their envelopes until
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 from typing import Any
@@ -88,7 +87,7 @@ class EnvelopeKeys:
             conn.execute(_INSERT, (int(newest) + 1, secrets.token_hex(32), now, now + activate_in))
             return conn.execute(_SELECT).fetchall()
 
-        rows = await asyncio.to_thread(self.db.run_tx, run)
+        rows = await self.db.acall(self.db.run_tx, run)
         self.current = Keyring(_keys(rows))
         log.warning("envelope_key_rotated", key_number=self.current.keys[-1].number, active_in_s=activate_in)
         return self.current.keys[-1]

@@ -232,6 +232,15 @@ MIGRATIONS: list[Migration] = [
         );
         """,
     ),
+    (
+        12,
+        # a reservation's lease (gateway/keys/store.py): until when its process vouches for
+        # it (renewed while the request runs); an open row past it is reclaimed by the next
+        # reservation of its key. NULL: a row from before (taken as lost an hour on).
+        """
+        ALTER TABLE client_key_requests ADD COLUMN lease_until REAL;
+        """,
+    ),
 ]
 
 _PG_TYPES = ((re.compile(r"\bREAL\b"), "DOUBLE PRECISION"), (re.compile(r"\bINTEGER\b"), "BIGINT"))

@@ -14,7 +14,6 @@ SQL written for SQLite runs here through :func:`to_postgres`: ``?`` placeholders
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import re
 import zlib
@@ -25,12 +24,18 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from gateway.store.migrations import MIGRATIONS, Migration, ddl
+from gateway.store.threads import STORE_THREADS, StoreThreads
 
 T = TypeVar("T")
 
-#: Connections per process: enough for the worker threads that call in (asyncio's
-#: default executor has min(32, cpus + 4)) without holding many idle server slots.
-POOL_MIN, POOL_MAX = 1, 8
+#: Connections per process: one per store thread (gateway/store/threads.py) without
+#: holding many idle server slots.
+POOL_MIN, POOL_MAX = 1, STORE_THREADS
+#: Seconds a call waits for a free pooled connection before it fails
+#: (``psycopg_pool.PoolTimeout``, a ``psycopg.OperationalError``: every caller's store
+#: error). Short: with a hung server every connection is held by a query that does not
+#: return, and a caller behind them must not wait the pool's old 30 s (issue #40).
+CONNECTION_WAIT = 3.0
 _WHEN_JSON = re.compile(r"\bWHEN\s+json_extract\s*\(", re.IGNORECASE)
 
 
@@ -91,12 +96,14 @@ class PostgresDatabase:
     errors: tuple[type[BaseException], ...] = (psycopg.Error,)
     now_sql = "extract(epoch from clock_timestamp())::float8"
 
-    def __init__(self, url: str, migrate: bool = True, min_size: int = POOL_MIN, max_size: int = POOL_MAX) -> None:
+    def __init__(self, url: str, migrate: bool = True, min_size: int = POOL_MIN, max_size: int = POOL_MAX,
+                 connection_wait: float = CONNECTION_WAIT) -> None:
         self.url = url
         self.path = None  # no file: callers that print a location use .url
+        self.threads = StoreThreads("pg-store", max_size)
         self._pool = ConnectionPool(
             url, min_size=min_size, max_size=max_size, kwargs={"autocommit": True},
-            open=False, name="codebuddy2api", timeout=30.0,
+            open=False, name="codebuddy2api", timeout=connection_wait,
         )
         self._pool.open(wait=True, timeout=30.0)
         if migrate:
@@ -163,7 +170,10 @@ class PostgresDatabase:
             return fn(PgConnection(conn))
 
     async def arun(self, fn: Callable[[Any], T]) -> T:
-        return await asyncio.to_thread(self.run, fn)
+        return await self.threads.call(self.run, fn)
+
+    async def acall(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self.threads.call(fn, *args)
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         def call(conn: PgConnection) -> list[tuple[Any, ...]]:
@@ -173,7 +183,7 @@ class PostgresDatabase:
         return self.run(call)
 
     async def aexecute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        return await asyncio.to_thread(self.execute, sql, params)
+        return await self.threads.call(self.execute, sql, params)
 
     def open_own(self) -> PostgresDatabase:
         """A separate one-connection handle (saved settings poll on it, never queueing
@@ -185,4 +195,5 @@ class PostgresDatabase:
         return "ok" if self.execute("SELECT 1") == [(1,)] else "no answer"
 
     def close(self) -> None:
+        self.threads.close()
         self._pool.close()

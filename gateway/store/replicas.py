@@ -151,7 +151,7 @@ class Replication:
         then the background thread."""
         self.pool = pool
         self._loop = asyncio.get_running_loop()
-        await asyncio.to_thread(self.heartbeat)
+        await self.db.acall(self.heartbeat)
         tick = min(self.credential_poll, self.heartbeat_interval)
         self._poller = Poller(f"replica-sync-{self.replica_id}", tick, self._tick).start()
 
@@ -163,7 +163,7 @@ class Replication:
             self._poller = None
         try:  # bounded: a stalled store must not hold the exit (the row then ages out by TTL)
             async with asyncio.timeout(LEAVE_TIMEOUT):
-                await asyncio.to_thread(self.db.execute, "DELETE FROM replicas WHERE replica_id = ?", (self.replica_id,))
+                await self.db.acall(self.db.execute, "DELETE FROM replicas WHERE replica_id = ?", (self.replica_id,))
         except (*self.db.errors, TimeoutError) as exc:
             log.warning("replica_leave_failed", error=type(exc).__name__)
 

@@ -46,6 +46,8 @@ __all__ = ["MAX_JOURNALS", "SPILL_PATTERN", "DurableWriter", "SpillFull", "Spill
 
 log = structlog.get_logger("gateway.spill")
 T = TypeVar("T")
+#: What applies one kind of row: an upsert's SQL, or a callable (connection, rows).
+Statement = str | Callable[[Any, Sequence[Sequence[Any]]], None]
 
 #: Rows per transaction when replaying the journal into the store.
 REPLAY_BATCH = 500
@@ -104,7 +106,8 @@ class DurableWriter:
 
     ``statements`` maps a row kind ("audit", "response") to its upsert SQL; a row is the
     tuple of that statement's parameters (JSON-serializable), its first value the row's
-    id. ``indexed`` kinds are kept findable by id while spilled (:meth:`spilled_row`).
+    id. A statement may instead be a callable ``(connection, rows)`` that applies a batch
+    in the transaction it is handed (it must be idempotent per row id, like an upsert). ``indexed`` kinds are kept findable by id while spilled (:meth:`spilled_row`).
     ``on_spilled``/``on_lost``/``on_replayed`` receive (kind, count) for metrics.
     """
 
@@ -112,7 +115,7 @@ class DurableWriter:
         self,
         db: Store,
         journal: SpillJournal | None,
-        statements: dict[str, str],
+        statements: dict[str, Statement],
         *,
         retry_interval: float = 1.0,
         write_timeout: float = STORE_WRITE_TIMEOUT,
@@ -242,10 +245,10 @@ class DurableWriter:
         if not rows:
             return "stored"
         if self.store_writable or self.journal is None:
-            sql = self.statements[kind]
+            statement = self.statements[kind]
 
             def insert(conn: Any) -> None:  # returns nothing: no cursor outlives the store's lock
-                conn.executemany(sql, rows)
+                apply_rows(conn, statement, rows)
 
             write = asyncio.ensure_future(self._in(self._store_threads, self._timed_tx, insert))
             try:
@@ -452,13 +455,21 @@ class DurableWriter:
 
         def run(conn: Any) -> None:
             for kind, row in batch:
-                conn.execute(self.statements[kind], row)
+                apply_rows(conn, self.statements[kind], [row])
 
         self.db.run_tx(run)
         self._last_progress = time.monotonic()
         self.store_writable = True  # new rows may go to the store again while the rest replays
         for kind, _ in batch:
             counts[kind] = counts.get(kind, 0) + 1
+
+
+def apply_rows(conn: Any, statement: Statement, rows: Sequence[Sequence[Any]]) -> None:
+    """One kind's rows in the caller's transaction: its SQL for each, or its callable."""
+    if isinstance(statement, str):
+        conn.executemany(statement, rows)
+    else:
+        statement(conn, rows)
 
 
 def _consume(future: asyncio.Future[Any]) -> None:

@@ -1,6 +1,7 @@
 """Waiting for PostgreSQL at start-up: a database that is not up yet (the gateway started
 before it, or it restarts) is waited for, with one line per attempt on stderr, up to
-``--database-wait`` seconds; then one line and exit code 2 (no traceback).
+``--database-wait`` seconds; then one line and exit code 75 (EX_TEMPFAIL: a restart may
+succeed, unlike a refused configuration's 2; no traceback).
 
 Only reachability is probed here (a plain connection with a short connect timeout); the
 store is opened, and migrated, afterwards as usual.

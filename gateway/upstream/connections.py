@@ -92,7 +92,15 @@ class UpstreamConnections:
 
     async def _answer_of(self, request: httpx.Request, policy: StreamPolicy, within: float) -> httpx.Response:
         """The upstream's response head within ``within`` seconds (an anyio scope: see the
-        class), counted in :attr:`open_responses` until the caller closes it."""
+        class), counted in :attr:`open_responses` until the caller closes it.
+
+        The head may take all of ``within`` (the first-byte timeout), not the smaller
+        ``--idle-timeout`` that is httpx's read timeout: that one is lifted to ``within``
+        while the head is awaited, and back in place for the body's reads (httpcore reads
+        the request's timeouts when the body's first read begins)."""
+        timeouts = request.extensions.get("timeout")
+        if isinstance(timeouts, dict) and timeouts.get("read") is not None:
+            request.extensions["timeout"] = {**timeouts, "read": max(timeouts["read"], within)}
         try:
             with anyio.fail_after(within):
                 response = await self._send(request)
@@ -104,6 +112,9 @@ class UpstreamConnections:
             raise GatewayError("timeout", "upstream_timeout", "the upstream did not answer in time") from None
         except httpx.HTTPError as exc:
             raise GatewayError("upstream", "upstream_unreachable", f"cannot reach the upstream: {type(exc).__name__}") from None
+        finally:
+            if timeouts is not None:
+                request.extensions["timeout"] = timeouts  # each body read: --idle-timeout again
         self.open_responses += 1
         return response
 

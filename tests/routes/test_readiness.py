@@ -1,11 +1,12 @@
-"""Readiness reasons from the app's state, fed directly (each condition on its own)."""
+"""Readiness reasons from the app's state, fed directly (each condition on its own), and
+what each does to ``/readyz``: degraded (200, still served) or unready (503)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 from typing import Any
 
-from gateway.routes.readiness import reasons
+from gateway.routes.readiness import reasons, status
 from gateway.upstream.credential import ANY_MODEL, Credential, Upstream
 from gateway.upstream.pool import UpstreamPool
 
@@ -26,6 +27,10 @@ def state(**overrides: Any) -> SimpleNamespace:
 
 def codes(s: SimpleNamespace) -> list[str]:
     return [r["code"] for r in reasons(s)]
+
+
+def impacts(s: SimpleNamespace) -> dict[str, str]:
+    return {r["code"]: r["impact"] for r in reasons(s)}
 
 
 def test_each_condition_is_its_own_reason() -> None:
@@ -88,3 +93,30 @@ def test_event_loop_lag_over_the_bound_is_a_reason_for_the_hold_then_clears() ->
     assert reason["lag_seconds"] == 0.01
     now[0] += HOLD
     assert codes(s) == [] and monitor.worst == 1.25
+
+
+def test_a_store_outage_is_degraded_and_only_what_cannot_be_served_is_red() -> None:
+    """A store shared by every replica that fails must not take them all out of rotation
+    while they still answer (issue #40): degraded, 200. Red only for what cannot be served."""
+    assert status(reasons(state())) == ("ready", 200)
+    s = state()
+    s.observability.durable.store_writable, s.observability.durable.spill_entries = False, 40
+    s.observability.audit.depth = 9_000
+    assert impacts(s) == {"store_unwritable": "degraded", "spill_in_use": "degraded", "audit_queue_near_bound": "degraded"}
+    assert status(reasons(s)) == ("degraded", 200)
+    s.observability.durable.unrecordable = lambda: "the store cannot write and the spill journal is full"
+    assert impacts(s)["recording_unavailable"] == "unready"  # requests are refused now
+    assert status(reasons(s)) == ("not_ready", 503)
+    s.live = SimpleNamespace(current=SimpleNamespace(serve_unrecorded=True))  # ... unless served unrecorded
+    assert impacts(s)["recording_unavailable"] == "degraded" and status(reasons(s)) == ("degraded", 200)
+    s = state()
+    s.observability.durable.journal = SimpleNamespace(reserved=False, max_bytes=1 << 20, reserve_error="No space left")
+    assert impacts(s) == {"spill_not_reserved": "unready"}
+    for unready in (state(ready=False), state(shutting_down=True)):
+        assert status(reasons(unready)) == ("not_ready", 503)
+    s = state()
+    s.observability.durable.store_writable = False
+    (credential,) = s.relay.pool.credentials
+    credential.disabled = True  # nothing can be served: red, whatever else is degraded
+    assert impacts(s) == {"store_unwritable": "degraded", "no_usable_credential": "unready"}
+    assert status(reasons(s)) == ("not_ready", 503)

@@ -145,7 +145,9 @@ def test_a_write_locked_store_holds_no_answer_and_a_sigkill_loses_no_finished_re
                 client.responses.create(model="echo", input="x", previous_response_id="resp_" + "0" * 24)
             assert unknown.value.code == "previous_response_not_found"
             sent = 12 + 24 + 2 + 1 + 1  # warm, locked, chat, messages, follow-up, unknown id
-            ready = httpx.get(gw.url + "/readyz").json()
+            readyz = httpx.get(gw.url + "/readyz")  # degraded, still in rotation: it answers all of the above
+            ready = readyz.json()
+            assert readyz.status_code == 200 and ready["status"] == "degraded", ready
             assert {r["code"] for r in ready["reasons"]} >= {"store_unwritable", "spill_in_use"}, ready
             time.sleep(1.0)  # every request above finished >= 1 s ago
             gw.proc.send_signal(signal.SIGKILL)
@@ -299,13 +301,16 @@ def test_serve_unrecorded_chooses_availability(simulator: Simulator, tmp_path: P
             gw.wait_healthy()
             assert "SERVED UNRECORDED" in gw.log()
             assert chat_stream(openai_client(gw), "anyway") == "You said: anyway"
+            readyz = httpx.get(gw.url + "/readyz")  # it serves: degraded, not out of rotation
+            assert readyz.status_code == 200 and readyz.json()["status"] == "degraded"
+            assert {r["code"]: r["impact"] for r in readyz.json()["reasons"]}["spill_not_reserved"] == "degraded"
             metrics = httpx.get(gw.url + "/metrics").text
             assert 'codebuddy2api_unrecordable_requests_total{action="served"} 1.0' in metrics
         finally:
             gw.stop()
 
 
-def test_postgresql_unreachable_at_start_waits_then_exits_2_in_one_line(tmp_path: Path) -> None:
+def test_postgresql_unreachable_at_start_waits_then_exits_75_in_one_line(tmp_path: Path) -> None:
     with socket.socket() as s:  # a loopback port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -316,7 +321,7 @@ def test_postgresql_unreachable_at_start_waits_then_exits_2_in_one_line(tmp_path
         capture_output=True, text=True, timeout=60,
         env={k: v for k, v in os.environ.items() if not k.startswith("CODEBUDDY2API_")},
     )
-    assert result.returncode == 2, result.stderr
+    assert result.returncode == 75, result.stderr  # EX_TEMPFAIL: the systemd unit restarts it (not 2)
     lines = result.stderr.strip().splitlines()
     waiting = [line for line in lines if line.startswith("codebuddy2api: waiting for database")]
     assert len(waiting) >= 2 and "(attempt 1, next in 1 s)" in waiting[0] and f"127.0.0.1:{port}/gateway" in waiting[0]

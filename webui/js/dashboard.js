@@ -279,11 +279,14 @@ export function mount(main) {
         h("td", null, h(`span.pill.${tone}`, null, state)),
         h("td.num", null, String(c.in_flight)));
     });
-    // the same reasons as GET /readyz (store writable, spill journal empty, audit queue, credentials)
+    // the same reasons as GET /readyz (store writable, spill journal empty, audit queue, credentials):
+    // "degraded" while every reason still lets this replica serve, "not ready" once one does not
     const notReady = st.not_ready || [];
-    const ready = h("p#dash-ready", null, "Readiness: ", notReady.length
-      ? h("span.pill.error", null, `not ready: ${notReady.map((r) => r.message).join("; ")}`)
-      : h("span.pill.ok", null, "ready"));
+    const unready = notReady.some((r) => r.impact !== "degraded");
+    const said = notReady.map((r) => r.message).join("; ");
+    const ready = h("p#dash-ready", null, "Readiness: ", !notReady.length
+      ? h("span.pill.ok", null, "ready")
+      : unready ? h("span.pill.error", null, `not ready: ${said}`) : h("span.pill.warn", null, `degraded: ${said}`));
     replace(health, h("h2", null, "Upstream credentials"), ready,
       rows.length ? h("table.grid", null,
         h("thead", null, h("tr", null, ["Upstream", "Key", "Health", "In flight"].map((t) => h("th", null, t)))),
