@@ -67,7 +67,8 @@ class UpstreamAttempts:
         model = str(body.get("model", ""))
         tried: set[str] = set()
         last_error: GatewayError | None = None
-        prefix = await _prefix_of(body) if pool.router.uses_prefix else ()
+        # with one credential there is nothing to choose: no hashing (the single-upstream cost stays as it was)
+        prefix = await _prefix_of(body) if pool.router.uses_prefix and len(pool.credentials) > 1 else ()
         for _ in range(1 + self.policy.failover_max):
             try:
                 lease = pool.acquire(model, tried, self.session, prefix)

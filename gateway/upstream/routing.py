@@ -240,10 +240,10 @@ def _frozen(value: Any) -> Any:
     """A hashable stand-in for a JSON value whose cost is bounded per string."""
     if isinstance(value, str):
         return value if len(value) <= 2 * SAMPLE_CHARS else (len(value), value[:SAMPLE_CHARS], value[-SAMPLE_CHARS:])
-    if isinstance(value, Mapping):
-        return tuple((k, _frozen(v)) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):  # JSON-decoded: dict and list, never other mappings
+        return tuple([(k, _frozen(v)) for k, v in value.items()])
+    if isinstance(value, list):
+        return tuple([_frozen(v) for v in value])
     return value
 
 
