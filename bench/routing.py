@@ -189,6 +189,7 @@ async def run_way(way: Way, args: argparse.Namespace, slow: bool) -> dict[str, f
     with tempfile.TemporaryDirectory() as data:
         if way.routing is not None:
             settings = Settings(upstream_url=urls, data_dir=Path(data), routing=way.routing,
+                                routing_imbalance_rel=args.imbalance_rel, routing_imbalance_abs=args.imbalance_abs,
                                 max_concurrent=1024, stream_mode="realtime", log_level="warning")
             app = create_app(settings, {n: "default" for n in Settings.model_fields})  # type: ignore[arg-type]
             sock = bind_loopback()
@@ -251,10 +252,11 @@ async def main(args: argparse.Namespace) -> None:
     from gateway.observability.logging import configure_logging
 
     configure_logging("warning")
-    for slow in (False, True):
+    for slow in {"both": (False, True), "alike": (False,), "slow": (True,)}[args.scenario]:
         print(f"\n{'one replica 5x slower from half-way' if slow else 'all replicas alike'}: "
               f"{args.sessions} sessions x {args.turns} turns, {args.concurrency} at once, {args.replicas} replicas, "
-              f"{args.cache_blocks} blocks of {BLOCK_TOKENS} tokens each")
+              f"{args.cache_blocks} blocks of {BLOCK_TOKENS} tokens each; gate rel {args.imbalance_rel}"
+              f" abs {args.imbalance_abs}")
         results = {}
         for way in WAYS:
             if args.only and args.only not in way.label:
@@ -278,4 +280,7 @@ if __name__ == "__main__":
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--cache-blocks", type=int, default=2048, help="LRU blocks per replica (16 tokens each)")
     parser.add_argument("--only", help="run only the ways whose label contains this")
+    parser.add_argument("--scenario", choices=["both", "alike", "slow"], default="both")
+    parser.add_argument("--imbalance-rel", type=float, default=1.5)
+    parser.add_argument("--imbalance-abs", type=int, default=8)
     asyncio.run(main(parser.parse_args()))

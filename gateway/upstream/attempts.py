@@ -103,6 +103,8 @@ class UpstreamAttempts:
                             answered = True
                             attempt["status"] = 200
                         yield item
+                # answered in full: the replica's pace, for the router (gateway/upstream/routing.py)
+                pool.router.observe(credential.id, time.monotonic() - started)
                 return
             except GatewayError as err:
                 attempt["status"] = err.upstream_status

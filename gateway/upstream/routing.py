@@ -8,9 +8,10 @@ with the reason it did (docs/routing.md):
 - ``cache-aware`` (:class:`CacheAwareRouter`): a call that names a session goes where
   that session went last (``session``); one that does not, to the replica whose sent
   prompts share the longest prefix with it (``prefix``); otherwise, and on ties, the one
-  with the fewest calls in flight through this gateway (``least_loaded``). A per-call
-  imbalance gate sends the call to the least-loaded replica (``rebalanced``) when the
-  chosen one holds more than ``min * rel + abs`` calls; a session whose replica is not
+  with the fewest calls in flight through this gateway (``least_loaded``), each call
+  counted as many times as its replica is slower than the fastest lately (:class:`Pace`).
+  A per-call imbalance gate sends the call to the least-loaded replica (``rebalanced``)
+  when the chosen one holds more than ``min * rel + abs`` of them; a session whose replica is not
   usable any more, or a retry after a failed attempt, is ``failover``. The session moves
   with the call each time.
 - ``round-robin`` (:class:`RoundRobinRouter`): the pool's behaviour before routing
@@ -38,6 +39,11 @@ PREFIX_ENTRIES_PER_REPLICA = 50_000
 #: per message stays bounded; two prompts that differ only mid-way in one long message
 #: look alike, which costs at worst a less warm replica, never a wrong answer).
 SAMPLE_CHARS = 1024
+
+#: The weight of a new answer's time in a replica's pace (an exponentially weighted mean),
+#: and the most a slow replica's calls count for (a replica 10x slower counts 10 a call).
+PACE_WEIGHT = 0.2
+PACE_CAP = 10.0
 
 ROUTING_MODES = ("cache-aware", "round-robin")
 #: Every reason a router gives (the label values of codebuddy2api_routing_decisions_total).
@@ -143,6 +149,35 @@ class PrefixIndex:
         self._sent.pop(replica_id, None)
 
 
+class Pace:
+    """How long each replica has lately taken to answer a call in full (an exponentially
+    weighted mean), and so how much slower than the fastest each one is.
+
+    An engine that slows down (a noisy neighbour, a throttled GPU) holds no more calls
+    than the others when each session waits for its answer before the next turn: counted
+    in calls alone it looks as loaded as the rest, and the sessions on it stay. Weighted
+    by its pace, it looks as loaded as it is. Replicas see the same kind of calls, so
+    their means compare; a replica without a mean yet counts as the fastest.
+    """
+
+    def __init__(self, weight: float = PACE_WEIGHT, cap: float = PACE_CAP) -> None:
+        self.weight = weight
+        self.cap = cap
+        self._mean: dict[str, float] = {}
+
+    def observe(self, replica_id: str, seconds: float) -> None:
+        old = self._mean.get(replica_id)
+        self._mean[replica_id] = seconds if old is None else old + self.weight * (seconds - old)
+
+    def slowness(self, replica_ids: Sequence[str]) -> dict[str, float]:
+        """replica id -> its mean over the fastest mean among them, from 1 to ``cap``."""
+        means = {r: self._mean[r] for r in replica_ids if r in self._mean}
+        fastest = min(means.values(), default=0.0)
+        if fastest <= 0:
+            return dict.fromkeys(replica_ids, 1.0)
+        return {r: min(self.cap, max(1.0, means.get(r, fastest) / fastest)) for r in replica_ids}
+
+
 class CacheAwareRouter:
     """Session, then prefix, then least in flight; the imbalance gate over all three."""
 
@@ -156,6 +191,7 @@ class CacheAwareRouter:
         self.imbalance_abs = imbalance_abs
         self.sessions = StickySessions(clock) if sessions is None else sessions  # (an empty one is falsy)
         self.index = PrefixIndex() if index is None else index
+        self.pace = Pace()
         self._turn = itertools.count()  # spreads ties (e.g. new sessions while all are idle)
 
     def route(self, candidates: Sequence[R], session: str | None = None, prefix: Sequence[int] = (),
@@ -181,18 +217,29 @@ class CacheAwareRouter:
             reason = reason or "least_loaded"
         if failover:
             reason = "failover"
-        least = min(c.in_flight for c in candidates)
-        if chosen.in_flight > least * self.imbalance_rel + self.imbalance_abs:
-            chosen, reason = self._least_loaded(candidates), "rebalanced"
+        loads = self._loads(candidates)
+        if loads[chosen.id] > min(loads.values()) * self.imbalance_rel + self.imbalance_abs:
+            chosen, reason = self._least_loaded(candidates, loads), "rebalanced"
         if session is not None:
             self.sessions.put(session, chosen.id)
         if prefix:
             self.index.record(chosen.id, prefix)
         return Route(chosen, reason)
 
-    def _least_loaded(self, candidates: Sequence[R]) -> R:
-        least = min(c.in_flight for c in candidates)
-        tied = [c for c in candidates if c.in_flight == least]
+    def observe(self, replica_id: str, seconds: float) -> None:
+        """A call on ``replica_id`` was answered in full in ``seconds``."""
+        self.pace.observe(replica_id, seconds)
+
+    def _loads(self, candidates: Sequence[R]) -> dict[str, float]:
+        """Calls in flight, each counted as many times as its replica is slower than the
+        fastest candidate lately (1 when they are alike)."""
+        slowness = self.pace.slowness([c.id for c in candidates])
+        return {c.id: c.in_flight * slowness[c.id] for c in candidates}
+
+    def _least_loaded(self, candidates: Sequence[R], loads: dict[str, float] | None = None) -> R:
+        loads = self._loads(candidates) if loads is None else loads
+        least = min(loads.values())
+        tied = [c for c in candidates if loads[c.id] == least]
         return tied[0] if len(tied) == 1 else tied[next(self._turn) % len(tied)]
 
 
@@ -221,6 +268,9 @@ class RoundRobinRouter:
         if session is not None:
             self.sessions.put(session, chosen.id)
         return Route(chosen, reason)
+
+    def observe(self, replica_id: str, seconds: float) -> None:
+        """Round-robin does not look at speed."""
 
 
 Router = CacheAwareRouter | RoundRobinRouter

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from gateway.upstream.routing import (
     CacheAwareRouter,
+    Pace,
     PrefixIndex,
     RoundRobinRouter,
     StickySessions,
@@ -192,6 +193,48 @@ def test_sessions_expire_after_their_ttl() -> None:
     home.in_flight = 1
     fresh = r.route(pool, session="s1")
     assert fresh.replica is not home and fresh.reason == "least_loaded"
+
+
+# -- pace: a slow replica's calls weigh more ----------------------------------------------
+
+
+def test_pace_is_a_weighted_mean_relative_to_the_fastest() -> None:
+    pace = Pace(weight=0.5, cap=4.0)
+    assert pace.slowness(["a", "b"]) == {"a": 1.0, "b": 1.0}  # nothing known: alike
+    pace.observe("a", 1.0)
+    pace.observe("b", 2.0)
+    pace.observe("b", 4.0)  # 2 + 0.5 * (4 - 2) = 3
+    assert pace.slowness(["a", "b", "c"]) == {"a": 1.0, "b": 3.0, "c": 1.0}  # c: no mean yet
+    for _ in range(10):
+        pace.observe("b", 100.0)
+    assert pace.slowness(["a", "b"])["b"] == 4.0  # capped
+    assert pace.slowness(["b"]) == {"b": 1.0}  # relative to the candidates offered
+
+
+def test_a_session_leaves_a_replica_that_became_slow() -> None:
+    r = router()
+    pool = replicas(0, 0, 0, 0)
+    homes = {f"s{i}": r.route(pool, session=f"s{i}").replica for i in range(8)}
+    slow = homes["s0"]
+    for replica in pool:
+        replica.in_flight = 2  # the sessions spread two by two, each waiting for its answer
+        for _ in range(5):
+            r.observe(replica.id, 5.0 if replica is slow else 1.0)
+    assert r.route(pool, session="s1").reason == "session"  # another replica: it stays
+    moved = r.route(pool, session="s0")  # 2 calls x 5 = 10, within 2 * 1.5 + 8 = 11: it stays
+    assert moved.replica is slow and moved.reason == "session"
+    slow.in_flight = 3  # 3 x 5 = 15 > 11: the gate moves it to a fast one
+    moved = r.route(pool, session="s0")
+    assert moved.replica is not slow and moved.reason == "rebalanced"
+    fresh = r.route([slow, pool[1] if slow is not pool[1] else pool[2]])
+    assert fresh.replica is not slow and fresh.reason == "least_loaded"  # 2 calls there weigh 2, the slow 3 weigh 15
+
+
+def test_round_robin_ignores_pace() -> None:
+    r = RoundRobinRouter(lambda: 0.0)
+    pool = replicas(0, 0)
+    r.observe("r0", 100.0)
+    assert [r.route(pool).replica.id for _ in range(2)] == ["r0", "r1"]
 
 
 # -- round-robin: the behaviour before routing --------------------------------------------
