@@ -196,7 +196,8 @@ async def run_way(way: Way, args: argparse.Namespace, slow: bool) -> dict[str, f
             gateway = await start_embedded(app, sock)
             gateway_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         gate = asyncio.Semaphore(args.concurrency)
-        limits = httpx.Limits(max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency * 2)
+        limits = httpx.Limits(max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency * 2,
+                              keepalive_expiry=4)  # under the gateway's --header-timeout (10 s): never a closed one
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
 
             async def session(n: int) -> None:

@@ -289,8 +289,8 @@ async def _answer_json(
 
 def _sendable_header(value: str | None) -> bool:
     """A session id that can go upstream as a header value as it is (printable ASCII,
-    at most 512 characters); any other is not sent (a routing hint, never a 500)."""
-    return value is not None and len(value) <= 512 and value.isascii() and value.isprintable()
+    1 to 512 characters); any other is not sent (a routing hint, never a 500)."""
+    return bool(value) and len(value) <= 512 and value.isascii() and value.isprintable()  # type: ignore[arg-type,union-attr]
 
 
 def _stream_outcome(outcome: RequestOutcome, run: Run, complete: bool) -> None:
