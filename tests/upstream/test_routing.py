@@ -252,3 +252,32 @@ def test_round_robin_takes_turns_and_keeps_sessions() -> None:
     rest = [c for c in pool if c is not stuck.replica]
     assert r.route(rest, session="s1", failover=True).reason == "failover"
     assert r.route(pool, prefix=(1, 2, 3)).reason == "round_robin"
+
+
+# -- the chain of a long body, off the event loop ------------------------------------------
+
+
+def test_a_long_body_is_hashed_in_a_worker_thread_and_a_busy_pool_routes_without_it(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+    import threading
+
+    from gateway.generation import offload
+    from gateway.upstream import attempts
+
+    long = chat(*[f"turn {i}" for i in range(attempts.CHAIN_ON_LOOP_MESSAGES + 10)])
+    short = chat("hi")
+    threads: list[str] = []
+    real = attempts.prefix_chain
+
+    def spy(body: dict) -> tuple[int, ...]:
+        threads.append(threading.current_thread().name)
+        return real(body)
+
+    monkeypatch.setattr(attempts, "prefix_chain", spy)
+    assert asyncio.run(attempts._prefix_of(short)) == real(short)
+    assert threads == [threading.main_thread().name]  # a usual body: on the loop
+    assert asyncio.run(attempts._prefix_of(long)) == real(long)
+    assert threads[1].startswith("codebuddy2api-bodies")  # a long one: in a worker
+    full = offload.Offload("full", workers=1, max_pending=0)
+    monkeypatch.setattr(attempts, "BODIES", full)
+    assert asyncio.run(attempts._prefix_of(long)) == ()  # no worker free: routed by load alone

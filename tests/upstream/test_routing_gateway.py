@@ -243,6 +243,10 @@ def test_the_session_id_goes_upstream_only_when_asked(server_loop: ServerLoop, r
     assert calls(one[0])[-1]["headers"]["x-smg-routing-key"] == "rollout.7"
     ask(told, conversation("c", 1))  # no session: no header
     assert "x-smg-routing-key" not in calls(one[0])[-1]["headers"]
+    answer = httpx.post(told.base_url + "/chat/completions", headers={"x-conversation": "café".encode("latin-1")},
+                        json={"model": "text", "messages": conversation("c", 1)})
+    assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == TEXT
+    assert "x-smg-routing-key" not in calls(one[0])[-1]["headers"]  # not ASCII: routed by it, not sent on
 
 
 def test_an_upstream_session_header_that_is_no_header_name_is_refused(tmp_path: Path) -> None:
