@@ -155,6 +155,7 @@ class UpstreamPool:
             raise ValueError(credential_id)
         self.credentials[:] = [c for c in self.credentials if c.id != credential_id]
         self._deleted.add(credential_id)
+        self.router.forget(credential_id)
         return credential
 
     def _changed(self) -> None:

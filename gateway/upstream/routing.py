@@ -169,6 +169,9 @@ class Pace:
         old = self._mean.get(replica_id)
         self._mean[replica_id] = seconds if old is None else old + self.weight * (seconds - old)
 
+    def forget(self, replica_id: str) -> None:
+        self._mean.pop(replica_id, None)
+
     def slowness(self, replica_ids: Sequence[str]) -> dict[str, float]:
         """replica id -> its mean over the fastest mean among them, from 1 to ``cap``."""
         means = {r: self._mean[r] for r in replica_ids if r in self._mean}
@@ -230,6 +233,11 @@ class CacheAwareRouter:
         """A call on ``replica_id`` was answered in full in ``seconds``."""
         self.pace.observe(replica_id, seconds)
 
+    def forget(self, replica_id: str) -> None:
+        """The replica left the pool: its index and pace go (its sessions fail over)."""
+        self.index.forget(replica_id)
+        self.pace.forget(replica_id)
+
     def _loads(self, candidates: Sequence[R]) -> dict[str, float]:
         """Calls in flight, each counted as many times as its replica is slower than the
         fastest candidate lately (1 when they are alike)."""
@@ -271,6 +279,9 @@ class RoundRobinRouter:
 
     def observe(self, replica_id: str, seconds: float) -> None:
         """Round-robin does not look at speed."""
+
+    def forget(self, replica_id: str) -> None:
+        """Nothing kept per replica but the sessions' (they fail over)."""
 
 
 Router = CacheAwareRouter | RoundRobinRouter

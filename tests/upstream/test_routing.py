@@ -230,6 +230,17 @@ def test_a_session_leaves_a_replica_that_became_slow() -> None:
     assert fresh.replica is not slow and fresh.reason == "least_loaded"  # 2 calls there weigh 2, the slow 3 weigh 15
 
 
+def test_a_replica_that_leaves_is_forgotten() -> None:
+    r = router()
+    pool = replicas(0, 0)
+    chain = prefix_chain(chat("x"))
+    home = r.route(pool, prefix=chain).replica
+    r.observe(home.id, 3.0)
+    r.forget(home.id)
+    assert r.index.size(home.id) == 0 and r.pace.slowness([home.id]) == {home.id: 1.0}
+    assert r.pace._mean == {}
+
+
 def test_round_robin_ignores_pace() -> None:
     r = RoundRobinRouter(lambda: 0.0)
     pool = replicas(0, 0)
