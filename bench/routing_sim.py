@@ -29,13 +29,20 @@ from gateway.upstream.routing import CacheAwareRouter, RoundRobinRouter, prefix_
 
 
 @dataclass
+class View:
+    """What one gateway's router sees of a replica: its id and the calls it sent there."""
+
+    id: str
+    in_flight: int = 0
+
+
+@dataclass
 class Replica:
-    """What the router sees (id, in_flight) and the engine behind it."""
+    """One engine: its prefix cache, its prefill queue, its decodes."""
 
     id: str
     index: int
     capacity: int
-    in_flight: int = 0
     cache: OrderedDict[int, None] = field(default_factory=OrderedDict)
     prefill_free_at: float = 0.0
     decoding: int = 0
@@ -61,11 +68,15 @@ def answer_of(messages: list[dict[str, Any]]) -> str:
 
 
 def run(way: str, args: argparse.Namespace, slow: bool) -> dict[str, Any]:
-    """``way``: hash | rr | rr-named | ca-named | ca. Returns hit rate, ideal, makespan, spread."""
+    """``way``: a key of :data:`WAYS`. Returns hit rate, ideal, makespan, spread."""
     now = [0.0]
     replicas = [Replica(f"r{i}", i, args.cache_blocks) for i in range(args.replicas)]
-    router: Any = CacheAwareRouter(lambda: now[0], args.imbalance_rel, args.imbalance_abs) if way.startswith("ca") \
-        else RoundRobinRouter(lambda: now[0])
+    gateways = 2 if way.startswith("ca2") else 1  # several gateway replicas: each its own router and view
+    routers: list[Any] = [
+        CacheAwareRouter(lambda: now[0], args.imbalance_rel, args.imbalance_abs) if way.startswith("ca")
+        else RoundRobinRouter(lambda: now[0]) for _ in range(gateways)]
+    views = [[View(r.id) for r in replicas] for _ in range(gateways)]  # the calls each gateway has in flight
+    calls_sent = itertools.count()
     costs = Costs()
     total = args.sessions * args.turns
     done = [0]
@@ -84,13 +95,17 @@ def run(way: str, args: argparse.Namespace, slow: bool) -> dict[str, Any]:
     def send(session: dict[str, Any]) -> None:
         messages = session["messages"]
         sid = session["id"]
+        gateway = 0
         if way == "hash":
             replica = replicas[zlib.crc32(sid.encode()) % len(replicas)]
         else:
-            named = sid if way in ("rr-named", "ca-named") else None
+            named = sid if way.endswith("named") else None
+            if gateways > 1:  # the load balancer: by session hash when named, else call by call
+                gateway = zlib.crc32(sid.encode()) % gateways if named else next(calls_sent) % gateways
             chain = prefix_chain({"model": "bench", "messages": messages}) if way.startswith("ca") else ()
-            replica = router.route(replicas, named, chain).replica
-        replica.in_flight += 1
+            replica = replicas[int(routers[gateway].route(views[gateway], named, chain).replica.id[1:])]
+        views[gateway][replica.index].in_flight += 1
+        session["gateway"] = gateway
         chain_blocks = blocks(messages)
         tokens = prompt_tokens(messages)
         cached = min(tokens, replica.lookup(chain_blocks) * BLOCK_TOKENS)
@@ -130,10 +145,10 @@ def run(way: str, args: argparse.Namespace, slow: bool) -> dict[str, Any]:
             at(time + length, "answer", (session, replica, sent_at))
             continue
         replica.decoding -= 1
-        replica.in_flight -= 1
+        views[session["gateway"]][replica.index].in_flight -= 1
         replica.served += 1
         done[0] += 1
-        router.observe(replica.id, time - sent_at)
+        routers[session["gateway"]].observe(replica.id, time - sent_at)
         session["messages"].append({"role": "assistant", "content": answer_of(session["messages"])})
         session["turn"] += 1
         if session["turn"] < args.turns:
@@ -150,6 +165,8 @@ WAYS = {
     "rr-named": "round-robin, named (sticky)",
     "ca-named": "cache-aware, named",
     "ca": "cache-aware, unnamed",
+    "ca2-named": "cache-aware, 2 gateways, named (sessions hashed to a gateway)",
+    "ca2": "cache-aware, 2 gateways, unnamed (calls alternate)",
 }
 
 
