@@ -227,6 +227,7 @@ def create_app(
             simulator_url = app.state.simulator_url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
         relay.pool = build_pool(settings, credential_state, simulator_url)
         relay.pool.on_change = track_pool
+        relay.pool.on_lease = observability.metrics.lease_changed  # calls in flight per replica
         track_pool()
         state_writer = relay.pool.state.writer = CredentialStateWriter(credential_state, on_saved=relay.pool.state.saved)
         await state_writer.start()

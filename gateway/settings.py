@@ -65,6 +65,10 @@ class Settings(BaseSettings):
     max_in_flight_per_credential: int = Field(0, ge=0, description="0 = no per-credential cap")
     failover_max: int = Field(2, ge=0, le=20)
     session_header: str | None = None
+    routing: Literal["cache-aware", "round-robin"] = "cache-aware"
+    routing_imbalance_rel: float = Field(1.5, ge=1.0, le=100.0)
+    routing_imbalance_abs: int = Field(8, ge=0, le=100_000)
+    upstream_session_header: str | None = None
     admin_token: SecretStr | None = None
     upstream_stream: Literal["auto", "always", "never"] = "always"
     engine_extras: dict[str, dict[str, Any]] = Field(default_factory=dict)
@@ -152,6 +156,18 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [v.strip() for v in value.split(",") if v.strip()]
         return value
+
+    @field_validator("upstream_session_header")
+    @classmethod
+    def _header_name(cls, value: str | None) -> str | None:
+        """An HTTP header name (RFC 9110 token characters), or none."""
+        import re
+
+        if not value:
+            return None
+        if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", value):
+            raise ValueError("must be an HTTP header name, e.g. x-session-id")
+        return value.lower()
 
     @field_validator("api_key", "admin_token")
     @classmethod
@@ -288,6 +304,14 @@ CLI_FIELDS: dict[str, str] = {
     "max_in_flight_per_credential": "cap on concurrent requests per upstream credential (0 = none)",
     "failover_max": "how many other credentials to try before the first client byte",
     "session_header": "request header naming a conversation, for credential stickiness",
+    "routing": "how a call picks among the replicas (credentials) serving its model: cache-aware (session, then"
+               " longest prompt prefix sent, then fewest calls in flight, with an imbalance gate) or round-robin"
+               " (docs/routing.md)",
+    "routing_imbalance_rel": "cache-aware: a call goes to the least-loaded replica instead when the chosen one has"
+                             " more than min_in_flight * this + --routing-imbalance-abs calls in flight (default 1.5)",
+    "routing_imbalance_abs": "cache-aware: the absolute part of that imbalance gate (default 8)",
+    "upstream_session_header": "send the call's session id (rollout id or --session-header value) upstream under"
+                               " this header, for a router in front of the engines (e.g. x-session-id); default off",
     "admin_token": "token for the admin API and WebUI (without one: a token generated at start-up, its login URL in the banner)",
     "upstream_stream": "always (stream from the upstream), never (ask for JSON, synthesize the stream) or auto",
     "engine_extras": 'JSON {"model glob": {extra upstream body fields}}, e.g. vLLM logprobs / return_token_ids',

@@ -178,13 +178,16 @@ class GenerationService:
             )
             outcome.refused(err)
             return error_response(room, err, headers)
-        session = request.headers.get(settings.session_header) if settings.session_header else None
-        if rollout is not None:  # a rollout's calls stay on one credential (its prefix cache)
-            session = "rollout:" + rollout
+        session_id = rollout or (request.headers.get(settings.session_header) if settings.session_header else None)
+        # a session's calls stay on one replica (its prefix cache): gateway/upstream/routing.py
+        session = None if session_id is None else ("rollout:" + session_id if rollout else session_id)
+        upstream_headers = ({settings.upstream_session_header: session_id}
+                            if settings.upstream_session_header and _sendable_header(session_id) else None)
         try:
             # a room may name its own run: the relayed routes' RelayedCall (gateway/generation/passthrough.py)
             run_type = getattr(room, "run_type", GenerationRun)
-            attempts = UpstreamAttempts(self.pool, self.upstream, policy, session, record.trace_context, token_in)
+            attempts = UpstreamAttempts(self.pool, self.upstream, policy, session, record.trace_context, token_in,
+                                        upstream_headers)
             run = run_type(room, parsed, policy, record, attempts)
         except Exception as exc:
             err = internal_error(exc, record.request_id, "encoder")
@@ -319,6 +322,12 @@ async def _answer_json(
         return error_response(room, run.error, headers)
     outcome.succeeded()
     return JSONResponse(body, headers=headers)
+
+
+def _sendable_header(value: str | None) -> bool:
+    """A session id that can go upstream as a header value as it is (printable ASCII,
+    1 to 512 characters); any other is not sent (a routing hint, never a 500)."""
+    return bool(value) and len(value) <= 512 and value.isascii() and value.isprintable()  # type: ignore[arg-type,union-attr]
 
 
 def _stream_outcome(outcome: RequestOutcome, run: Run, complete: bool) -> None:

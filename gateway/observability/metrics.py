@@ -36,6 +36,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from gateway.errors import ErrorCode
+from gateway.upstream.routing import REASONS as ROUTING_REASONS
 
 if TYPE_CHECKING:
     from gateway.generation.record import RequestRecord
@@ -272,6 +273,13 @@ class Metrics:
             p + "upstream_attempts", "Upstream attempts by upstream, outcome and HTTP status class",
             ["upstream", "outcome", "status_class"], registry=r,
         )
+        self.routing_decisions = Counter(
+            p + "routing_decisions", "Replica choices for upstream attempts, by the router's reason", ["reason"], registry=r,
+        )
+        self.upstream_in_flight = Gauge(
+            p + "upstream_calls_in_flight", "Upstream attempts running now, by upstream (replica)", ["upstream"],
+            registry=r, multiprocess_mode="livesum",
+        )
         self.tool_repairs = Counter(p + "tool_repairs", "Tool-call repair attempts", ["outcome"], registry=r)
         self.budget_overflows = Counter(
             p + "budget_overflows", "Requests ended because the output-byte budget was exceeded", registry=r
@@ -400,7 +408,10 @@ class Metrics:
                     for upstream in self.upstreams.known:
                         for kind in TOKEN_KINDS:
                             self.tokens.labels(protocol, mode, model, upstream, kind)
+        for reason in ROUTING_REASONS:
+            self.routing_decisions.labels(reason)
         for upstream in self.upstreams.known:
+            self.upstream_in_flight.labels(upstream)
             for outcome in ATTEMPT_OUTCOMES:
                 for status_class in STATUS_CLASSES:
                     self.upstream_attempts.labels(upstream, outcome, status_class)
@@ -424,6 +435,10 @@ class Metrics:
 
     def key_label(self, record: RequestRecord) -> str:
         return record.key_name if record.key_id and record.key_name in self.key_names else OTHER
+
+    def lease_changed(self, credential: Any, delta: int) -> None:
+        """The pool's ``on_lease``: an upstream attempt started (+1) or ended (-1)."""
+        self._child(self.upstream_in_flight, self.upstreams(credential.upstream.name)).inc(delta)
 
     # -- request events ----------------------------------------------------------------
 
@@ -460,6 +475,8 @@ class Metrics:
         for attempt in record.upstream_attempts:
             upstream = self.upstreams(str(attempt.get("upstream") or ""))
             child(self.upstream_attempts, upstream, *attempt_labels(attempt, record.outcome)).inc()
+            if attempt.get("routing") in ROUTING_REASONS:
+                child(self.routing_decisions, attempt["routing"]).inc()
         if record.usage:
             answered = record.upstream_attempts[-1].get("upstream") if record.upstream_attempts else None
             model, upstream = self.models(record.model), self.upstreams(str(answered or ""))

@@ -167,6 +167,8 @@ class Tracing:
             "codebuddy2api.upstream": str(attempt.get("upstream") or ""),
             "codebuddy2api.credential": str(attempt.get("credential") or ""),
         }
+        if attempt.get("routing"):  # why the router chose this replica (docs/routing.md)
+            attributes["codebuddy2api.routing"] = str(attempt["routing"])
         if isinstance(attempt.get("status"), int):
             attributes["http.response.status_code"] = attempt["status"]
         if attempt.get("error"):

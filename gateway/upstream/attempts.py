@@ -2,9 +2,11 @@
 
 While the upstream has not answered 200 (so nothing reached the client), a failed attempt
 is reported to the pool and the next credential is tried, up to ``policy.failover_max``
-more times. Every attempt is logged in :attr:`UpstreamAttempts.log` (credential
-fingerprint, upstream name, HTTP status, error code, duration); the request record is
-not touched here — the generation copies the log when it reports the request.
+more times. The pool's router picks each credential from the call's session and, when it
+routes by prefix, the body's prefix chain (gateway/upstream/routing.py). Every attempt is
+logged in :attr:`UpstreamAttempts.log` (credential fingerprint, upstream name, routing
+reason, HTTP status, error code, duration); the request record is not touched here — the
+generation copies the log when it reports the request.
 """
 
 from __future__ import annotations
@@ -16,11 +18,19 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from gateway.errors import GatewayError
+from gateway.generation.offload import BODIES, OffloadFull
 from gateway.generation.policy import StreamPolicy
 from gateway.rollout.tokens import with_token_fields
 from gateway.upstream.client import ANSWERED, Send, UpstreamClient, UpstreamItem
 from gateway.upstream.pool import UpstreamPool
+from gateway.upstream.routing import prefix_chain
 from gateway.upstream.token_in import TokenIn
+
+#: Bodies with more messages than this have their prefix chain hashed in a worker thread
+#: (a few microseconds a message: kept off the event loop past ~1 ms).
+CHAIN_ON_LOOP_MESSAGES = 256
+#: Seconds the chain may take there before the call is routed without it.
+CHAIN_SECONDS = 5.0
 
 
 class UpstreamAttempts:
@@ -29,11 +39,14 @@ class UpstreamAttempts:
     def __init__(
         self, pool: UpstreamPool, client: UpstreamClient, policy: StreamPolicy, session: str | None = None,
         trace_context: str | None = None, token_in: TokenIn | None = None,
+        upstream_headers: dict[str, str] | None = None,
     ) -> None:
         self.pool = pool
         self.client = client
         self.policy = policy
         self.session = session
+        #: sent with every attempt (the session id under --upstream-session-header)
+        self.upstream_headers = upstream_headers
         #: the request span's W3C traceparent (tracing on): each attempt sends a child of it
         self.trace_context = trace_context
         #: every attempt of this request (over every regeneration), oldest first
@@ -54,9 +67,11 @@ class UpstreamAttempts:
         model = str(body.get("model", ""))
         tried: set[str] = set()
         last_error: GatewayError | None = None
+        # with one credential there is nothing to choose: no hashing (the single-upstream cost stays as it was)
+        prefix = await _prefix_of(body) if pool.router.uses_prefix and len(pool.credentials) > 1 else ()
         for _ in range(1 + self.policy.failover_max):
             try:
-                lease = pool.acquire(model, tried, self.session)
+                lease = pool.acquire(model, tried, self.session, prefix)
             except GatewayError as err:
                 # after a failed attempt, the client hears what the upstream said, unless
                 # every credential now cools down: then when to come back
@@ -68,15 +83,16 @@ class UpstreamAttempts:
                 upstream_body = with_token_fields(upstream_body, credential.upstream.capture_tokens)
             self.upstream_model = upstream_body["model"]
             attempt: dict[str, Any] = {
-                "credential": credential.fingerprint, "upstream": credential.upstream.name, "status": None,
+                "credential": credential.fingerprint, "upstream": credential.upstream.name,
+                "routing": lease.routing, "status": None,
                 "started_at": time.time(),  # wall clock, for the trace's attempt span
             }
             self.log.append(attempt)
-            headers = None
+            headers = dict(self.upstream_headers) if self.upstream_headers else None
             if self.trace_context:  # the attempt's span id, told to the upstream (vLLM, SGLang trace it)
                 version, trace_id, _, flags = self.trace_context.split("-")
                 attempt["span_id"] = secrets.token_hex(8)
-                headers = {"traceparent": f"{version}-{trace_id}-{attempt['span_id']}-{flags}"}
+                headers = {**(headers or {}), "traceparent": f"{version}-{trace_id}-{attempt['span_id']}-{flags}"}
             started = time.monotonic()
             answered = False
             try:
@@ -87,6 +103,8 @@ class UpstreamAttempts:
                             answered = True
                             attempt["status"] = 200
                         yield item
+                # answered in full: the replica's pace, for the router (gateway/upstream/routing.py)
+                pool.router.observe(credential.id, time.monotonic() - started)
                 return
             except GatewayError as err:
                 attempt["status"] = err.upstream_status
@@ -108,3 +126,15 @@ class UpstreamAttempts:
             if err.kind == "rate_limit":
                 return err
         return last_error
+
+
+async def _prefix_of(body: dict[str, Any]) -> tuple[int, ...]:
+    """The body's prefix chain for the router: on the loop for a usual body, in a worker
+    thread for a long one; none (routed by load alone) when the workers are busy."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or len(messages) <= CHAIN_ON_LOOP_MESSAGES:
+        return prefix_chain(body)
+    try:
+        return await BODIES.run(prefix_chain, body, timeout=CHAIN_SECONDS)
+    except (OffloadFull, TimeoutError):
+        return ()

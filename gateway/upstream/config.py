@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from gateway.store.credentials import CredentialState
 from gateway.upstream.config_file import load_config_file, model_reasoning_tags
 from gateway.upstream.credential import Credential, Upstream
 from gateway.upstream.pool import UpstreamPool
+from gateway.upstream.routing import build_router
 from gateway.upstream.urls import UpstreamURLError, check_upstream_url
 
 log = structlog.get_logger("gateway.config")
@@ -94,4 +96,5 @@ def build_pool(settings: Settings, state: CredentialState | None, simulator_url:
                 continue
             upstream = by_name.get(name) or Upstream(name, base_url)
             credentials.append(Credential(upstream, key, id=credential_id, added_by_admin=True))
-    return UpstreamPool(credentials, state, settings.max_in_flight_per_credential)
+    router = build_router(settings.routing, time.time, settings.routing_imbalance_rel, settings.routing_imbalance_abs)
+    return UpstreamPool(credentials, state, settings.max_in_flight_per_credential, router=router)

@@ -1,9 +1,10 @@
 """The upstream pool: which credential serves a request, and what each failure teaches.
 
 Upstreams (base URL, extra headers, model allow-list and rename map) hold credentials.
-Selection is round-robin over credentials that are enabled, not cooling down for the
-model, under their in-flight cap and allowed to serve the model; optional stickiness
-keeps one conversation on one credential while it stays healthy. Failures before the
+Selection is over credentials that are enabled, not cooling down for the model, under
+their in-flight cap and allowed to serve the model (healthy ones first); which of them
+serves a call is the router's choice (:mod:`gateway.upstream.routing`: cache-aware or
+round-robin, both keeping a named session on its credential). Failures before the
 first client byte are reported back here: 401/403 disables a credential (and the
 :class:`~gateway.upstream.prober.CredentialProber` re-enables it once a probe with its key
 works again), 429 cools it down (per credential and model) for Retry-After seconds,
@@ -15,12 +16,10 @@ writer (``pool.state.writer``), so the request path never waits on the store.
 
 from __future__ import annotations
 
-import itertools
 import math
 import re
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +28,7 @@ import structlog
 from gateway.errors import ErrorCode, GatewayError
 from gateway.upstream.credential import ANY_MODEL, Credential, Upstream
 from gateway.upstream.pool_state import CredentialStateStore, CredentialStateSync
+from gateway.upstream.routing import RoundRobinRouter, Router
 from gateway.upstream.urls import check_upstream_url
 
 log = structlog.get_logger("gateway.pool")
@@ -36,10 +36,6 @@ log = structlog.get_logger("gateway.pool")
 #: How long a credential is tried last after a 5xx or a connect failure (seconds). It is
 #: a penalty, not a cooldown: with nothing healthier left it is still used.
 SERVER_ERROR_PENALTY = 5.0
-#: Stickiness (session -> credential) is bounded: at most this many sessions, each
-#: forgotten after this many seconds without a request (least recently used go first).
-STICKY_MAX_SESSIONS = 10_000
-STICKY_TTL_SECONDS = 3600.0
 #: Cooldown after a 429 that carried no Retry-After (seconds).
 DEFAULT_RATE_LIMIT_COOLDOWN = 30.0
 #: How long a credential is passed over for a model its upstream answered 404 for, or
@@ -82,47 +78,15 @@ class Lease:
 
     credential: Credential
     pool: UpstreamPool
+    routing: str = "round_robin"  # why the router chose it (gateway.upstream.routing.REASONS)
     released: bool = False
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             self.credential.in_flight -= 1
-
-
-class StickySessions:
-    """session -> credential id, bounded by count (LRU) and by idle time (TTL)."""
-
-    def __init__(
-        self, clock: Callable[[], float], max_sessions: int = STICKY_MAX_SESSIONS, ttl: float = STICKY_TTL_SECONDS
-    ) -> None:
-        self.clock = clock
-        self.max_sessions = max_sessions
-        self.ttl = ttl
-        self._entries: OrderedDict[str, tuple[str, float]] = OrderedDict()  # oldest use first
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def get(self, session: str) -> str | None:
-        entry = self._entries.get(session)
-        if entry is None:
-            return None
-        if self.clock() - entry[1] > self.ttl:
-            del self._entries[session]
-            return None
-        return entry[0]
-
-    def put(self, session: str, credential_id: str) -> None:
-        now = self.clock()
-        self._entries[session] = (credential_id, now)
-        self._entries.move_to_end(session)
-        entries = self._entries
-        while entries:
-            oldest, (_, used) = next(iter(entries.items()))
-            if len(entries) <= self.max_sessions and now - used <= self.ttl:
-                break
-            del entries[oldest]
+            if self.pool.on_lease is not None:
+                self.pool.on_lease(self.credential, -1)
 
 
 class UpstreamPool:
@@ -134,14 +98,17 @@ class UpstreamPool:
         store: CredentialStateStore | None = None,
         max_in_flight_per_credential: int = 0,
         clock: Callable[[], float] = time.time,
+        router: Router | None = None,
     ) -> None:
         self.credentials = list(credentials)
         self.max_in_flight = max_in_flight_per_credential
         self.clock = clock
-        self._turn = itertools.count()
-        self._sticky = StickySessions(clock)
+        #: which usable credential serves a call (gateway.upstream.routing; --routing)
+        self.router: Router = router or RoundRobinRouter(clock)
         self._deleted: set[str] = set()  # ids deleted through this process's admin API
         self.on_change: Callable[[], None] | None = None  # called when a credential is added
+        #: called with (credential, +1 | -1) as a lease is taken and released (the in-flight gauge)
+        self.on_lease: Callable[[Credential, int], None] | None = None
         #: the learned state's way to and from the store (its ``writer``: the background one)
         self.state = CredentialStateSync(store, clock)
         self.state.restore(self.credentials)
@@ -188,6 +155,7 @@ class UpstreamPool:
             raise ValueError(credential_id)
         self.credentials[:] = [c for c in self.credentials if c.id != credential_id]
         self._deleted.add(credential_id)
+        self.router.forget(credential_id)
         return credential
 
     def _changed(self) -> None:
@@ -203,8 +171,10 @@ class UpstreamPool:
 
     # -- choosing ----------------------------------------------------------------------
 
-    def acquire(self, model: str, exclude: set[str] = frozenset(), session: str | None = None) -> Lease:  # type: ignore[assignment]
-        """The next usable credential for ``model``, or the error the client should see."""
+    def acquire(self, model: str, exclude: set[str] = frozenset(), session: str | None = None,  # type: ignore[assignment]
+                prefix: Sequence[int] = ()) -> Lease:
+        """The usable credential the router picks for ``model`` (``prefix``: the body's
+        gateway.upstream.routing.prefix_chain), or the error the client should see."""
         now = self.clock()
         allowed = [c for c in self.credentials if c.upstream.allows(model)]
         if not allowed:
@@ -220,17 +190,12 @@ class UpstreamPool:
         # (then the upstream is asked again: it may have loaded the model since)
         usable = [c for c in usable if not c.unavailable_for(model, now)] or usable
         healthy = [c for c in usable if c.penalty_until <= now] or usable
-        chosen = None
-        if session is not None:
-            sticky = self._sticky.get(session)
-            chosen = next((c for c in healthy if c.id == sticky), None) if sticky else None
-        if chosen is None:
-            start = next(self._turn)
-            chosen = healthy[start % len(healthy)]
-        if session is not None:
-            self._sticky.put(session, chosen.id)
+        route = self.router.route(healthy, session, prefix, failover=bool(exclude))
+        chosen = route.replica
         chosen.in_flight += 1
-        return Lease(chosen, self)
+        if self.on_lease is not None:
+            self.on_lease(chosen, 1)
+        return Lease(chosen, self, route.reason)
 
     def _exhausted(self, allowed: list[Credential], model: str, now: float, exclude: set[str]) -> GatewayError:
         enabled = [c for c in allowed if not c.disabled]

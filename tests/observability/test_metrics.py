@@ -29,6 +29,8 @@ FAMILIES = {
     "codebuddy2api_time_to_first_byte_seconds": "histogram",
     "codebuddy2api_in_flight_requests": "gauge",
     "codebuddy2api_upstream_attempts": "counter",
+    "codebuddy2api_routing_decisions": "counter",
+    "codebuddy2api_upstream_calls_in_flight": "gauge",
     "codebuddy2api_tool_repairs": "counter",
     "codebuddy2api_budget_overflows": "counter",
     "codebuddy2api_keepalives_sent": "counter",

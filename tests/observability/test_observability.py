@@ -288,6 +288,7 @@ def test_spans_follow_the_genai_conventions_and_the_clients_traceparent(
     by_name = {s.name: s for s in children}
     attempt = by_name["chat reasoning;ttfb=0.7"]
     assert attempt.kind is SpanKind.CLIENT and attempt.attributes["http.response.status_code"] == 200
+    assert attempt.attributes["codebuddy2api.routing"] == row["upstream_attempts"][0]["routing"] == "least_loaded"
     wait = by_name["keepalive_wait"]
     assert wait.attributes["codebuddy2api.keepalives"] == row["keepalives"] >= 2
     assert root.start_time <= attempt.start_time <= attempt.end_time <= root.end_time

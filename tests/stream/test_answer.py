@@ -14,7 +14,7 @@ from gateway.stream.accumulator import ChatSSEAccumulator, ToolRules
 from gateway.stream.answer import DONE, CompatibleAnswer, RealtimeAnswer
 from gateway.stream.events import BlockDelta, BlockStart, BlockStop, Completion, Finish
 from gateway.stream.repair import REPAIR_MARKER, RepairPolicy, repair_arguments
-from gateway.upstream.pool import StickySessions
+from gateway.upstream.routing import StickySessions
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]

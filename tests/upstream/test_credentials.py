@@ -166,7 +166,9 @@ def test_deleting_an_added_credential_is_for_good(server_loop: ServerLoop, tmp_p
 def test_an_upstream_404_for_a_model_fails_over_to_one_that_serves_it(server_loop: ServerLoop, tmp_path: Path) -> None:
     a = serve_scripted(server_loop, Scripted("a", {"alpha"}))
     b = serve_scripted(server_loop, Scripted("b", {"alpha", "beta"}))
-    gateway = start(server_loop, tmp_path, upstream_url=[a.url + "/v1", b.url + "/v1"], upstream_api_key=GOOD_KEY)
+    # round-robin: the same prompt reaches both upstreams (cache-aware would keep it on one)
+    gateway = start(server_loop, tmp_path, upstream_url=[a.url + "/v1", b.url + "/v1"], upstream_api_key=GOOD_KEY,
+                    routing="round-robin")
     for _ in range(4):
         assert stream(gateway, "beta")[0] == "from b"
     assert a.calls.count("beta") == 1  # asked once; then passed over for beta
@@ -186,7 +188,9 @@ def test_an_upstream_404_for_a_model_fails_over_to_one_that_serves_it(server_loo
 def test_a_refusal_naming_the_model_keeps_the_credential_for_other_models(server_loop: ServerLoop, tmp_path: Path) -> None:
     a = serve_scripted(server_loop, Scripted("a", {"alpha", "beta"}, denied={"beta"}))
     b = serve_scripted(server_loop, Scripted("b", {"alpha", "beta"}))
-    gateway = start(server_loop, tmp_path, upstream_url=[a.url + "/v1", b.url + "/v1"], upstream_api_key=GOOD_KEY)
+    # round-robin: the same prompt reaches both upstreams (cache-aware would keep it on one)
+    gateway = start(server_loop, tmp_path, upstream_url=[a.url + "/v1", b.url + "/v1"], upstream_api_key=GOOD_KEY,
+                    routing="round-robin")
     for _ in range(3):
         assert stream(gateway, "beta")[0] == "from b"
     shown = listed(gateway)["upstream0"]
@@ -202,7 +206,7 @@ def test_a_refusal_naming_the_model_keeps_the_credential_for_other_models(server
 
 def test_the_upstream_header_names_the_upstream_that_answered(server_loop: ServerLoop, tmp_path: Path) -> None:
     real = serve_scripted(server_loop, Scripted("real", {"text"}))
-    gateway = start(server_loop, tmp_path, simulator=True)
+    gateway = start(server_loop, tmp_path, simulator=True, routing="round-robin")  # the same prompt reaches both
     assert add(gateway, real.url + "/v1", GOOD_KEY, "real-upstream").status_code == 201
     seen: dict[str, str] = {}
     for _ in range(6):

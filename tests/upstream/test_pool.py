@@ -190,7 +190,8 @@ def test_client_disconnect_closes_the_upstream_promptly(server_loop: ServerLoop,
 
 def test_session_stickiness_keeps_a_conversation_on_one_credential(server_loop: ServerLoop, upstreams: list[Simulator], tmp_path: Path) -> None:
     a, b = upstreams[0], upstreams[1]
-    gateway = gateway_on(server_loop, tmp_path, [a.url + "/v1", b.url + "/v1"], session_header="x-session-id")
+    gateway = gateway_on(server_loop, tmp_path, [a.url + "/v1", b.url + "/v1"], session_header="x-session-id",
+                         routing="round-robin")
     body = {"model": "text", "messages": MESSAGES}
     for conversation in ("conv-1", "conv-2"):
         for sim in upstreams:

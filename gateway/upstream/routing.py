@@ -1,0 +1,324 @@
+"""Which replica serves a call: session affinity, a prefix index, load and an imbalance gate.
+
+Every credential that can serve a model is a *replica* of one pool (with several
+``--upstream-url`` s, one engine each). The pool hands a router the replicas usable now
+(enabled, not cooling down, under their cap, healthy first) and the router picks one,
+with the reason it did (docs/routing.md):
+
+- ``cache-aware`` (:class:`CacheAwareRouter`): a call that names a session goes where
+  that session went last (``session``); one that does not, to the replica whose sent
+  prompts share the longest prefix with it (``prefix``); otherwise, and on ties, the one
+  with the fewest calls in flight through this gateway (``least_loaded``), each call
+  counted as many times as its replica is slower than the fastest lately (:class:`Pace`).
+  A per-call imbalance gate sends the call to the least-loaded replica (``rebalanced``)
+  when the chosen one holds more than ``min * rel + abs`` of them; a session whose replica is not
+  usable any more, or a retry after a failed attempt, is ``failover``. The session moves
+  with the call each time.
+- ``round-robin`` (:class:`RoundRobinRouter`): the pool's behaviour before routing
+  existed: a named session sticks to its replica while usable, else the next in turn.
+
+Both are pure: fed the candidates, a session and a prefix chain one call at a time, with
+a clock for the session map; no I/O.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+#: Stickiness (session -> replica) is bounded: at most this many sessions, each forgotten
+#: after this many seconds without a call (least recently used go first).
+STICKY_MAX_SESSIONS = 10_000
+STICKY_TTL_SECONDS = 3600.0
+#: Prefix hashes remembered per replica (LRU); one per message of each prompt sent.
+PREFIX_ENTRIES_PER_REPLICA = 50_000
+#: Strings longer than twice this are hashed by length, head and tail (the index's cost
+#: per message stays bounded; two prompts that differ only mid-way in one long message
+#: look alike, which costs at worst a less warm replica, never a wrong answer).
+SAMPLE_CHARS = 1024
+
+#: The weight of a new answer's time in a replica's pace (an exponentially weighted mean),
+#: and the most a slow replica's calls count for (a replica 10x slower counts 10 a call).
+PACE_WEIGHT = 0.2
+PACE_CAP = 10.0
+
+ROUTING_MODES = ("cache-aware", "round-robin")
+#: Every reason a router gives (the label values of codebuddy2api_routing_decisions_total).
+REASONS = ("session", "prefix", "least_loaded", "rebalanced", "failover", "round_robin")
+
+
+class Replica(Protocol):
+    """What a router reads of a replica (a Credential in the gateway)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+
+R = TypeVar("R", bound=Replica)
+
+
+@dataclass(frozen=True, slots=True)
+class Route(Generic[R]):
+    """The replica chosen for one attempt and why (one of :data:`REASONS`)."""
+
+    replica: R
+    reason: str
+
+
+class StickySessions:
+    """session -> replica id, bounded by count (LRU) and by idle time (TTL)."""
+
+    def __init__(
+        self, clock: Callable[[], float], max_sessions: int = STICKY_MAX_SESSIONS, ttl: float = STICKY_TTL_SECONDS
+    ) -> None:
+        self.clock = clock
+        self.max_sessions = max_sessions
+        self.ttl = ttl
+        self._entries: OrderedDict[str, tuple[str, float]] = OrderedDict()  # oldest use first
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, session: str) -> str | None:
+        entry = self._entries.get(session)
+        if entry is None:
+            return None
+        if self.clock() - entry[1] > self.ttl:
+            del self._entries[session]
+            return None
+        return entry[0]
+
+    def put(self, session: str, replica_id: str) -> None:
+        now = self.clock()
+        self._entries[session] = (replica_id, now)
+        self._entries.move_to_end(session)
+        entries = self._entries
+        while entries:
+            oldest, (_, used) = next(iter(entries.items()))
+            if len(entries) <= self.max_sessions and now - used <= self.ttl:
+                break
+            del entries[oldest]
+
+
+class PrefixIndex:
+    """Per replica, an LRU set of the prefix hashes of the prompts sent to it.
+
+    A prompt's chain is one hash per message, each covering every message before it
+    (:func:`prefix_chain`). A chain is recorded longest prefix first, so a shorter prefix
+    is always used more recently than a longer one of the same prompt and LRU eviction
+    takes the longer first: each replica's set stays prefix-closed, and the longest match
+    is a binary search.
+    """
+
+    def __init__(self, max_per_replica: int = PREFIX_ENTRIES_PER_REPLICA) -> None:
+        self.max_per_replica = max_per_replica
+        self._sent: dict[str, OrderedDict[int, None]] = {}
+
+    def size(self, replica_id: str) -> int:
+        return len(self._sent.get(replica_id, ()))
+
+    def record(self, replica_id: str, chain: Sequence[int]) -> None:
+        sent = self._sent.setdefault(replica_id, OrderedDict())
+        for key in reversed(chain):
+            sent[key] = None
+            sent.move_to_end(key)
+        while len(sent) > self.max_per_replica:
+            sent.popitem(last=False)
+
+    def match(self, replica_id: str, chain: Sequence[int]) -> int:
+        """How many leading messages of ``chain`` this replica was sent (0: none)."""
+        sent = self._sent.get(replica_id)
+        if not sent:
+            return 0
+        low, high = 0, len(chain)  # chain[:low] matched; chain[high:] does not
+        while low < high:
+            mid = (low + high + 1) // 2
+            if chain[mid - 1] in sent:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    def forget(self, replica_id: str) -> None:
+        self._sent.pop(replica_id, None)
+
+
+class Pace:
+    """How long each replica has lately taken to answer a call in full (an exponentially
+    weighted mean), and so how much slower than the fastest each one is.
+
+    An engine that slows down (a noisy neighbour, a throttled GPU) holds no more calls
+    than the others when each session waits for its answer before the next turn: counted
+    in calls alone it looks as loaded as the rest, and the sessions on it stay. Weighted
+    by its pace, it looks as loaded as it is. Replicas see the same kind of calls, so
+    their means compare; a replica without a mean yet counts as the fastest.
+    """
+
+    def __init__(self, weight: float = PACE_WEIGHT, cap: float = PACE_CAP) -> None:
+        self.weight = weight
+        self.cap = cap
+        self._mean: dict[str, float] = {}
+
+    def observe(self, replica_id: str, seconds: float) -> None:
+        old = self._mean.get(replica_id)
+        self._mean[replica_id] = seconds if old is None else old + self.weight * (seconds - old)
+
+    def forget(self, replica_id: str) -> None:
+        self._mean.pop(replica_id, None)
+
+    def slowness(self, replica_ids: Sequence[str]) -> dict[str, float]:
+        """replica id -> its mean over the fastest mean among them, from 1 to ``cap``."""
+        means = {r: self._mean[r] for r in replica_ids if r in self._mean}
+        fastest = min(means.values(), default=0.0)
+        if fastest <= 0:
+            return dict.fromkeys(replica_ids, 1.0)
+        return {r: min(self.cap, max(1.0, means.get(r, fastest) / fastest)) for r in replica_ids}
+
+
+class CacheAwareRouter:
+    """Session, then prefix, then least in flight; the imbalance gate over all three."""
+
+    uses_prefix = True
+
+    def __init__(
+        self, clock: Callable[[], float], imbalance_rel: float = 1.5, imbalance_abs: int = 8,
+        sessions: StickySessions | None = None, index: PrefixIndex | None = None,
+    ) -> None:
+        self.imbalance_rel = imbalance_rel
+        self.imbalance_abs = imbalance_abs
+        self.sessions = StickySessions(clock) if sessions is None else sessions  # (an empty one is falsy)
+        self.index = PrefixIndex() if index is None else index
+        self.pace = Pace()
+        self._turn = itertools.count()  # spreads ties (e.g. new sessions while all are idle)
+
+    def route(self, candidates: Sequence[R], session: str | None = None, prefix: Sequence[int] = (),
+              failover: bool = False) -> Route[R]:
+        """Pick one of ``candidates`` (non-empty) for a call and learn from the choice:
+        the session now lives there and its prompt is in that replica's index.
+        ``failover``: a retry after an attempt that failed before its first byte."""
+        chosen: R | None = None
+        reason = ""
+        if session is not None:
+            known = self.sessions.get(session)
+            if known is not None:
+                chosen = next((c for c in candidates if c.id == known), None)
+                reason = "session" if chosen is not None else "failover"
+        if chosen is None and prefix:
+            matches = [self.index.match(c.id, prefix) for c in candidates]
+            best = max(matches)
+            if best and min(matches) < best:  # a match every replica has tells nothing
+                chosen = self._least_loaded([c for c, m in zip(candidates, matches) if m == best])
+                reason = reason or "prefix"
+        if chosen is None:
+            chosen = self._least_loaded(candidates)
+            reason = reason or "least_loaded"
+        if failover:
+            reason = "failover"
+        loads = self._loads(candidates)
+        if loads[chosen.id] > min(loads.values()) * self.imbalance_rel + self.imbalance_abs:
+            chosen, reason = self._least_loaded(candidates, loads), "rebalanced"
+        if session is not None:
+            self.sessions.put(session, chosen.id)
+        if prefix:
+            self.index.record(chosen.id, prefix)
+        return Route(chosen, reason)
+
+    def observe(self, replica_id: str, seconds: float) -> None:
+        """A call on ``replica_id`` was answered in full in ``seconds``."""
+        self.pace.observe(replica_id, seconds)
+
+    def forget(self, replica_id: str) -> None:
+        """The replica left the pool: its index and pace go (its sessions fail over)."""
+        self.index.forget(replica_id)
+        self.pace.forget(replica_id)
+
+    def _loads(self, candidates: Sequence[R]) -> dict[str, float]:
+        """Calls in flight, each counted as many times as its replica is slower than the
+        fastest candidate lately (1 when they are alike)."""
+        slowness = self.pace.slowness([c.id for c in candidates])
+        return {c.id: c.in_flight * slowness[c.id] for c in candidates}
+
+    def _least_loaded(self, candidates: Sequence[R], loads: dict[str, float] | None = None) -> R:
+        loads = self._loads(candidates) if loads is None else loads
+        least = min(loads.values())
+        tied = [c for c in candidates if loads[c.id] == least]
+        return tied[0] if len(tied) == 1 else tied[next(self._turn) % len(tied)]
+
+
+class RoundRobinRouter:
+    """The pool's behaviour before routing: a session sticks while its replica is usable,
+    everything else takes the next replica in turn."""
+
+    uses_prefix = False
+
+    def __init__(self, clock: Callable[[], float], sessions: StickySessions | None = None) -> None:
+        self.sessions = StickySessions(clock) if sessions is None else sessions
+        self._turn = itertools.count()
+
+    def route(self, candidates: Sequence[R], session: str | None = None, prefix: Sequence[int] = (),
+              failover: bool = False) -> Route[R]:
+        chosen: R | None = None
+        reason = "round_robin"
+        if session is not None:
+            known = self.sessions.get(session)
+            chosen = next((c for c in candidates if c.id == known), None) if known else None
+            reason = "session" if chosen is not None else ("failover" if known else reason)
+        if chosen is None:
+            chosen = candidates[next(self._turn) % len(candidates)]
+        if failover:
+            reason = "failover"
+        if session is not None:
+            self.sessions.put(session, chosen.id)
+        return Route(chosen, reason)
+
+    def observe(self, replica_id: str, seconds: float) -> None:
+        """Round-robin does not look at speed."""
+
+    def forget(self, replica_id: str) -> None:
+        """Nothing kept per replica but the sessions' (they fail over)."""
+
+
+Router = CacheAwareRouter | RoundRobinRouter
+
+
+def build_router(mode: str, clock: Callable[[], float], imbalance_rel: float = 1.5,
+                 imbalance_abs: int = 8) -> Router:
+    if mode == "round-robin":
+        return RoundRobinRouter(clock)
+    return CacheAwareRouter(clock, imbalance_rel, imbalance_abs)
+
+
+# -- the prefix chain of a chat body --------------------------------------------------------
+
+
+def _frozen(value: Any) -> Any:
+    """A hashable stand-in for a JSON value whose cost is bounded per string."""
+    if isinstance(value, str):
+        return value if len(value) <= 2 * SAMPLE_CHARS else (len(value), value[:SAMPLE_CHARS], value[-SAMPLE_CHARS:])
+    if isinstance(value, dict):  # JSON-decoded: dict and list, never other mappings
+        return tuple([(k, _frozen(v)) for k, v in value.items()])
+    if isinstance(value, list):
+        return tuple([_frozen(v) for v in value])
+    return value
+
+
+def prefix_chain(body: Mapping[str, Any]) -> tuple[int, ...]:
+    """One hash per message of a chat body, each covering the model, the tools and every
+    message up to it: two prompts share the first n hashes when they share the first n
+    messages (and model and tools). Hashes are this process's own (``hash``): the index
+    lives in one process."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return ()
+    running = hash((body.get("model"), _frozen(body.get("tools"))))
+    chain = []
+    for message in messages:
+        running = hash((running, _frozen(message)))
+        chain.append(running)
+    return tuple(chain)
