@@ -237,7 +237,7 @@ def create_app(
             upstreams = [c.upstream for c in relay.pool.credentials]
             login_url = getattr(app.state, "admin_login_url", None)
             announce(live.current, upstreams, simulator_url, bool(webui), login_url, live.sources, settings.data_dir,
-                     lambda facts: with_spill_hint(facts, journal, live.current.serve_unrecorded))
+                     lambda facts: with_spill_hint(facts, journal, live.current.serve_unrecorded), client_keys.keys())
         if replication is not None:
             await replication.start(relay.pool)
             relay.capacity = replication.capacity

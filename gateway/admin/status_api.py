@@ -1,6 +1,7 @@
 """``GET /admin/api/status``: what the gateway is doing now (the WebUI dashboard's live
 numbers): in-flight requests, upstream credential health, the settings revision and stream
-mode in force, and tool-repair / budget-overflow counts from the audit store."""
+mode in force, tool-repair / budget-overflow counts from the audit store, and whether /v1
+needs a client key (``client_auth``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from gateway.banner import client_auth
 from gateway.routes import readiness
 
 MAX_WINDOW = 90 * 86400.0
@@ -67,6 +69,8 @@ async def status(request: Request) -> Response:
         "credentials_usable": sum(1 for c in credentials if not c["disabled"] and not c["cooldowns"]),
         "store": app.state.observability.durable.status(),  # writable? what waits in the spill journal
         "not_ready": readiness.reasons(app.state),
+        # whether /v1 needs a key (any managed key ever created: yes, loopback included)
+        "client_auth": client_auth(current, relay.keys.keys() if relay.keys is not None else ()).public(),
     })
 
 

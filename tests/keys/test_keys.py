@@ -276,6 +276,8 @@ def test_a_websocket_frame_outside_the_keys_models_is_its_403_event(gw: Gateway)
 def test_revoking_the_last_managed_key_does_not_open_the_gateway(server_loop: ServerLoop, simulator: Simulator,
                                                                   tmp_path_factory: pytest.TempPathFactory) -> None:
     gw = start_gateway(server_loop, simulator, tmp_path_factory)  # no --api-key: open
+    assert client_auth(gw) == {"key_required": False, "locked": False, "static_keys": 0, "managed_keys": 0,
+                               "usable_managed_keys": 0, "allow_open": False, "summary": "no client key (loopback bind only)"}
     assert httpx.post(gw.base_url + "/chat/completions", json={"model": "text", "messages": MESSAGES}).status_code == 200
     foreign = {"host": "gateway.example.com"}  # keyless: only loopback names (DNS rebinding)
     refused = httpx.post(gw.base_url + "/chat/completions", json={"model": "text", "messages": MESSAGES}, headers=foreign)
@@ -285,9 +287,22 @@ def test_revoking_the_last_managed_key_does_not_open_the_gateway(server_loop: Se
     assert httpx.post(gw.base_url + "/chat/completions", json={"model": "text", "messages": MESSAGES}, headers=keyed).status_code == 200
     keyless = httpx.post(gw.base_url + "/chat/completions", json={"model": "text", "messages": MESSAGES})
     assert keyless.status_code == 401 and keyless.json()["error"]["code"] == "invalid_api_key"
+    status = client_auth(gw)  # the status says so: the operator is not told "loopback bind only"
+    assert status["key_required"] and not status["locked"]
+    assert (status["managed_keys"], status["usable_managed_keys"], status["static_keys"]) == (1, 1, 0)
+    assert status["summary"] == "1 managed key(s) (1 usable): every /v1 request needs a key, loopback too"
     revoke(gw, key["id"])
     assert httpx.post(gw.base_url + "/chat/completions", json={"model": "text", "messages": MESSAGES}).status_code == 401
     assert httpx.get(gw.base_url + "/models").status_code == 401
+    status = client_auth(gw)  # every /v1 call is a 401 now: locked, and the way out named
+    assert status["key_required"] and status["locked"] and status["usable_managed_keys"] == 0
+    assert "none is usable" in status["summary"] and "Keys page" in status["summary"]
+
+
+def client_auth(gw: Gateway) -> dict[str, Any]:
+    response = httpx.get(gw.url + "/admin/api/status", headers=gw.admin)
+    assert response.status_code == 200
+    return response.json()["client_auth"]  # type: ignore[no-any-return]
 
 
 def test_a_key_with_limits_is_refused_when_the_store_cannot_answer(gw: Gateway) -> None:
