@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterable
 from importlib import resources
@@ -224,6 +225,8 @@ def create_app(
             simulator = await start_embedded(create_simulator_app(), sock, label="simulator")
             simulator_url = app.state.simulator_url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
         relay.pool = build_pool(settings, credential_state, simulator_url)
+        for credential_id in relay.pool.superseded:  # the config holds their keys now: one credential each
+            await asyncio.to_thread(credential_state.forget_added, credential_id)
         relay.pool.on_change = track_pool
         track_pool()
         state_writer = relay.pool.state.writer = CredentialStateWriter(credential_state, on_saved=relay.pool.state.saved)

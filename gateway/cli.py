@@ -151,6 +151,12 @@ def check_startup(settings: Settings) -> None:
             check_upstream_url(entry.base_url, settings.allow_upstream_host)
         except ValueError as exc:
             raise SettingsError(f"--config {settings.config}: upstreams[{n}].base_url: {exc}") from None
+    if settings.config:  # an unset api_key_env would silently leave the upstream a key short
+        from gateway.upstream.config import unset_key_variable
+
+        problem = unset_key_variable(settings.config, entries, os.environ)
+        if problem:
+            raise SettingsError(problem)
     config_upstreams = len(entries)
     if settings.config and not config_upstreams:
         raise SettingsError(f"--config {settings.config}: no [[upstreams]] table (see docs/configuration.md)")

@@ -218,6 +218,12 @@ MIGRATIONS: list[Migration] = [
         CREATE INDEX client_key_requests_key ON client_key_requests (key_id, at);
         """,
     ),
+    (
+        11,
+        """
+        ALTER TABLE credentials ADD COLUMN label TEXT;
+        """,
+    ),
 ]
 
 _PG_TYPES = ((re.compile(r"\bREAL\b"), "DOUBLE PRECISION"), (re.compile(r"\bINTEGER\b"), "BIGINT"))

@@ -32,7 +32,9 @@ class UpstreamEntry(BaseModel):
     base_url: str = Field(description="the upstream's OpenAI-compatible base URL, ending in /v1")
     api_key: SecretStr | None = Field(None, description="one key, sent as Authorization: Bearer")
     api_keys: list[SecretStr] = Field(default_factory=list, description="several keys = several credentials")
-    api_key_env: list[str] = Field(default_factory=list, description="names of environment variables holding keys")
+    api_key_env: list[str] = Field(default_factory=list, description="names of environment variables holding keys (each must be set)")
+    label: str | None = Field(None, max_length=100, description="the operator's name for this table's credentials, shown"
+                              " in the admin API (default: the variable or config key each key came from)")
     headers: dict[str, str] = Field(default_factory=dict, description="extra request headers for this upstream")
     models: list[str] | None = Field(None, description="allow-list of client model names this upstream serves")
     model_map: dict[str, str] = Field(default_factory=dict, description="client model name -> upstream model name")
