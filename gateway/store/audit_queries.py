@@ -174,10 +174,10 @@ async def credential_stats(db: Store, since: float) -> dict[str, dict[str, Any]]
 
 
 async def export(
-    db: Store, since: float | None = None, until: float | None = None, page: int = 500
+    db: Store, since: float | None = None, until: float | None = None, page: int = 500, **filters: str | None
 ) -> AsyncIterator[bytes]:
-    """Every matching record as JSON lines, oldest first, read a page at a time."""
-    where, params = _where(since, until, {})
+    """Every matching record (the list's filters) as JSON lines, oldest first, read a page at a time."""
+    where, params = _where(since, until, filters)
     cursor: tuple[float, str] | None = None
     while True:
         clause, args = where, list(params)

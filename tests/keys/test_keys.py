@@ -123,6 +123,12 @@ def test_a_key_serves_every_protocol_and_its_usage_is_counted_and_audited(gw: Ga
     assert oai(gw, "ck-static-client-key-0001").chat.completions.create(model="text", messages=MESSAGES).choices  # type: ignore[arg-type]
     rows = audit_rows(gw, 4, key_id=key["id"])
     assert len(rows) == 4 and {(r["key_id"], r["key_name"], r["outcome"]) for r in rows} == {(key["id"], "serves-all", "success")}
+    # the export honours key_id as the list does: this key's 4 rows, not the gateway's every row
+    exported = httpx.get(gw.url + "/admin/api/audit/export", params={"key_id": key["id"]}, headers=gw.admin)
+    assert exported.status_code == 200
+    assert sorted(json.loads(line)["request_id"] for line in exported.text.splitlines()) == sorted(r["request_id"] for r in rows)
+    everything = httpx.get(gw.url + "/admin/api/audit/export", headers=gw.admin).text.splitlines()
+    assert len(everything) > 4  # the static key's request (and the module's others) are left out above
     expected = sum(r["usage"].get("prompt_tokens", 0) + r["usage"].get("completion_tokens", 0) for r in rows)
     wait_for(lambda: listed(gw)[key["id"]]["usage"] == {"requests_today": 4, "tokens_today": expected})
     text = json.dumps(audit_rows(gw, 5)) + httpx.get(gw.url + "/metrics").text
