@@ -5,6 +5,9 @@
 
     [models."qwen3*"]
     reasoning_tags = true        # or "auto"; "open" when the template opens <think>
+    max_input_tokens = 131072    # what GET /v1/models reports (clients size compaction by it)
+    max_output_tokens = 16384
+    capabilities = { tools = true, reasoning = true }
 
 Per-model options are read once per file version (path and modification time), so a
 request's policy snapshot costs a stat, not a parse.
@@ -52,6 +55,10 @@ class UpstreamEntry(BaseModel):
         return check_base_url(value)
 
 
+#: The capability flags a ``[models."<glob>"]`` table may state.
+Capability = Literal["tools", "vision", "reasoning", "structured_outputs"]
+
+
 class ModelEntry(BaseModel):
     """One ``[models."<glob>"]`` table: options for the models whose name matches the glob."""
 
@@ -60,6 +67,11 @@ class ModelEntry(BaseModel):
     reasoning_tags: bool | Literal["auto", "open"] = Field(
         False, description='split <think> tags out of content: true/"auto", or "open" when the template opens <think>'
     )
+    max_input_tokens: int | None = Field(None, gt=0, description="the context window /v1/models reports (default: the"
+                                         " upstream's own, e.g. vLLM's max_model_len)")
+    max_output_tokens: int | None = Field(None, gt=0, description="the largest max_tokens /v1/models reports")
+    capabilities: dict[Capability, bool] = Field(default_factory=dict, description="capability flags /v1/models"
+                                                 " reports: tools, vision, reasoning, structured_outputs")
 
 
 class ConfigFile(BaseModel):
@@ -161,3 +173,23 @@ def _read(path: str, mtime: int) -> tuple[tuple[str, str], ...]:
             continue
         found.append((glob, "auto" if value is True else value))
     return tuple(found)
+
+
+def model_entries(path: Path | None) -> tuple[tuple[str, ModelEntry], ...]:
+    """Every ``[models."<glob>"]`` table in file order (empty without a file or when it
+    cannot be read now: start-up already refused a bad one), read once per file version."""
+    if path is None:
+        return ()
+    try:
+        mtime = path.stat().st_mtime_ns
+    except OSError:
+        return ()
+    try:
+        return _entries(str(path), mtime)
+    except SettingsError:
+        return ()
+
+
+@lru_cache(maxsize=8)
+def _entries(path: str, mtime: int) -> tuple[tuple[str, ModelEntry], ...]:
+    return tuple(load_config_file(Path(path)).models.items())
