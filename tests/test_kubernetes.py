@@ -5,6 +5,7 @@ path on a volume, every referenced Secret/ConfigMap key present, a config.toml t
 
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -181,3 +182,43 @@ def test_validation_needs_no_network(monkeypatch: pytest.MonkeyPatch) -> None:
     bad = _strip(MANIFESTS["Service"]) | {"spek": {}}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, KUBERNETES_VERSION, strict=True)
+
+
+# -- what the comments and docs say matches the code (issue #38) ------------------------------
+
+
+def test_the_secrets_comments_say_what_the_code_does() -> None:
+    from gateway.settings import MIN_OPERATOR_SECRET
+
+    text = (KUBE / "secret.yaml").read_text()
+    lengths = {int(n) for n in re.findall(r"at least (\d+) characters", text)}
+    assert lengths == {MIN_OPERATOR_SECRET}  # was 24 while the code asks 16
+    env = _env()
+    # every Secret key's comment (the lines just above it) names the variable the Deployment puts it in
+    lines = text.splitlines()
+    for key in MANIFESTS["Secret"]["stringData"]:
+        [variable] = [name for name, entry in env.items()
+                      if entry.get("valueFrom", {}).get("secretKeyRef", {}).get("key") == key]
+        at = lines.index(next(line for line in lines if line.startswith(f"  {key}:")))
+        comment = []
+        while lines[at - 1].lstrip().startswith("#"):
+            at -= 1
+            comment.append(lines[at])
+        assert variable in " ".join(comment), (key, variable)
+    assert "--upstream-api-key-file" not in text and "mounted as a file" not in text  # it is a variable
+
+
+def test_max_concurrent_per_pod_is_stated_and_matches_the_shares() -> None:
+    from gateway.store.replicas import share
+
+    config_map = MANIFESTS["ConfigMap"]["data"]
+    cap = int(config_map["CODEBUDDY2API_MAX_CONCURRENT"])
+    assert "CODEBUDDY2API_MAX_CONCURRENT" in _env()  # the pods really get it
+    hpa = MANIFESTS["HorizontalPodAutoscaler"]["spec"]
+    assert cap >= hpa["maxReplicas"]  # else some pods would get a share of 0
+    text = (KUBE / "configmap.yaml").read_text()
+    for pods in (hpa["minReplicas"], hpa["maxReplicas"]):
+        ids = [f"pod-{n:02d}" for n in range(pods)]
+        shares = "/".join(str(share(cap, ids, me)) for me in ids)
+        assert f"{pods} pods" in text and shares in text, (pods, shares)
+    assert "max_concurrent" in (REPO / "docs" / "scaling.md").read_text().split("## On Kubernetes", 1)[1]
