@@ -59,6 +59,16 @@ class UpstreamEntry(BaseModel):
 Capability = Literal["tools", "vision", "reasoning", "structured_outputs"]
 
 
+class ModelPrice(BaseModel):
+    """What a model's tokens cost, per million (in the operator's currency)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    input: float = Field(ge=0, description="per million input (prompt) tokens")
+    cached_input: float | None = Field(None, ge=0, description="per million cached input tokens (default: input)")
+    output: float = Field(ge=0, description="per million output tokens (reasoning included)")
+
+
 class ModelEntry(BaseModel):
     """One ``[models."<glob>"]`` table: options for the models whose name matches the glob."""
 
@@ -72,6 +82,8 @@ class ModelEntry(BaseModel):
     max_output_tokens: int | None = Field(None, gt=0, description="the largest max_tokens /v1/models reports")
     capabilities: dict[Capability, bool] = Field(default_factory=dict, description="capability flags /v1/models"
                                                  " reports: tools, vision, reasoning, structured_outputs")
+    price: ModelPrice | None = Field(None, description="per million tokens: input, cached_input, output (the audit"
+                                     " record's cost and codebuddy2api_cost_total)")
 
 
 class ConfigFile(BaseModel):
@@ -130,7 +142,8 @@ def _error_line(path: Path, text: str, exc: ValidationError) -> str:
     where = f"{path}:{line}" if line else str(path)
     message = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
-        parent = ConfigFile if len(loc) == 1 else ModelEntry if loc[0] == "models" else UpstreamEntry
+        parent = (ConfigFile if len(loc) == 1 else (ModelPrice if "price" in loc else ModelEntry) if loc[0] == "models"
+                  else UpstreamEntry)
         message = "unknown key (allowed: " + ", ".join(parent.model_fields) + ")"
     return f"--config {where}: {key}: {message}"
 
