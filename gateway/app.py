@@ -36,6 +36,7 @@ from gateway.keys.registry import KeyRegistry
 from gateway.live_settings import LiveSettings
 from gateway.observability.loop_lag import LoopLagMonitor, publish_samples
 from gateway.observability.observer import Observability, metrics_endpoint
+from gateway.observability.state_gauges import StateSources
 from gateway.protocols.base import ProtocolRoom
 from gateway.protocols.chat import ChatRoom
 from gateway.protocols.messages.room import MessagesRoom
@@ -244,6 +245,12 @@ def create_app(
         if replication is not None:
             await replication.start(relay.pool)
             relay.capacity = replication.capacity
+        observability.metrics.state.sources = StateSources(  # read at each scrape
+            lambda: relay.pool.credentials,
+            lambda: len(replication.capacity.live) if replication is not None else 1,
+            lambda: (relay.capacity.limit(live.current.max_concurrent) if relay.capacity is not None
+                     else live.current.max_concurrent),
+        )
         if settings.capture_dir:
             captured = observability.metrics.capture_records
             relay.capture = CaptureWriter(

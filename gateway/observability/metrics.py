@@ -36,6 +36,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from gateway.errors import ErrorCode
+from gateway.observability.state_gauges import StateGauges
 
 if TYPE_CHECKING:
     from gateway.generation.record import RequestRecord
@@ -264,6 +265,7 @@ class Metrics:
             ["model", "key"], registry=r,
         )
         self.key_names: set[str] = set()
+        self.state = StateGauges(r, p)  # credentials by state, live replicas, this replica's share
         self.request_errors = Counter(
             p + "request_errors", "Generation requests that ended with an error code, by code",
             ["protocol", "mode", "error_code"], registry=r,

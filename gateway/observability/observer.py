@@ -9,6 +9,7 @@ failures are logged and swallowed: bookkeeping never breaks a client's request.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -161,6 +162,7 @@ class Observability:
 
     def exposition(self) -> tuple[bytes, str]:
         self.metrics.refresh(self.live, self.audit.depth)
+        self.metrics.state.update(time.time())
         self.metrics.store_writable.set(1 if self.durable.store_writable else 0)
         self.metrics.spill_reserved.set(1 if self.journal is not None and self.journal.reserved else 0)
         self.metrics.spill_entries.set(self.durable.spill_entries)

@@ -92,6 +92,9 @@ def test_each_replicas_status_names_it_its_share_and_the_live_replicas(pair: Pai
         for member in live.values():
             assert member["pid"] == os.getpid() and member["in_flight"] >= 0 and 0 <= member["heartbeat_age"] < 5
             assert member["credentials_usable"] in (0, 1)  # the simulator's one credential (0 while cooling)
+        metrics = httpx.get(gateway.url + "/metrics").text  # the same, as gauges
+        assert "codebuddy2api_replicas_live 2.0" in metrics
+        assert f"codebuddy2api_max_concurrent_share {MAX_CONCURRENT // 2}.0" in metrics
 
 
 def test_a_gateway_alone_owns_the_whole_cap(server_loop: ServerLoop, simulator: Simulator,
