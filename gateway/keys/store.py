@@ -2,7 +2,8 @@
 
 ``client_keys``: one row per key (its SHA-256, never the secret). ``client_key_usage``:
 requests and tokens per key and UTC day; ``tokens`` includes what open reservations hold,
-so a reservation is refused when it would take the day past ``daily_tokens``.
+so a reservation is refused when it would take the day past ``daily_tokens``, or the
+budget period (the sum of its days' rows) past ``budget_tokens``.
 ``client_key_requests``: one row per counted request, kept a few minutes after it ends:
 rpm and tpm are counted over the last 60 seconds of these rows (a sliding window, not a
 calendar minute) and ``max_concurrent`` over the open ones.
@@ -24,6 +25,7 @@ from typing import Any
 import orjson
 
 from gateway.keys.model import KeyLimits, ManagedKey
+from gateway.keys.periods import period_days, seconds_to_period_end
 from gateway.store.db import Store
 
 #: The window of rpm and tpm, in seconds.
@@ -135,6 +137,8 @@ _COUNTS = (
     " FROM client_key_requests WHERE key_id = ? AND at > ?"
 )
 _DAY_TOKENS = "SELECT tokens FROM client_key_usage WHERE key_id = ? AND day = ?"
+#: The tokens of a budget period: its days' rows (days are YYYY-MM-DD: they sort as text).
+_PERIOD_TOKENS = "SELECT COALESCE(SUM(tokens), 0) FROM client_key_usage WHERE key_id = ? AND day >= ? AND day <= ?"
 _USAGE_ADD = (
     "INSERT INTO client_key_usage (key_id, day, requests, tokens) VALUES (?, ?, ?, ?)"
     " ON CONFLICT (key_id, day) DO UPDATE SET requests = client_key_usage.requests + excluded.requests,"
@@ -181,6 +185,13 @@ def reserve(db: Store, key: ManagedKey, request_id: str, tokens: int) -> Refusal
             return Refusal("budget_exceeded", f"this API key's daily budget of {limits.daily_tokens} tokens "
                            f"cannot hold this request's {tokens} (used or held: {used})",
                            seconds_to_midnight(now))
+        if limits.budget_tokens is not None:
+            first, last = period_days(now, limits.budget_period)
+            held = int(conn.execute(_PERIOD_TOKENS, (k, first, last)).fetchone()[0] or 0)
+            if held + tokens > limits.budget_tokens:
+                return Refusal("budget_exceeded", f"this API key's budget of {limits.budget_tokens} tokens per "
+                               f"{limits.budget_period} cannot hold this request's {tokens} (used or held since "
+                               f"{first}: {held})", seconds_to_period_end(now, limits.budget_period))
         conn.execute(
             "INSERT INTO client_key_requests (request_id, key_id, at, day, reserved, used, open) VALUES (?, ?, ?, ?, ?, 0, 1)",
             (request_id, k, now, day, tokens),

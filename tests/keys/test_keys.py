@@ -168,6 +168,26 @@ def test_a_model_outside_the_globs_is_403_in_each_shape_and_models_lists_only_it
         ("refused", "model_not_allowed", 403)] * 3 + [("success", "", 200)]
 
 
+def test_a_monthly_budget_refuses_past_it_until_the_month_ends(gw: Gateway) -> None:
+    from gateway.keys.periods import seconds_to_period_end
+
+    key = create_key(gw, name="monthly", budget_tokens=600, budget_period="month", max_output_tokens=100)
+    assert (key["budget_tokens"], key["budget_period"]) == (600, "month")
+    assert (listed(gw)[key["id"]]["budget_tokens"], listed(gw)[key["id"]]["budget_period"]) == (600, "month")
+    client = oai(gw, key["key"])
+    served = 0
+    with pytest.raises(openai.RateLimitError) as refused:
+        for _ in range(20):  # each reserves its input bound + 100 output tokens, then settles to its usage
+            assert client.chat.completions.create(model="text", messages=MESSAGES, max_tokens=100).choices  # type: ignore[arg-type]
+            served += 1
+    assert served >= 1
+    assert refused.value.body["code"] == "budget_exceeded" and "per month" in refused.value.body["message"]  # type: ignore[index]
+    wait = int(refused.value.response.headers["retry-after"])
+    assert abs(wait - seconds_to_period_end(time.time(), "month")) <= 5
+    bad = httpx.post(gw.url + "/admin/api/keys", json={"name": "yearly", "budget_period": "year"}, headers=gw.admin)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "budget_period"
+
+
 def test_the_sixth_request_in_a_minute_under_rpm_5_is_429_with_retry_after(gw: Gateway) -> None:
     secret = create_key(gw, name="rpm5", rpm=5)["key"]
     client = oai(gw, secret)
