@@ -6,6 +6,8 @@ path on a volume, every referenced Secret/ConfigMap key present, a config.toml t
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 import shlex
 from pathlib import Path
 from typing import Any
@@ -222,3 +224,31 @@ def test_max_concurrent_per_pod_is_stated_and_matches_the_shares() -> None:
         shares = "/".join(str(share(cap, ids, me)) for me in ids)
         assert f"{pods} pods" in text and shares in text, (pods, shares)
     assert "max_concurrent" in (REPO / "docs" / "scaling.md").read_text().split("## On Kubernetes", 1)[1]
+
+
+def test_the_image_is_named_in_one_place_at_the_gateways_version() -> None:
+    """kustomization.yaml's images entry names the Deployment's image (the one place to put
+    a registry path), at this release's version; docs/scaling.md says how to build and push it."""
+    from gateway import __version__
+
+    [entry] = MANIFESTS["Kustomization"]["images"]
+    image = _container()["image"]
+    assert image.split(":")[0] == entry["name"] and entry["newTag"] == __version__ == image.split(":")[1]
+    docs = (REPO / "docs" / "scaling.md").read_text()
+    assert "docker push" in docs and "kustomize edit set image" in docs
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_kustomize_renders_the_named_image(tmp_path: Path) -> None:
+    """Offline: ``kubectl kustomize`` builds the kit, and a set image reaches the Deployment."""
+    copy = tmp_path / "kit"
+    shutil.copytree(KUBE, copy)
+    text = (copy / "kustomization.yaml").read_text().replace("newName: codebuddy2api", "newName: registry.example.com/t/codebuddy2api")
+    (copy / "kustomization.yaml").write_text(text)
+    rendered = subprocess.run(["kubectl", "kustomize", str(copy)], capture_output=True, text=True, timeout=60)
+    assert rendered.returncode == 0, rendered.stderr
+    docs = list(yaml.safe_load_all(rendered.stdout))
+    [deployment] = [d for d in docs if d["kind"] == "Deployment"]
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example.com/t/codebuddy2api:" + \
+        MANIFESTS["Kustomization"]["images"][0]["newTag"]
+    assert {d["kind"] for d in docs} == {m["kind"] for m in MANIFESTS.values()} - {"Kustomization", "ServiceMonitor"}
