@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterable
 from importlib import resources
@@ -36,6 +37,7 @@ from gateway.keys.registry import KeyRegistry
 from gateway.live_settings import LiveSettings
 from gateway.observability.loop_lag import LoopLagMonitor, publish_samples
 from gateway.observability.observer import Observability, metrics_endpoint
+from gateway.observability.state_gauges import StateSources
 from gateway.protocols.base import ProtocolRoom
 from gateway.protocols.chat import ChatRoom
 from gateway.protocols.messages.room import MessagesRoom
@@ -226,6 +228,8 @@ def create_app(
             simulator = await start_embedded(create_simulator_app(), sock, label="simulator")
             simulator_url = app.state.simulator_url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
         relay.pool = build_pool(settings, credential_state, simulator_url)
+        for credential_id in relay.pool.superseded:  # the config holds their keys now: one credential each
+            await asyncio.to_thread(credential_state.forget_added, credential_id)
         relay.pool.on_change = track_pool
         relay.pool.on_lease = observability.metrics.lease_changed  # calls in flight per replica
         track_pool()
@@ -240,10 +244,16 @@ def create_app(
             upstreams = [c.upstream for c in relay.pool.credentials]
             login_url = getattr(app.state, "admin_login_url", None)
             announce(live.current, upstreams, simulator_url, bool(webui), login_url, live.sources, settings.data_dir,
-                     lambda facts: with_spill_hint(facts, journal, live.current.serve_unrecorded))
+                     lambda facts: with_spill_hint(facts, journal, live.current.serve_unrecorded), client_keys.keys())
         if replication is not None:
             await replication.start(relay.pool)
             relay.capacity = replication.capacity
+        observability.metrics.state.sources = StateSources(  # read at each scrape
+            lambda: relay.pool.credentials,
+            lambda: len(replication.capacity.live) if replication is not None else 1,
+            lambda: (relay.capacity.limit(live.current.max_concurrent) if relay.capacity is not None
+                     else live.current.max_concurrent),
+        )
         if settings.capture_dir:
             captured = observability.metrics.capture_records
             relay.capture = CaptureWriter(

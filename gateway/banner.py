@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,6 +24,8 @@ import orjson
 
 from gateway import __version__
 from gateway.admin.auth import is_loopback
+from gateway.keys.model import ManagedKey
+from gateway.keys.posture import ClientAuth
 from gateway.settings import Settings, base_url_hint
 from gateway.upstream.credential import Upstream
 
@@ -46,12 +49,10 @@ def _store(settings: Settings) -> str:
     return f"PostgreSQL {parts.hostname or 'localhost'}:{parts.port or 5432}{parts.path}"
 
 
-def _client_auth(settings: Settings) -> str:
-    if settings.api_key:
-        return f"{len(settings.api_key)} client key(s) required"
-    if settings.allow_open:
-        return "OPEN: no client key, any address (--allow-open)"
-    return "no client key (loopback bind only)"
+def client_auth(settings: Settings, managed_keys: Iterable[ManagedKey] = ()) -> ClientAuth:
+    """Who may call /v1: the static keys, and the managed keys (any ever created locks
+    /v1, loopback included)."""
+    return ClientAuth.of(len(settings.api_key or ()), managed_keys, settings.allow_open, time.time())
 
 
 #: The login URL's file in the data dir (0600; replaced at every start).
@@ -109,11 +110,13 @@ def startup_facts(
     admin_login_url: str | None = None,
     sources: dict[str, str] | None = None,
     admin_login_file: Path | None = None,
+    managed_keys: Iterable[ManagedKey] = (),
 ) -> dict[str, Any]:
     """Everything the banner says, as data (no secret: keys are counted, URLs lose their
     userinfo, of a generated admin token only a prefix and where its login URL is).
     ``settings`` are the ones in force (saved values applied); ``sources`` says where the
-    stream mode came from."""
+    stream mode came from; ``managed_keys`` are the store's (they lock /v1 once any exists)."""
+    clients = client_auth(settings, managed_keys)
     unique = list({u.name: u for u in upstreams}.values())
     url = listen_url(settings)
     public = getattr(settings, "public_url", None)  # --public-url (one, or a list: the first is shown)
@@ -136,7 +139,9 @@ def startup_facts(
         "simulator": simulator_url is not None,
         "upstreams": [] if simulator_url is not None else [_upstream_facts(u) for u in unique],
         "store": _store(settings),
-        "client_auth": _client_auth(settings),
+        "client_auth": clients.summary(),
+        "client_key_required": clients.key_required,
+        "managed_keys": clients.managed_keys,
         "admin_auth": _admin_auth(settings, admin_login_url),
         "workers": settings.workers,
         "capture_dir": str(settings.capture_dir) if settings.capture_dir else None,
@@ -225,10 +230,11 @@ def announce(
     settings: Settings, upstreams: Iterable[Upstream], simulator_url: str | None, webui: bool,
     login_url: str | None, sources: dict[str, str] | None, data_dir: Path,
     amend: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    managed_keys: Iterable[ManagedKey] = (),
 ) -> None:
     """The banner at start-up: a generated token's login URL first written to its 0600
     file in ``data_dir`` (the banner names it), then the banner itself. ``amend``: what
     the app adds to the facts (the spill journal's reservation, gateway/generation/recording_gate.py)."""
     path = write_login_file(data_dir, login_url) if login_url else None
-    facts = startup_facts(settings, upstreams, simulator_url, webui, login_url, sources, path)
+    facts = startup_facts(settings, upstreams, simulator_url, webui, login_url, sources, path, managed_keys)
     print_banner(amend(facts) if amend is not None else facts, login_url=login_url)

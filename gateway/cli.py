@@ -153,6 +153,12 @@ def check_startup(settings: Settings) -> None:
             check_upstream_url(entry.base_url, settings.allow_upstream_host)
         except ValueError as exc:
             raise SettingsError(f"--config {settings.config}: upstreams[{n}].base_url: {exc}") from None
+    if settings.config:  # an unset api_key_env would silently leave the upstream a key short
+        from gateway.upstream.config import unset_key_variable
+
+        problem = unset_key_variable(settings.config, entries, os.environ)
+        if problem:
+            raise SettingsError(problem)
     config_upstreams = len(entries)
     if settings.config and not config_upstreams:
         raise SettingsError(f"--config {settings.config}: no [[upstreams]] table (see docs/configuration.md)")
@@ -417,6 +423,7 @@ def _banner_before_workers(settings: Settings, sources: dict, login_url: str | N
     with the saved values the workers will apply."""
     from gateway.app import WEBUI_DIR, uses_simulator
     from gateway.banner import announce
+    from gateway.keys import store as key_store
     from gateway.live_settings import LiveSettings
     from gateway.store.credentials import CredentialState
     from gateway.store.db import open_database
@@ -431,10 +438,12 @@ def _banner_before_workers(settings: Settings, sources: dict, login_url: str | N
         state = CredentialState(db)
         simulator = "http://127.0.0.1/v1 (one per worker)" if uses_simulator(settings, len(state.added_credentials())) else None
         upstreams = [c.upstream for c in build_pool(settings, state, simulator).credentials]
+        managed_keys = key_store.load_all(db)
     finally:
         saved.close()
         db.close()
-    announce(current, upstreams, simulator, (WEBUI_DIR / "index.html").is_file(), login_url, current_sources, settings.data_dir)
+    announce(current, upstreams, simulator, (WEBUI_DIR / "index.html").is_file(), login_url, current_sources, settings.data_dir,
+             managed_keys=managed_keys)
 
 
 #: The environment variable carrying the resolved CLI values to worker processes (JSON).

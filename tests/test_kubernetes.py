@@ -5,6 +5,9 @@ path on a volume, every referenced Secret/ConfigMap key present, a config.toml t
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
 import shlex
 from pathlib import Path
 from typing import Any
@@ -181,3 +184,71 @@ def test_validation_needs_no_network(monkeypatch: pytest.MonkeyPatch) -> None:
     bad = _strip(MANIFESTS["Service"]) | {"spek": {}}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, KUBERNETES_VERSION, strict=True)
+
+
+# -- what the comments and docs say matches the code (issue #38) ------------------------------
+
+
+def test_the_secrets_comments_say_what_the_code_does() -> None:
+    from gateway.settings import MIN_OPERATOR_SECRET
+
+    text = (KUBE / "secret.yaml").read_text()
+    lengths = {int(n) for n in re.findall(r"at least (\d+) characters", text)}
+    assert lengths == {MIN_OPERATOR_SECRET}  # was 24 while the code asks 16
+    env = _env()
+    # every Secret key's comment (the lines just above it) names the variable the Deployment puts it in
+    lines = text.splitlines()
+    for key in MANIFESTS["Secret"]["stringData"]:
+        [variable] = [name for name, entry in env.items()
+                      if entry.get("valueFrom", {}).get("secretKeyRef", {}).get("key") == key]
+        at = lines.index(next(line for line in lines if line.startswith(f"  {key}:")))
+        comment = []
+        while lines[at - 1].lstrip().startswith("#"):
+            at -= 1
+            comment.append(lines[at])
+        assert variable in " ".join(comment), (key, variable)
+    assert "--upstream-api-key-file" not in text and "mounted as a file" not in text  # it is a variable
+
+
+def test_max_concurrent_per_pod_is_stated_and_matches_the_shares() -> None:
+    from gateway.store.replicas import share
+
+    config_map = MANIFESTS["ConfigMap"]["data"]
+    cap = int(config_map["CODEBUDDY2API_MAX_CONCURRENT"])
+    assert "CODEBUDDY2API_MAX_CONCURRENT" in _env()  # the pods really get it
+    hpa = MANIFESTS["HorizontalPodAutoscaler"]["spec"]
+    assert cap >= hpa["maxReplicas"]  # else some pods would get a share of 0
+    text = (KUBE / "configmap.yaml").read_text()
+    for pods in (hpa["minReplicas"], hpa["maxReplicas"]):
+        ids = [f"pod-{n:02d}" for n in range(pods)]
+        shares = "/".join(str(share(cap, ids, me)) for me in ids)
+        assert f"{pods} pods" in text and shares in text, (pods, shares)
+    assert "max_concurrent" in (REPO / "docs" / "scaling.md").read_text().split("## On Kubernetes", 1)[1]
+
+
+def test_the_image_is_named_in_one_place_at_the_gateways_version() -> None:
+    """kustomization.yaml's images entry names the Deployment's image (the one place to put
+    a registry path), at this release's version; docs/scaling.md says how to build and push it."""
+    from gateway import __version__
+
+    [entry] = MANIFESTS["Kustomization"]["images"]
+    image = _container()["image"]
+    assert image.split(":")[0] == entry["name"] and entry["newTag"] == __version__ == image.split(":")[1]
+    docs = (REPO / "docs" / "scaling.md").read_text()
+    assert "docker push" in docs and "kustomize edit set image" in docs
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_kustomize_renders_the_named_image(tmp_path: Path) -> None:
+    """Offline: ``kubectl kustomize`` builds the kit, and a set image reaches the Deployment."""
+    copy = tmp_path / "kit"
+    shutil.copytree(KUBE, copy)
+    text = (copy / "kustomization.yaml").read_text().replace("newName: codebuddy2api", "newName: registry.example.com/t/codebuddy2api")
+    (copy / "kustomization.yaml").write_text(text)
+    rendered = subprocess.run(["kubectl", "kustomize", str(copy)], capture_output=True, text=True, timeout=60)
+    assert rendered.returncode == 0, rendered.stderr
+    docs = list(yaml.safe_load_all(rendered.stdout))
+    [deployment] = [d for d in docs if d["kind"] == "Deployment"]
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example.com/t/codebuddy2api:" + \
+        MANIFESTS["Kustomization"]["images"][0]["newTag"]
+    assert {d["kind"] for d in docs} == {m["kind"] for m in MANIFESTS.values()} - {"Kustomization", "ServiceMonitor"}

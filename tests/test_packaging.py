@@ -265,3 +265,44 @@ def test_compose_data_volume_is_owned_by_the_container_user() -> None:
     assert mount == gateway["environment"]["CODEBUDDY2API_DATA_DIR"]
     created = re.search(rf"install -d (?:-m \S+ )?-o {uid} -g {gid} (?:-m \S+ )?{re.escape(mount)}\b", text)
     assert created, f"the Dockerfile does not create {mount} owned by {uid}:{gid}"
+
+
+# -- the one-machine deployment of docs/scaling.md (issue #38) -----------------------------------
+
+
+def _doc_block(after: str, lang: str) -> str:
+    """The first ``lang`` code block in docs/scaling.md after the text ``after``."""
+    doc = (REPO / "docs" / "scaling.md").read_text()
+    match = re.search(re.escape(after) + r".*?\n```" + lang + r"\n(.*?)```", doc, re.S)
+    assert match, after
+    return match.group(1)
+
+
+def _without_comment_header(text: str) -> str:
+    lines = text.splitlines(keepends=True)
+    while lines and lines[0].startswith("#"):
+        lines.pop(0)
+    return "".join(lines)
+
+
+def test_the_nginx_and_prometheus_files_docs_scaling_names_are_shipped_as_shown() -> None:
+    nginx = (DEPLOY / "nginx.conf").read_text()
+    assert _without_comment_header(nginx) == _doc_block("nginx (`deploy/nginx.conf`", "nginx")
+    replicas = _doc_block("Prometheus (`deploy/prometheus-replicas.yml`", "yaml")
+    assert _without_comment_header((DEPLOY / "prometheus-replicas.yml").read_text()) == replicas
+    # nginx balances exactly the replicas the doc starts, and Prometheus scrapes them; the
+    # compose stack's prometheus.yml is another file, left as it is
+    serve = _doc_block("The two replicas", "sh")
+    ports = sorted(f"127.0.0.1:808{i}" for i in re.search(r"for i in ([\d ]+); do", serve).group(1).split())
+    assert sorted(re.findall(r"server (127\.0\.0\.1:\d+);", nginx)) == ports
+    assert sorted(yaml.safe_load(replicas)["scrape_configs"][0]["static_configs"][0]["targets"]) == ports
+    assert "--config.file=deploy/prometheus-replicas.yml" in (REPO / "docs" / "scaling.md").read_text()
+    assert yaml.safe_load((DEPLOY / "prometheus.yml").read_text())["scrape_configs"][0]["static_configs"][0]["targets"] == ["gateway:8080"]
+
+
+@pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx is not installed")
+def test_the_shipped_nginx_conf_passes_nginx_t(tmp_path: Path) -> None:
+    (tmp_path / "tmp").mkdir()
+    shutil.copy(DEPLOY / "nginx.conf", tmp_path / "nginx.conf")
+    checked = subprocess.run(["nginx", "-t", "-p", str(tmp_path), "-c", "nginx.conf"], capture_output=True, text=True, timeout=30)
+    assert checked.returncode == 0 and "test is successful" in checked.stderr, checked.stderr

@@ -251,6 +251,7 @@ def test_example_config_loads_and_every_key_is_documented() -> None:
     assert [u.name for u in config.upstreams] == ["local-vllm", "hosted"]
     assert config.upstreams[0].model_map == {"qwen": "Qwen/Qwen2.5-7B-Instruct"}
     assert config.upstreams[1].api_key_env == ["EXAMPLE_API_KEY", "EXAMPLE_API_KEY_2"]
+    assert config.upstreams[1].label == "hosted (research team)" and config.upstreams[0].label is None
     assert config.upstreams[1].models == ["gpt-4o-mini"] and config.upstreams[1].headers == {"x-team": "research"}
     doc = (REPO / "docs" / "configuration.md").read_text()
     for key in [*ConfigFile.model_fields, *UpstreamEntry.model_fields]:

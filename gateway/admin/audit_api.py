@@ -1,6 +1,7 @@
 """Admin JSON routes over the audit store: list, one record, aggregates, JSONL export.
 
-Times (``since``/``until``) are Unix seconds or ISO 8601; filters match exactly.
+Times (``since``/``until``) are Unix seconds or ISO 8601; filters match exactly, the
+same ones for the list and the export; an unknown query parameter is a 400.
 """
 
 from __future__ import annotations
@@ -66,16 +67,31 @@ def _db(request: Request) -> Database:
     return request.app.state.db  # type: ignore[no-any-return]
 
 
+#: What the list and the export filter on: the columns, any attempt's upstream name and the
+#: managed client key (both read in the record), and the time range.
+FILTERS = (*audit_queries.FILTER_COLUMNS, "upstream", "key_id")
+#: The list's paging, on top of the filters.
+PAGING = ("limit", "offset")
+
+
+def _selection(request: Request, extra: tuple[str, ...] = ()) -> tuple[float | None, float | None, dict[str, str | None]]:
+    """``since``, ``until`` and the exact-match filters, one parser for the list and the
+    export; an unknown parameter is refused (a misspelt filter must not select everything)."""
+    allowed = ("since", "until", *FILTERS, *extra)
+    unknown = sorted(set(request.query_params) - set(allowed))
+    if unknown:
+        raise BadParam(unknown[0], f"unknown parameter {unknown[0]!r} (allowed: {', '.join(allowed)})")
+    filters = {name: request.query_params.get(name) or None for name in FILTERS}
+    return _time(request, "since"), _time(request, "until"), filters
+
+
 async def list_audit(request: Request) -> Response:
     try:
-        since, until = _time(request, "since"), _time(request, "until")
+        since, until, filters = _selection(request, PAGING)
         limit = _number(request, "limit", 100, 1, MAX_LIMIT)
         offset = _number(request, "offset", 0, 0, 10**9)
     except BadParam as err:
         return _bad(err)
-    filters = {c: request.query_params.get(c) or None for c in audit_queries.FILTER_COLUMNS}
-    filters["upstream"] = request.query_params.get("upstream") or None  # any attempt's upstream name
-    filters["key_id"] = request.query_params.get("key_id") or None  # the managed client key
     rows, total = await audit_queries.query(_db(request), since=since, until=until, limit=limit, offset=offset, **filters)
     return JSONResponse({
         "object": "list", "data": rows, "total": total, "limit": limit, "offset": offset,
@@ -269,12 +285,13 @@ async def timeseries_audit(request: Request) -> Response:
 
 
 async def export_audit(request: Request) -> Response:
+    """Every record the list would select (same filters), as JSON lines, oldest first."""
     try:
-        since, until = _time(request, "since"), _time(request, "until")
+        since, until, filters = _selection(request)
     except BadParam as err:
         return _bad(err)
     return StreamingResponse(
-        audit_queries.export(_db(request), since, until),
+        audit_queries.export(_db(request), since, until, **filters),
         media_type="application/x-ndjson",
         headers={"content-disposition": 'attachment; filename="audit.jsonl"'},
     )

@@ -1,6 +1,7 @@
-"""Admin JSON routes over the upstream pool: list credentials (fingerprints only), add
-one (probed at once: its result is in the answer), delete one added here, disable,
-re-enable, reset cooldowns. Keys go in, never come out."""
+"""Admin JSON routes over the upstream pool: list credentials (fingerprints and labels
+only), add one (probed at once: its result is in the answer; a key already in the pool for
+that base URL is a 409), delete one added here, disable, re-enable, reset cooldowns. Keys
+go in, never come out."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from gateway.upstream.urls import UpstreamURLError, check_upstream_url
 
 #: Seconds the probe of a newly added credential may take (the admin's request waits on it).
 ADD_PROBE_TIMEOUT = 5.0
+#: The longest label an operator may give a credential.
+MAX_LABEL = 100
 
 
 def _pool(request: Request) -> UpstreamPool:
@@ -56,16 +59,22 @@ async def add_credential(request: Request) -> Response:
         return admin_error(400, "invalid_value", "api_key must be a non-empty string without spaces or control characters", "api_key")
     if not isinstance(name, str) or not name.isprintable():
         return admin_error(400, "invalid_value", "upstream must be a printable string", "upstream")
+    label = payload.get("label")
+    if label is not None and (not isinstance(label, str) or not label.strip() or not label.isprintable()
+                              or len(label) > MAX_LABEL):
+        return admin_error(400, "invalid_value", f"label must be a printable string of 1 to {MAX_LABEL} characters", "label")
     pool = _pool(request)
     upstream = next((c.upstream for c in pool.credentials if c.upstream.name == name and c.upstream.base_url == base_url), None)
-    credential = Credential(upstream or Upstream(str(name), base_url), api_key)
-    if any(c.id == credential.id for c in pool.credentials):
-        return admin_error(409, "credential_exists", "this credential is already configured")
+    credential = Credential(upstream or Upstream(str(name), base_url), api_key, label=label or "admin API")
+    twin = pool.twin_of(credential)  # one credential per key and base URL, whatever the upstream name
+    if twin is not None:
+        return admin_error(409, "credential_exists", f"this key is already configured for this base URL as {twin.id!r}"
+                           f" ({twin.label or 'no label'})", "api_key")
     credential.added_by_admin, credential.added_at = True, pool.clock()
     probe = await probe_new(request, credential)
     state = request.app.state.credential_state
     # off the event loop: a slow store must not stall the streams this process serves
-    await state.db.acall(state.add_credential, credential.id, credential.upstream.name, base_url, api_key)
+    await state.db.acall(state.add_credential, credential.id, credential.upstream.name, base_url, api_key, credential.label)
     pool.add(credential)
     if probe["status"] in (401, 403):  # the key is refused: out of rotation, probed again later
         refused = GatewayError("upstream", "upstream_auth_failed", probe["result"])

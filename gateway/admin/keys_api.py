@@ -1,5 +1,6 @@
 """Admin routes over the managed client keys (gateway/keys/): create (the secret is in
-that one answer, never again), list with today's usage, change limits, revoke.
+that one answer, never again), list with today's usage, usage over any window (from the
+audit records), change limits, revoke.
 
 Every write goes to the store first (in a worker thread), then into this replica's
 in-memory registry at once; other replicas load it within a second.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import datetime
 from typing import Any
 
 from starlette.requests import Request
@@ -20,7 +22,9 @@ from gateway.keys import store
 from gateway.keys.model import (
     PREFIX_CHARS, InvalidField, ManagedKey, hash_secret, limits_from, metadata_of, name_of, new_key_id, new_secret,
 )
+from gateway.keys import usage_window
 from gateway.keys.registry import KeyRegistry
+from gateway.store import audit_queries
 
 
 def _registry(request: Request) -> KeyRegistry:
@@ -104,9 +108,51 @@ async def revoke_key(request: Request) -> Response:
     return Response(status_code=204)
 
 
+async def key_usage(request: Request) -> Response:
+    """A key's requests, tokens and cost over ``since``..``until`` (default: the last 30
+    days), in total and ``by=day``; revoked keys too (their history stays)."""
+    key_id = request.path_params["key_id"]
+    if _registry(request).get(key_id) is None and not any(k.key_id == key_id for k in await _keys(request)):
+        return admin_error(404, "key_not_found", f"no key {key_id!r}", "key_id")
+    params = request.query_params
+    unknown = sorted(set(params) - {"since", "until", "by"})
+    if unknown:
+        return admin_error(400, "invalid_parameter", f"unknown parameter {unknown[0]!r} (allowed: since, until, by)", unknown[0])
+    by = params.get("by") or "total"
+    if by not in usage_window.GROUPINGS:
+        return admin_error(400, "invalid_parameter", "by must be day or total", "by")
+    try:
+        until = _when(params.get("until"), "until") or time.time()
+        since = _when(params.get("since"), "since") or until - usage_window.DEFAULT_WINDOW
+    except InvalidField as exc:
+        return admin_error(400, "invalid_parameter", exc.message, exc.param)
+    if not 0 < until - since <= usage_window.MAX_WINDOW:
+        return admin_error(400, "invalid_parameter", "since must be before until, at most 366 days apart", "since")
+    rows = await audit_queries.key_usage_rows(request.app.state.db, key_id, since, until)
+    return JSONResponse({"id": key_id, **usage_window.summarise(rows, since, until, by)})
+
+
+def _when(raw: str | None, param: str) -> float | None:
+    """Unix seconds or an RFC 3339 time (None: not given)."""
+    if not raw:
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        pass
+    try:
+        at = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    except ValueError:
+        raise InvalidField(param, f"{param} must be Unix seconds or an RFC 3339 time, got {raw!r}") from None
+    if at.tzinfo is None:
+        raise InvalidField(param, f"{param} must carry a time zone (e.g. 2026-01-01T00:00:00Z)")
+    return at.timestamp()
+
+
 def key_routes() -> list[BaseRoute]:
     return [
         Route("/keys", list_keys, methods=["GET"]),
+        Route("/keys/{key_id}/usage", key_usage, methods=["GET"]),
         Route("/keys", create_key, methods=["POST"]),
         Route("/keys/{key_id}", change_key, methods=["PATCH"]),
         Route("/keys/{key_id}", revoke_key, methods=["DELETE"]),

@@ -1,6 +1,8 @@
 """``GET /admin/api/status``: what the gateway is doing now (the WebUI dashboard's live
 numbers): in-flight requests, upstream credential health, the settings revision and stream
-mode in force, and tool-repair / budget-overflow counts from the audit store."""
+mode in force, tool-repair / budget-overflow counts from the audit store, whether /v1
+needs a client key (``client_auth``), and this replica's id, capacity share and the live
+replicas (``replica``)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from gateway.banner import client_auth
 from gateway.routes import readiness
+from gateway.store.replicas import standalone_status
 
 MAX_WINDOW = 90 * 86400.0
 
@@ -55,7 +59,7 @@ async def status(request: Request) -> Response:
         "in_flight": relay.in_flight,
         "in_flight_by_protocol": relay.in_flight_by("protocol"),
         "in_flight_by_mode": relay.in_flight_by("mode"),
-        "max_concurrent": current.max_concurrent,
+        "max_concurrent": current.max_concurrent,  # over all replicas; this one's part: replica.max_concurrent_share
         "stream_mode": current.stream_mode.value,
         "revision": live.revision,
         "requests": int(requests),
@@ -67,7 +71,18 @@ async def status(request: Request) -> Response:
         "credentials_usable": sum(1 for c in credentials if not c["disabled"] and not c["cooldowns"]),
         "store": app.state.observability.durable.status(),  # writable? what waits in the spill journal
         "not_ready": readiness.reasons(app.state),
+        # whether /v1 needs a key (any managed key ever created: yes, loopback included)
+        "client_auth": client_auth(current, relay.keys.keys() if relay.keys is not None else ()).public(),
+        "replica": _replica(app, current.max_concurrent, relay.in_flight),
     })
+
+
+def _replica(app: Any, max_concurrent: int, in_flight: int) -> dict[str, Any]:
+    """This replica's id and capacity share, and the live replicas (from memory: the last heartbeat)."""
+    replication = getattr(app.state, "replication", None)
+    if replication is None:
+        return standalone_status(app.state.live.current.replica_id, max_concurrent, in_flight)
+    return replication.status(max_concurrent)  # type: ignore[no-any-return]
 
 
 def status_routes() -> list[BaseRoute]:

@@ -42,6 +42,7 @@ class RequestRecord:
     key_id: str | None = None  # the managed client key (gateway/keys/), when one was used
     key_name: str | None = None
     usage: dict[str, int] = field(default_factory=dict)
+    cost: float | None = None  # usage priced by the --config model tables (None: no price or no usage)
     upstream_attempts: list[dict[str, Any]] = field(default_factory=list)  # fingerprint, status, ms
     repairs: list[dict[str, Any]] = field(default_factory=list)  # kind, outcome, usage
     bodies: dict[str, Any] | None = None  # only with --audit-bodies

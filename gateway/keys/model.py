@@ -17,6 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from gateway.errors import GatewayError
+from gateway.keys.periods import PERIODS
 
 KEY_PREFIX = "sk-cb2a-"
 #: Characters of the secret shown in listings.
@@ -30,7 +31,7 @@ MAX_NAME = 100
 MAX_GLOBS = 100
 MAX_METADATA_BYTES = 4096
 
-LIMIT_FIELDS = ("rpm", "tpm", "max_concurrent", "daily_tokens", "max_output_tokens")
+LIMIT_FIELDS = ("rpm", "tpm", "max_concurrent", "daily_tokens", "budget_tokens", "max_output_tokens")
 
 
 def hash_secret(secret: str) -> str:
@@ -56,15 +57,18 @@ class KeyLimits:
     daily_tokens: int | None = None
     max_output_tokens: int | None = None
     expires_at: float | None = None
+    #: tokens per ``budget_period`` (a UTC day, ISO week or calendar month: gateway/keys/periods.py)
+    budget_tokens: int | None = None
+    budget_period: str = "day"
 
     @property
     def counted(self) -> bool:
         """Whether requests must reserve in the store before going upstream."""
-        return any(v is not None for v in (self.rpm, self.tpm, self.max_concurrent, self.daily_tokens))
+        return any(v is not None for v in (self.rpm, self.tpm, self.max_concurrent, self.daily_tokens, self.budget_tokens))
 
     @property
     def token_limited(self) -> bool:
-        return self.tpm is not None or self.daily_tokens is not None
+        return self.tpm is not None or self.daily_tokens is not None or self.budget_tokens is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +108,8 @@ class ManagedKey:
             "id": self.key_id, "name": self.name, "prefix": self.prefix,
             "models": list(limits.models) if limits.models is not None else None,
             "rpm": limits.rpm, "tpm": limits.tpm, "max_concurrent": limits.max_concurrent,
-            "daily_tokens": limits.daily_tokens, "max_output_tokens": limits.max_output_tokens,
+            "daily_tokens": limits.daily_tokens, "budget_tokens": limits.budget_tokens,
+            "budget_period": limits.budget_period, "max_output_tokens": limits.max_output_tokens,
             "expires_at": rfc3339(limits.expires_at), "created_at": rfc3339(self.created_at),
             "revoked_at": rfc3339(self.revoked_at), "metadata": self.metadata,
         }
@@ -186,7 +191,13 @@ def metadata_of(value: Any) -> dict[str, Any]:
 
 
 #: Fields a create or a change may carry.
-KNOWN_FIELDS = frozenset({"name", "models", *LIMIT_FIELDS, "expires_at", "metadata"})
+KNOWN_FIELDS = frozenset({"name", "models", *LIMIT_FIELDS, "budget_period", "expires_at", "metadata"})
+
+
+def _period(value: Any) -> str:
+    if value not in PERIODS:
+        raise InvalidField("budget_period", f"budget_period must be one of {', '.join(PERIODS)}")
+    return str(value)
 
 
 def limits_from(payload: dict[str, Any], base: KeyLimits | None = None) -> KeyLimits:
@@ -200,4 +211,5 @@ def limits_from(payload: dict[str, Any], base: KeyLimits | None = None) -> KeyLi
         values[name] = _limit(payload, name) if name in payload else getattr(current, name)
     values["models"] = _globs(payload["models"]) if "models" in payload else current.models
     values["expires_at"] = _expires(payload["expires_at"]) if "expires_at" in payload else current.expires_at
+    values["budget_period"] = _period(payload["budget_period"]) if "budget_period" in payload else current.budget_period
     return KeyLimits(**values)

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 from gateway.keys.model import KeyLimits
+from gateway.keys.periods import seconds_to_period_end
 
 #: The window of rpm and tpm, in seconds.
 WINDOW = 60.0
@@ -48,12 +49,13 @@ class Counts:
     oldest: float | None = None  # the oldest request still in the window
     open_requests: int = 0
     day_tokens: int = 0  # settled plus held today
+    period_tokens: int = 0  # settled plus held in the current budget_period
 
 
 @dataclass(frozen=True, slots=True)
 class Quota:
     """What the key has left, for the ``x-ratelimit-*`` headers (LiteLLM's names): requests
-    against ``rpm``; tokens against the tighter of ``tpm`` and ``daily_tokens``."""
+    against ``rpm``; tokens against the tightest of ``tpm``, ``daily_tokens`` and ``budget_tokens``."""
 
     limit_requests: int | None = None
     remaining_requests: int = 0
@@ -108,10 +110,11 @@ def _window_wait(counts: Counts) -> int:
 
 @dataclass(frozen=True, slots=True)
 class _TokenLimit:
-    name: str  # tpm | daily_tokens
+    name: str  # tpm | daily_tokens | budget_tokens
     limit: int
     room: int  # what it holds now
     wait: int  # seconds until it holds more
+    period: str = "day"  # budget_tokens' period
 
     @property
     def code(self) -> str:
@@ -120,6 +123,8 @@ class _TokenLimit:
     def describe(self) -> str:
         if self.name == "tpm":
             return f"this API key is limited to {self.limit} tokens per minute"
+        if self.name == "budget_tokens":
+            return f"this API key's budget of {self.limit} tokens per {self.period}"
         return f"this API key's daily budget of {self.limit} tokens"
 
 
@@ -130,6 +135,9 @@ def _token_limits(limits: KeyLimits, counts: Counts) -> list[_TokenLimit]:
     if limits.daily_tokens is not None:
         found.append(_TokenLimit("daily_tokens", limits.daily_tokens, limits.daily_tokens - counts.day_tokens,
                                  seconds_to_midnight(counts.now)))
+    if limits.budget_tokens is not None:
+        found.append(_TokenLimit("budget_tokens", limits.budget_tokens, limits.budget_tokens - counts.period_tokens,
+                                 seconds_to_period_end(counts.now, limits.budget_period), limits.budget_period))
     return found
 
 

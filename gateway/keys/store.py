@@ -2,7 +2,8 @@
 
 ``client_keys``: one row per key (its SHA-256, never the secret). ``client_key_usage``:
 requests and tokens per key and UTC day; ``tokens`` includes what open reservations hold,
-so a reservation is refused when it would take the day past ``daily_tokens``.
+so a reservation is refused when it would take the day past ``daily_tokens``, or the
+budget period (the sum of its days' rows) past ``budget_tokens``.
 ``client_key_requests``: one row per counted request, kept a few minutes after it ends:
 rpm and tpm are counted over the last 60 seconds of these rows (a sliding window, not a
 calendar minute) and ``max_concurrent`` over the open ones.
@@ -24,6 +25,7 @@ and the limits hold exactly across them. Times come from the database's clock.
 from __future__ import annotations
 
 import time
+import dataclasses
 from dataclasses import fields
 from datetime import UTC, datetime
 from typing import Any
@@ -32,6 +34,7 @@ import orjson
 
 from gateway.keys.model import KeyLimits, ManagedKey
 from gateway.keys.quota import WINDOW, Ask, Counts, Grant, Refusal, decide
+from gateway.keys.periods import period_days
 from gateway.store.db import Store
 
 #: Seconds a reservation's lease runs; its process renews it every :data:`RENEW_EVERY`.
@@ -149,6 +152,8 @@ _RECLAIM = (
     f" WHERE key_id = ? AND open = 1 AND (COALESCE(lease_until, at + {STALE_OPEN}) < ? OR lease_until > ?)"
 )
 _DAY_TOKENS = "SELECT tokens FROM client_key_usage WHERE key_id = ? AND day = ?"
+#: The tokens of a budget period: its days' rows (days are YYYY-MM-DD: they sort as text).
+_PERIOD_TOKENS = "SELECT COALESCE(SUM(tokens), 0) FROM client_key_usage WHERE key_id = ? AND day >= ? AND day <= ?"
 _USAGE_ADD = (
     "INSERT INTO client_key_usage (key_id, day, requests, tokens) VALUES (?, ?, ?, ?)"
     " ON CONFLICT (key_id, day) DO UPDATE SET requests = client_key_usage.requests + excluded.requests,"
@@ -189,6 +194,10 @@ def admit(db: Store, key: ManagedKey, request_id: str, ask: Ask) -> Grant | Refu
             ).fetchone()
             counts = Counts(now, int(count), int(window_tokens), None if oldest is None else float(oldest),
                             int(open_now), int(used or 0))
+        if limits.budget_tokens is not None:
+            first, last = period_days(now, limits.budget_period)
+            period = int(conn.execute(_PERIOD_TOKENS, (k, first, last)).fetchone()[0] or 0)
+            counts = dataclasses.replace(counts, period_tokens=period)
         decision = decide(limits, counts, ask)
         if isinstance(decision, Refusal):
             return decision

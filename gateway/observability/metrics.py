@@ -36,6 +36,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from gateway.errors import ErrorCode
+from gateway.observability.state_gauges import StateGauges
 from gateway.upstream.routing import REASONS as ROUTING_REASONS
 
 if TYPE_CHECKING:
@@ -260,7 +261,12 @@ class Metrics:
             p + "key_tokens", "Tokens used by finished answers, by managed client key (input, output)",
             ["key", "kind"], registry=r,
         )
+        self.cost = Counter(
+            p + "cost", "What finished answers cost, priced by the --config model tables (per-million prices)",
+            ["model", "key"], registry=r,
+        )
         self.key_names: set[str] = set()
+        self.state = StateGauges(r, p)  # credentials by state, live replicas, this replica's share
         self.request_errors = Counter(
             p + "request_errors", "Generation requests that ended with an error code, by code",
             ["protocol", "mode", "error_code"], registry=r,
@@ -484,6 +490,8 @@ class Metrics:
                 count = record.usage.get(field) or 0
                 if count > 0:
                     child(self.tokens, protocol, mode, model, upstream, kind).inc(count)
+        if record.cost:
+            child(self.cost, self.models(record.model), key).inc(record.cost)
         for repair in record.repairs:
             child(self.tool_repairs, str(repair.get("outcome", "unknown"))).inc()
         if record.budget_exceeded:

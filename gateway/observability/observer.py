@@ -9,6 +9,8 @@ failures are logged and swallowed: bookkeeping never breaks a client's request.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import structlog
@@ -18,10 +20,12 @@ from starlette.responses import Response
 
 from gateway.observability.logging import route_uvicorn_logs
 from gateway.observability.metrics import Metrics
+from gateway.observability.pricing import cost, price_of
 from gateway.store.audit import AUDIT_UPSERT, AuditWriter
 from gateway.store.db import Database
 from gateway.store.responses import RESPONSE_STATEMENTS, SPILL_KINDS
 from gateway.store.spill import DurableWriter, SpillJournal
+from gateway.upstream.config_file import ModelPrice, model_entries
 
 if TYPE_CHECKING:
     from gateway.generation.record import RequestRecord
@@ -52,6 +56,7 @@ def log_request(record: RequestRecord) -> None:
         keepalives=record.keepalives,
         upstream_attempts=len(record.upstream_attempts),
         key_id=record.key_id,  # the managed client key (its id, never its secret)
+        cost=record.cost,
     )
 
 
@@ -59,9 +64,11 @@ class GatewayObserver:
     """Feeds metrics, the audit queue, the request log and (with ``--otlp-endpoint``)
     the traces; tolerant of a double finish."""
 
-    def __init__(self, metrics: Metrics, audit: AuditWriter) -> None:
+    def __init__(self, metrics: Metrics, audit: AuditWriter,
+                 price: Callable[[str], ModelPrice | None] = lambda model: None) -> None:
         self.metrics = metrics
         self.audit = audit
+        self.price = price  # the --config price of a client model name (None: unpriced)
         self.tracing: Tracing | None = None
         self._open: set[str] = set()
 
@@ -79,6 +86,10 @@ class GatewayObserver:
             log.warning("observer_unexpected_finish", request_id=record.request_id)
             return
         self._open.discard(record.request_id)
+        try:  # stamped before anyone reads the record: audit, metrics and log agree
+            record.cost = cost(record.usage, self.price(record.model)) if record.usage else None
+        except Exception:  # pragma: no cover - a pricing bug must not lose the record
+            log.exception("observer_failed", stage="cost", request_id=record.request_id)
         steps = [("metrics", self.metrics.on_finish), ("audit", self.audit.submit), ("log", log_request)]
         if self.tracing is not None:
             steps.append(("trace", self.tracing.on_finish))
@@ -120,7 +131,8 @@ class Observability:
             on_write_error=self.metrics.audit_write_errors.inc,
             durable=self.durable,
         )
-        self.observer = GatewayObserver(self.metrics, self.audit)
+        self.observer = GatewayObserver(self.metrics, self.audit,
+                                        lambda model: price_of(model, model_entries(live.current.config)))
         endpoint = live.current.otlp_endpoint
         if endpoint:  # the SDK is imported only now: no tracing, no cost
             from gateway.observability.tracing import Tracing
@@ -150,6 +162,7 @@ class Observability:
 
     def exposition(self) -> tuple[bytes, str]:
         self.metrics.refresh(self.live, self.audit.depth)
+        self.metrics.state.update(time.time())
         self.metrics.store_writable.set(1 if self.durable.store_writable else 0)
         self.metrics.spill_reserved.set(1 if self.journal is not None and self.journal.reserved else 0)
         self.metrics.spill_entries.set(self.durable.spill_entries)

@@ -1,5 +1,5 @@
 """The ``/v1`` routes that are not generations: client-key protection for them, and
-``GET /v1/models``.
+``GET /v1/models`` (each model's limits and flags: gateway/routes/model_info.py).
 
 Generation routes check the client key inside the relay (so a refused request still gets
 its audit record); ``count_tokens``, stored responses and the model list are wrapped here
@@ -23,6 +23,8 @@ from gateway.keys.identity import check_client_key
 from gateway.keys.registry import managed_key
 from gateway.protocols.messages.room import error_json as anthropic_error
 from gateway.protocols.openai_shapes import error_json as openai_error
+from gateway.routes.model_info import ModelInfo
+from gateway.upstream.config_file import model_entries
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -43,19 +45,20 @@ def keyed(endpoint: Endpoint, error_body: Callable[[GatewayError], dict[str, Any
     return guarded
 
 
-async def model_names(request: Request) -> dict[str, str]:
-    """The models clients may ask for (name -> owning upstream): each upstream's allow-list
-    and renamed names where configured, else what the upstream lists itself (first usable
-    credential of each)."""
+async def model_names(request: Request) -> dict[str, tuple[str, ModelInfo]]:
+    """The models clients may ask for (name -> owning upstream and what is known of the
+    model): each upstream's allow-list and renamed names where configured, else what the
+    upstream lists itself (first usable credential of each), with its limits (vLLM's
+    ``max_model_len``); the ``--config`` model tables laid over both."""
     pool = request.app.state.relay.pool
-    names: dict[str, str] = {}
+    found: dict[str, tuple[str, ModelInfo]] = {}
     asked: set[str] = set()
     async with httpx.AsyncClient(timeout=MODELS_TIMEOUT) as client:
         for credential in pool.credentials:
             upstream = credential.upstream
             if upstream.models is not None or upstream.model_map:
                 for name in [*(upstream.models or ()), *upstream.model_map]:
-                    names.setdefault(name, upstream.name)
+                    found.setdefault(name, (upstream.name, ModelInfo()))
                 continue
             if credential.disabled or upstream.base_url in asked:
                 continue
@@ -68,8 +71,9 @@ async def model_names(request: Request) -> dict[str, str]:
                 data = None
             for item in data or []:
                 if isinstance(item, dict) and isinstance(item.get("id"), str):
-                    names.setdefault(item["id"], upstream.name)
-    return names
+                    found.setdefault(item["id"], (upstream.name, ModelInfo.from_upstream(item)))
+    tables = model_entries(request.app.state.live.current.config)
+    return {name: (owner, info.configured(name, tables)) for name, (owner, info) in found.items()}
 
 
 def _anthropic_client(request: Request) -> bool:
@@ -78,10 +82,11 @@ def _anthropic_client(request: Request) -> bool:
     return "anthropic-version" in request.headers
 
 
-def _model(name: str, owner: str, anthropic: bool) -> dict[str, Any]:
+def _model(name: str, owner: str, info: ModelInfo, anthropic: bool) -> dict[str, Any]:
     if anthropic:
-        return {"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z", "lifecycle": "active"}
-    return {"id": name, "object": "model", "created": 0, "owned_by": owner}
+        return {"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z",
+                "lifecycle": "active", **info.anthropic_fields()}
+    return {"id": name, "object": "model", "created": 0, "owned_by": owner, **info.openai_fields()}
 
 
 async def list_models(request: Request) -> Response:
@@ -89,7 +94,7 @@ async def list_models(request: Request) -> Response:
     key = managed_key(request)
     names = sorted((n, o) for n, o in (await model_names(request)).items() if key is None or key.allows(n))
     anthropic = _anthropic_client(request)
-    data = [_model(n, o, anthropic) for n, o in names]
+    data = [_model(n, owner, info, anthropic) for n, (owner, info) in names]
     if anthropic:
         first, last = (names[0][0], names[-1][0]) if names else (None, None)
         return JSONResponse({"data": data, "has_more": False, "first_id": first, "last_id": last})
@@ -99,15 +104,15 @@ async def list_models(request: Request) -> Response:
 async def retrieve_model(request: Request) -> Response:
     """``GET /v1/models/{id}``: one entry of the list, or the protocol's 404."""
     model_id = request.path_params["model_id"]
-    owner = (await model_names(request)).get(model_id)
+    entry = (await model_names(request)).get(model_id)
     key = managed_key(request)
     if key is not None and not key.allows(model_id):  # another key's model: as if it did not exist
-        owner = None
+        entry = None
     anthropic = _anthropic_client(request)
-    if owner is None:
+    if entry is None:
         error = GatewayError("not_found", "model_not_found", f"The model '{model_id}' does not exist", status=404)
         return JSONResponse(anthropic_error(error) if anthropic else openai_error(error), status_code=404)
-    return JSONResponse(_model(model_id, owner, anthropic))
+    return JSONResponse(_model(model_id, *entry, anthropic))
 
 
 # -- unknown routes and methods -----------------------------------------------------------

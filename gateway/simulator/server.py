@@ -52,6 +52,8 @@ from gateway.simulator.scenarios import (  # noqa: F401  (re-exported for tests 
 from gateway.upstream.credential import fingerprint
 
 REQUEST_LOG_SIZE = 500
+#: The context window the simulator lists for every model (vLLM's `max_model_len` field).
+MAX_MODEL_LEN = 32768
 
 
 class SimulatedDrop(Exception):
@@ -295,8 +297,8 @@ async def list_models(request: Request) -> Response:
         if plan.status != 200:  # an error fault: the models list fails the same way
             _take_fault(state)
             return JSONResponse(plan.frames[0], status_code=plan.status, headers=plan.headers)
-    data = [{"id": n, "object": "model", "created": 0, "owned_by": "simulator"}
-            for n in scenario_names()]
+    data = [{"id": n, "object": "model", "created": 0, "owned_by": "simulator", "max_model_len": MAX_MODEL_LEN}
+            for n in scenario_names()]  # max_model_len: as vLLM lists it (the gateway's /v1/models reads it)
     return JSONResponse({"object": "list", "data": data})
 
 

@@ -174,10 +174,10 @@ async def credential_stats(db: Store, since: float) -> dict[str, dict[str, Any]]
 
 
 async def export(
-    db: Store, since: float | None = None, until: float | None = None, page: int = 500
+    db: Store, since: float | None = None, until: float | None = None, page: int = 500, **filters: str | None
 ) -> AsyncIterator[bytes]:
-    """Every matching record as JSON lines, oldest first, read a page at a time."""
-    where, params = _where(since, until, {})
+    """Every matching record (the list's filters) as JSON lines, oldest first, read a page at a time."""
+    where, params = _where(since, until, filters)
     cursor: tuple[float, str] | None = None
     while True:
         clause, args = where, list(params)
@@ -194,3 +194,15 @@ async def export(
         if len(rows) < page:
             return
         cursor = (rows[-1][0], rows[-1][1])
+
+
+async def key_usage_rows(db: Store, key_id: str, since: float, until: float) -> list[tuple[Any, ...]]:
+    """(started_at, outcome, prompt, completion, cached tokens, cost) of a managed key's
+    records in ``[since, until)``, for gateway.keys.usage_window."""
+    where, params = _where(since, until, {"key_id": key_id})
+    return await db.aexecute(
+        "SELECT started_at, outcome, json_extract(record, '$.usage.prompt_tokens'),"
+        " json_extract(record, '$.usage.completion_tokens'), json_extract(record, '$.usage.cached_tokens'),"
+        f" json_extract(record, '$.cost') FROM audit{where}",
+        params,
+    )

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 
@@ -25,7 +25,17 @@ from gateway.store.db import Store, upsert
 
 log = structlog.get_logger("gateway.credentials")
 
-_ADD = upsert("credentials", ("credential_id", "upstream", "base_url", "api_key", "created_at"), "credential_id")
+_ADD = upsert("credentials", ("credential_id", "upstream", "base_url", "api_key", "created_at", "label"), "credential_id")
+
+
+class AddedCredential(NamedTuple):
+    """A credential added through the admin API, as the store keeps it."""
+
+    credential_id: str
+    upstream: str
+    base_url: str
+    api_key: str | None
+    label: str | None = None  # the operator's name for it (migration 11; older rows: None)
 
 
 class CredentialState:
@@ -52,14 +62,20 @@ class CredentialState:
         )
         return int(rows[0][0])
 
-    def added_credentials(self) -> list[tuple[str, str, str, str | None]]:
-        """(id, upstream name, base_url, api_key) of credentials added through the admin API."""
-        return [tuple(r) for r in self.db.execute(  # type: ignore[misc]
-            "SELECT credential_id, upstream, base_url, api_key FROM credentials ORDER BY created_at"
+    def added_credentials(self) -> list[AddedCredential]:
+        """The credentials added through the admin API, oldest first."""
+        return [AddedCredential(*r) for r in self.db.execute(
+            "SELECT credential_id, upstream, base_url, api_key, label FROM credentials ORDER BY created_at"
         )]
 
-    def add_credential(self, credential_id: str, upstream: str, base_url: str, api_key: str | None) -> None:
-        self.db.execute(_ADD, (credential_id, upstream, base_url, api_key, time.time()))
+    def add_credential(self, credential_id: str, upstream: str, base_url: str, api_key: str | None,
+                       label: str | None = None) -> None:
+        self.db.execute(_ADD, (credential_id, upstream, base_url, api_key, time.time(), label))
+
+    def forget_added(self, credential_id: str) -> None:
+        """Drop an admin-added row the configuration now holds too (its learned state stays:
+        the configured credential may carry the same id)."""
+        self.db.execute("DELETE FROM credentials WHERE credential_id = ?", (credential_id,))
 
     def delete_credential(self, credential_id: str) -> None:
         """Forget an admin-added credential (its key) and its learned state."""

@@ -241,6 +241,13 @@ MIGRATIONS: list[Migration] = [
         ALTER TABLE client_key_requests ADD COLUMN lease_until REAL;
         """,
     ),
+    (
+        13,
+        # an operator's label for an admin-added credential (gateway/upstream/credential.py)
+        """
+        ALTER TABLE credentials ADD COLUMN label TEXT;
+        """,
+    ),
 ]
 
 _PG_TYPES = ((re.compile(r"\bREAL\b"), "DOUBLE PRECISION"), (re.compile(r"\bINTEGER\b"), "BIGINT"))

@@ -118,6 +118,13 @@ class SharedCapacity:
         return share(max_concurrent, self.live, self.replica_id)
 
 
+def standalone_status(replica_id: str | None, max_concurrent: int, in_flight: int) -> dict[str, Any]:
+    """The status of a gateway that shares its store with no one: the whole cap is its own."""
+    me = {"replica_id": replica_id or "standalone", "in_flight": in_flight, "pid": os.getpid(),
+          "host": socket.gethostname(), "max_concurrent_share": max_concurrent}
+    return {"replica_id": me["replica_id"], "shared": False, "max_concurrent_share": max_concurrent, "live": [me]}
+
+
 class Replication:
     """One replica's membership and shared-state polling (see the module docstring)."""
 
@@ -143,6 +150,9 @@ class Replication:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._poller: Poller | None = None
         self._last_beat = 0.0
+        #: the live replicas as the last heartbeat read them (the status API shows them;
+        #: memory only, so no request waits on the store)
+        self.members: list[dict[str, Any]] = []
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -175,23 +185,43 @@ class Replication:
         if time.monotonic() - self._last_beat >= self.heartbeat_interval * 0.95:
             self.heartbeat()
 
+    def _usable_credentials(self) -> int | None:
+        """How many of this replica's credentials are enabled and not cooling down (read
+        from this thread while the loop may change them: a torn read is skipped), so
+        replicas that disagree on them show it side by side."""
+        if self.pool is None:
+            return None
+        now = time.time()
+        try:
+            return sum(1 for c in list(self.pool.credentials)
+                       if not c.disabled and not any(until > now for until in list(c.cooldowns.values())))
+        except RuntimeError:  # changed while read
+            return None
+
     def heartbeat(self) -> list[str]:
         """Record this replica as alive; returns (and adopts) the live replica ids."""
-        info = orjson.dumps({"pid": os.getpid(), "host": socket.gethostname()}).decode()
+        info = orjson.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                             "credentials_usable": self._usable_credentials()}).decode()
         now = self.db.now_sql
 
-        def beat(conn: Any) -> list[str]:
+        def beat(conn: Any) -> list[tuple[Any, ...]]:
             conn.execute(
                 _BEAT.format(now=now),
                 (self.replica_id, self.started_at, int(self.in_flight()), info),
             )
             conn.execute(f"DELETE FROM replicas WHERE heartbeat_at < {now} - ?", (FORGET_AFTER,))
-            rows = conn.execute(
-                f"SELECT replica_id FROM replicas WHERE heartbeat_at >= {now} - ? ORDER BY replica_id", (self.ttl,)
+            return conn.execute(  # type: ignore[no-any-return]
+                f"SELECT replica_id, started_at, {now} - heartbeat_at, in_flight, info FROM replicas"
+                f" WHERE heartbeat_at >= {now} - ? ORDER BY replica_id", (self.ttl,)
             ).fetchall()
-            return [r[0] for r in rows]
 
-        live = self.db.run_tx(beat)
+        rows = self.db.run_tx(beat)
+        self.members = [
+            {"replica_id": rid, "started_at": float(started), "heartbeat_age": round(max(0.0, float(age)), 3),
+             "in_flight": int(n), **orjson.loads(meta)}
+            for rid, started, age, n, meta in rows
+        ]
+        live = [str(r[0]) for r in rows]
         if self._last_beat and time.monotonic() - self._last_beat > self.ttl:
             # back after an outage: the others' rows look dead until they beat again too;
             # keep counting the replicas we knew for this round (the cap's safe side)
@@ -214,6 +244,19 @@ class Replication:
             loop.call_soon_threadsafe(pool.apply_shared, states, added)
         except RuntimeError:  # the loop closed meanwhile (shutdown)
             pass
+
+    def status(self, max_concurrent: int) -> dict[str, Any]:
+        """This replica and the live ones (from the last heartbeat, no I/O), each with its
+        share of ``max_concurrent``: what ``/admin/api/status`` shows."""
+        live = self.capacity.live
+        members = [m | {"max_concurrent_share": share(max_concurrent, live, m["replica_id"])}
+                   for m in self.members if m["replica_id"] in live]
+        return {
+            "replica_id": self.replica_id,
+            "shared": True,
+            "max_concurrent_share": self.capacity.limit(max_concurrent),
+            "live": members,
+        }
 
     def replicas(self) -> list[dict[str, Any]]:
         """Every replica row with its age in seconds (for status pages and tests)."""

@@ -5,6 +5,9 @@
 
     [models."qwen3*"]
     reasoning_tags = true        # or "auto"; "open" when the template opens <think>
+    max_input_tokens = 131072    # what GET /v1/models reports (clients size compaction by it)
+    max_output_tokens = 16384
+    capabilities = { tools = true, reasoning = true }
 
 Per-model options are read once per file version (path and modification time), so a
 request's policy snapshot costs a stat, not a parse.
@@ -32,7 +35,9 @@ class UpstreamEntry(BaseModel):
     base_url: str = Field(description="the upstream's OpenAI-compatible base URL, ending in /v1")
     api_key: SecretStr | None = Field(None, description="one key, sent as Authorization: Bearer")
     api_keys: list[SecretStr] = Field(default_factory=list, description="several keys = several credentials")
-    api_key_env: list[str] = Field(default_factory=list, description="names of environment variables holding keys")
+    api_key_env: list[str] = Field(default_factory=list, description="names of environment variables holding keys (each must be set)")
+    label: str | None = Field(None, max_length=100, description="the operator's name for this table's credentials, shown"
+                              " in the admin API (default: the variable or config key each key came from)")
     headers: dict[str, str] = Field(default_factory=dict, description="extra request headers for this upstream")
     models: list[str] | None = Field(None, description="allow-list of client model names this upstream serves")
     model_map: dict[str, str] = Field(default_factory=dict, description="client model name -> upstream model name")
@@ -50,6 +55,20 @@ class UpstreamEntry(BaseModel):
         return check_base_url(value)
 
 
+#: The capability flags a ``[models."<glob>"]`` table may state.
+Capability = Literal["tools", "vision", "reasoning", "structured_outputs"]
+
+
+class ModelPrice(BaseModel):
+    """What a model's tokens cost, per million (in the operator's currency)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    input: float = Field(ge=0, description="per million input (prompt) tokens")
+    cached_input: float | None = Field(None, ge=0, description="per million cached input tokens (default: input)")
+    output: float = Field(ge=0, description="per million output tokens (reasoning included)")
+
+
 class ModelEntry(BaseModel):
     """One ``[models."<glob>"]`` table: options for the models whose name matches the glob."""
 
@@ -58,6 +77,13 @@ class ModelEntry(BaseModel):
     reasoning_tags: bool | Literal["auto", "open"] = Field(
         False, description='split <think> tags out of content: true/"auto", or "open" when the template opens <think>'
     )
+    max_input_tokens: int | None = Field(None, gt=0, description="the context window /v1/models reports (default: the"
+                                         " upstream's own, e.g. vLLM's max_model_len)")
+    max_output_tokens: int | None = Field(None, gt=0, description="the largest max_tokens /v1/models reports")
+    capabilities: dict[Capability, bool] = Field(default_factory=dict, description="capability flags /v1/models"
+                                                 " reports: tools, vision, reasoning, structured_outputs")
+    price: ModelPrice | None = Field(None, description="per million tokens: input, cached_input, output (the audit"
+                                     " record's cost and codebuddy2api_cost_total)")
 
 
 class ConfigFile(BaseModel):
@@ -116,7 +142,8 @@ def _error_line(path: Path, text: str, exc: ValidationError) -> str:
     where = f"{path}:{line}" if line else str(path)
     message = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
-        parent = ConfigFile if len(loc) == 1 else ModelEntry if loc[0] == "models" else UpstreamEntry
+        parent = (ConfigFile if len(loc) == 1 else (ModelPrice if "price" in loc else ModelEntry) if loc[0] == "models"
+                  else UpstreamEntry)
         message = "unknown key (allowed: " + ", ".join(parent.model_fields) + ")"
     return f"--config {where}: {key}: {message}"
 
@@ -159,3 +186,23 @@ def _read(path: str, mtime: int) -> tuple[tuple[str, str], ...]:
             continue
         found.append((glob, "auto" if value is True else value))
     return tuple(found)
+
+
+def model_entries(path: Path | None) -> tuple[tuple[str, ModelEntry], ...]:
+    """Every ``[models."<glob>"]`` table in file order (empty without a file or when it
+    cannot be read now: start-up already refused a bad one), read once per file version."""
+    if path is None:
+        return ()
+    try:
+        mtime = path.stat().st_mtime_ns
+    except OSError:
+        return ()
+    try:
+        return _entries(str(path), mtime)
+    except SettingsError:
+        return ()
+
+
+@lru_cache(maxsize=8)
+def _entries(path: str, mtime: int) -> tuple[tuple[str, ModelEntry], ...]:
+    return tuple(load_config_file(Path(path)).models.items())

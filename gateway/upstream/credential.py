@@ -61,6 +61,9 @@ class Credential:
     unavailable: dict[str, tuple[float, str]] = field(default_factory=dict)
     added_by_admin: bool = False  # through the admin API (kept in the store; may be deleted)
     added_at: float | None = None  # when this process added it (admin API or a replica's row)
+    #: the operator's name for it: ``label`` in --config or the admin API, else where the key
+    #: came from (its environment variable, file and line, or config key); never the key
+    label: str | None = None
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -69,6 +72,12 @@ class Credential:
     @property
     def fingerprint(self) -> str:
         return fingerprint(self.api_key)
+
+    @property
+    def identity(self) -> tuple[str, str]:
+        """What makes two credentials one: the same key sent to the same base URL, whatever
+        their source (flag, --config or the admin API) or upstream name."""
+        return (self.upstream.base_url.rstrip("/"), self.fingerprint)
 
     def unavailable_for(self, model: str, now: float) -> bool:
         entry = self.unavailable.get(model)
@@ -86,6 +95,7 @@ class Credential:
             "upstream": self.upstream.name,
             "base_url": without_userinfo(self.upstream.base_url),  # a URL's password is a key too
             "fingerprint": self.fingerprint,
+            "label": self.label,
             "disabled": self.disabled,
             "disabled_reason": self.disabled_reason,
             "disabled_by": self.disabled_by,

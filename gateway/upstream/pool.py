@@ -26,6 +26,7 @@ from typing import Any
 import structlog
 
 from gateway.errors import ErrorCode, GatewayError
+from gateway.store.credentials import AddedCredential
 from gateway.upstream.credential import ANY_MODEL, Credential, Upstream
 from gateway.upstream.pool_state import CredentialStateStore, CredentialStateSync
 from gateway.upstream.routing import RoundRobinRouter, Router
@@ -106,6 +107,8 @@ class UpstreamPool:
         #: which usable credential serves a call (gateway.upstream.routing; --routing)
         self.router: Router = router or RoundRobinRouter(clock)
         self._deleted: set[str] = set()  # ids deleted through this process's admin API
+        #: stored admin-added ids left out because a configured credential holds their key
+        self.superseded: list[str] = []
         self.on_change: Callable[[], None] | None = None  # called when a credential is added
         #: called with (credential, +1 | -1) as a lease is taken and released (the in-flight gauge)
         self.on_lease: Callable[[Credential, int], None] | None = None
@@ -113,26 +116,37 @@ class UpstreamPool:
         self.state = CredentialStateSync(store, clock)
         self.state.restore(self.credentials)
 
+    def twin_of(self, credential: Credential) -> Credential | None:
+        """The credential already in the pool with this one's key and base URL (one
+        credential per key, whatever its source), else None."""
+        return next((c for c in self.credentials if c.identity == credential.identity), None)
+
     def apply_shared(
         self,
         states: dict[str, tuple[int, dict[str, Any]]],
-        added: list[tuple[str, str, str, str | None]] | None = None,
+        added: Sequence[Sequence[Any]] | None = None,
     ) -> None:
         """Adopt stored state newer than what this pool last wrote or read: ``states``
         maps credential id -> (version, state); ``added`` lists admin-added credentials
-        (id, upstream name, base_url, key), added here when unknown. Runs on the event loop."""
+        (:class:`~gateway.store.credentials.AddedCredential` rows), added here when unknown
+        and their key is not already in the pool. Runs on the event loop."""
         known = {c.id for c in self.credentials}
-        for credential_id, name, base_url, key in added or ():
-            if credential_id not in known and _sendable(base_url):
-                upstream = next((c.upstream for c in self.credentials if c.upstream.name == name
-                                 and c.upstream.base_url == base_url), None) or Upstream(name, base_url)
-                if credential_id in self._deleted:
+        rows = [AddedCredential(*row) for row in added or ()]
+        for row in rows:
+            if row.credential_id not in known and _sendable(row.base_url):
+                upstream = next((c.upstream for c in self.credentials if c.upstream.name == row.upstream
+                                 and c.upstream.base_url == row.base_url), None) or Upstream(row.upstream, row.base_url)
+                if row.credential_id in self._deleted:
                     continue  # deleted here; this poll read the store before the delete
-                self.credentials.append(Credential(upstream, key, id=credential_id, added_by_admin=True, added_at=self.clock()))
-                known.add(credential_id)
+                credential = Credential(upstream, row.api_key, id=row.credential_id, added_by_admin=True,
+                                        added_at=self.clock(), label=row.label)
+                if self.twin_of(credential) is not None:
+                    continue  # its key is here already (configured on this replica)
+                self.credentials.append(credential)
+                known.add(row.credential_id)
                 self._changed()
         if added is not None:  # deleted on another replica: its row is gone
-            stored = {row[0] for row in added}
+            stored = {row.credential_id for row in rows}
             now = self.clock()
             self.credentials[:] = [
                 c for c in self.credentials

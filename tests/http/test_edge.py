@@ -198,7 +198,7 @@ def test_the_same_write_from_the_gateways_own_origin_works(
     for i, (host, origin) in enumerate(((None, gateway.url), ("localhost:1234", "http://localhost:1234"),
                                         ("gw.example.com", "https://gw.example.com"))):  # the last: behind a TLS proxy
         headers = {"origin": origin, "sec-fetch-site": "same-origin", **({"host": host} if host else {})}
-        body = dict(CREDENTIAL, upstream=f"spare-{i}")
+        body = dict(CREDENTIAL, upstream=f"spare-{i}", api_key=f"sk-spare-upstream-00{i}")  # one key is one credential
         added = httpx.post(gateway.url + "/admin/api/credentials", json=body, headers=headers, cookies=cookies)
         assert added.status_code == 201, added.text
     stored = gateway.app.state.credential_state.added_credentials()

@@ -123,6 +123,12 @@ def test_a_key_serves_every_protocol_and_its_usage_is_counted_and_audited(gw: Ga
     assert oai(gw, "ck-static-client-key-0001").chat.completions.create(model="text", messages=MESSAGES).choices  # type: ignore[arg-type]
     rows = audit_rows(gw, 4, key_id=key["id"])
     assert len(rows) == 4 and {(r["key_id"], r["key_name"], r["outcome"]) for r in rows} == {(key["id"], "serves-all", "success")}
+    # the export honours key_id as the list does: this key's 4 rows, not the gateway's every row
+    exported = httpx.get(gw.url + "/admin/api/audit/export", params={"key_id": key["id"]}, headers=gw.admin)
+    assert exported.status_code == 200
+    assert sorted(json.loads(line)["request_id"] for line in exported.text.splitlines()) == sorted(r["request_id"] for r in rows)
+    everything = httpx.get(gw.url + "/admin/api/audit/export", headers=gw.admin).text.splitlines()
+    assert len(everything) > 4  # the static key's request (and the module's others) are left out above
     expected = sum(r["usage"].get("prompt_tokens", 0) + r["usage"].get("completion_tokens", 0) for r in rows)
     wait_for(lambda: listed(gw)[key["id"]]["usage"] == {"requests_today": 4, "tokens_today": expected})
     text = json.dumps(audit_rows(gw, 5)) + httpx.get(gw.url + "/metrics").text
@@ -160,6 +166,26 @@ def test_a_model_outside_the_globs_is_403_in_each_shape_and_models_lists_only_it
     rows = audit_rows(gw, 4, key_id=key["id"])
     assert sorted((r["outcome"], r["error_code"] or "", r["http_status"]) for r in rows) == [
         ("refused", "model_not_allowed", 403)] * 3 + [("success", "", 200)]
+
+
+def test_a_monthly_budget_refuses_past_it_until_the_month_ends(gw: Gateway) -> None:
+    from gateway.keys.periods import seconds_to_period_end
+
+    key = create_key(gw, name="monthly", budget_tokens=600, budget_period="month", max_output_tokens=100)
+    assert (key["budget_tokens"], key["budget_period"]) == (600, "month")
+    assert (listed(gw)[key["id"]]["budget_tokens"], listed(gw)[key["id"]]["budget_period"]) == (600, "month")
+    client = oai(gw, key["key"])
+    served = 0
+    with pytest.raises(openai.RateLimitError) as refused:
+        for _ in range(20):  # each reserves its input bound + 100 output tokens, then settles to its usage
+            assert client.chat.completions.create(model="text", messages=MESSAGES, max_tokens=100).choices  # type: ignore[arg-type]
+            served += 1
+    assert served >= 1
+    assert refused.value.body["code"] == "budget_exceeded" and "per month" in refused.value.body["message"]  # type: ignore[index]
+    wait = int(refused.value.response.headers["retry-after"])
+    assert abs(wait - seconds_to_period_end(time.time(), "month")) <= 5
+    bad = httpx.post(gw.url + "/admin/api/keys", json={"name": "yearly", "budget_period": "year"}, headers=gw.admin)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "budget_period"
 
 
 def test_the_sixth_request_in_a_minute_under_rpm_5_is_429_with_retry_after(gw: Gateway) -> None:
@@ -276,6 +302,8 @@ def test_a_websocket_frame_outside_the_keys_models_is_its_403_event(gw: Gateway)
 def test_revoking_the_last_managed_key_does_not_open_the_gateway(server_loop: ServerLoop, simulator: Simulator,
                                                                   tmp_path_factory: pytest.TempPathFactory) -> None:
     gw = start_gateway(server_loop, simulator, tmp_path_factory)  # no --api-key: open
+    assert client_auth(gw) == {"key_required": False, "locked": False, "static_keys": 0, "managed_keys": 0,
+                               "usable_managed_keys": 0, "allow_open": False, "summary": "no client key (loopback bind only)"}
     assert httpx.post(gw.base_url + "/chat/completions", json={"model": "text", "messages": MESSAGES}).status_code == 200
     foreign = {"host": "gateway.example.com"}  # keyless: only loopback names (DNS rebinding)
     refused = httpx.post(gw.base_url + "/chat/completions", json={"model": "text", "messages": MESSAGES}, headers=foreign)
@@ -285,9 +313,22 @@ def test_revoking_the_last_managed_key_does_not_open_the_gateway(server_loop: Se
     assert httpx.post(gw.base_url + "/chat/completions", json={"model": "text", "messages": MESSAGES}, headers=keyed).status_code == 200
     keyless = httpx.post(gw.base_url + "/chat/completions", json={"model": "text", "messages": MESSAGES})
     assert keyless.status_code == 401 and keyless.json()["error"]["code"] == "invalid_api_key"
+    status = client_auth(gw)  # the status says so: the operator is not told "loopback bind only"
+    assert status["key_required"] and not status["locked"]
+    assert (status["managed_keys"], status["usable_managed_keys"], status["static_keys"]) == (1, 1, 0)
+    assert status["summary"] == "1 managed key(s) (1 usable): every /v1 request needs a key, loopback too"
     revoke(gw, key["id"])
     assert httpx.post(gw.base_url + "/chat/completions", json={"model": "text", "messages": MESSAGES}).status_code == 401
     assert httpx.get(gw.base_url + "/models").status_code == 401
+    status = client_auth(gw)  # every /v1 call is a 401 now: locked, and the way out named
+    assert status["key_required"] and status["locked"] and status["usable_managed_keys"] == 0
+    assert "none is usable" in status["summary"] and "Keys page" in status["summary"]
+
+
+def client_auth(gw: Gateway) -> dict[str, Any]:
+    response = httpx.get(gw.url + "/admin/api/status", headers=gw.admin)
+    assert response.status_code == 200
+    return response.json()["client_auth"]  # type: ignore[no-any-return]
 
 
 def test_a_key_with_limits_is_refused_when_the_store_cannot_answer(gw: Gateway) -> None:

@@ -85,3 +85,42 @@ def test_revoking_marks_the_row_and_keeps_it(db: Store) -> None:
     [loaded] = store.load_all(db)
     assert loaded.key_id == key.key_id and loaded.revoked_at is not None and loaded.limits == key.limits
     assert loaded.refusal(time.time()) is not None
+
+
+# -- budget periods (issue #38) -------------------------------------------------------------
+
+
+def _past_day(db: Store, key: ManagedKey, day: str, tokens: int) -> None:
+    """Usage of an earlier day of the period, as settled requests leave it."""
+    db.run(lambda c: c.execute("INSERT INTO client_key_usage (key_id, day, requests, tokens) VALUES (?, ?, 1, ?)",
+                               (key.key_id, day, tokens)))
+
+
+@pytest.mark.parametrize("period", ["week", "month"])
+def test_a_weekly_or_monthly_budget_counts_the_earlier_days_of_its_period(db: Store, period: str) -> None:
+    from gateway.keys.periods import period_days, seconds_to_period_end
+
+    now = time.time()
+    first, last = period_days(now, period)
+    today = time.strftime("%Y-%m-%d", time.gmtime(now))
+    key = make_key(db, budget_tokens=1000, budget_period=period)
+    if first < today:  # an earlier day of this period already spent 700 (not today's row)
+        _past_day(db, key, first, 700)
+    _past_day(db, key, "2000-01-01", 10**9)  # long before the period: never counted
+    spent = 700 if first < today else 0
+    assert store.reserve(db, key, "fits", 1000 - spent) is None
+    refused = store.reserve(db, key, "over", 1)
+    assert refused is not None and refused.code == "budget_exceeded"
+    assert f"per {period}" in refused.message and f"since {first}" in refused.message
+    assert refused.retry_after == pytest.approx(seconds_to_period_end(now, period), abs=5)
+    assert store.settle(db, "fits", 0) is True  # nothing used: the period's budget is free again
+    assert store.reserve(db, key, "after", 1000 - spent) is None
+
+
+def test_a_day_budget_period_is_todays_usage_alone(db: Store) -> None:
+    key = make_key(db, budget_tokens=100)  # budget_period defaults to day
+    _past_day(db, key, "2000-01-01", 10**6)
+    assert store.reserve(db, key, "a", 100) is None
+    assert store.reserve(db, key, "b", 1) is not None
+    loaded = next(k for k in store.load_all(db) if k.key_id == key.key_id)
+    assert (loaded.limits.budget_tokens, loaded.limits.budget_period) == (100, "day")

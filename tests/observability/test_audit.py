@@ -38,6 +38,7 @@ from gateway.store.audit import (
     AuditWriter,
     cap_bodies,
 )
+from gateway.store.audit_queries import FILTER_COLUMNS as AUDIT_FILTER_COLUMNS
 from gateway.store.audit_queries import percentile
 from gateway.store.db import Database
 from gateway.store.spill import DurableWriter, SpillJournal
@@ -363,6 +364,39 @@ def test_admin_export_streams_jsonl(burst_result: BurstResult) -> None:
     newest = max(r["started_at"] for r in exported)
     later = httpx.get(gw.url + "/admin/api/audit/export", params={"since": newest}, headers=gw.admin)
     assert [json.loads(x)["started_at"] for x in later.text.splitlines()] == [newest]
+
+
+def test_admin_export_honours_every_filter_the_list_does(burst_result: BurstResult) -> None:
+    """For each filter the list takes, the export selects exactly the rows the list does
+    (the issue: export?key_id= ignored the filter and returned every row)."""
+    gw, rows = burst_result.gateway, list(burst_result.rows.values())
+    first = rows[0]
+    upstream = next(a["upstream"] for r in rows for a in r["upstream_attempts"] if a.get("upstream"))
+    choices = {"outcome": "error", "protocol": "messages", "mode": first["mode"], "model": first["model"],
+               "error_code": "response_too_large", "request_id": first["request_id"], "transport": "http",
+               "upstream": upstream}
+    assert set(choices) == {*AUDIT_FILTER_COLUMNS, "upstream"}  # key_id: tests/keys/test_keys.py
+    for name, value in choices.items():
+        listed = httpx.get(gw.url + "/admin/api/audit", params={name: value, "limit": 1000}, headers=gw.admin).json()
+        exported = httpx.get(gw.url + "/admin/api/audit/export", params={name: value}, headers=gw.admin)
+        ids = [json.loads(line)["request_id"] for line in exported.text.splitlines()]
+        assert sorted(ids) == sorted(r["request_id"] for r in listed["data"]), name
+        assert 0 < len(ids) and (len(ids) < len(rows) or name in ("mode", "transport")), (name, len(ids))  # every row: one mode, HTTP only
+    both = {"protocol": "chat", "outcome": "error"}
+    exported = httpx.get(gw.url + "/admin/api/audit/export", params=both, headers=gw.admin).text.splitlines()
+    assert {(json.loads(x)["protocol"], json.loads(x)["outcome"]) for x in exported} == {("chat", "error")}
+
+
+@pytest.mark.parametrize("path", ["/admin/api/audit", "/admin/api/audit/export"])
+def test_admin_audit_refuses_unknown_parameters(burst_result: BurstResult, path: str) -> None:
+    gw = burst_result.gateway
+    refused = httpx.get(gw.url + path, params={"keyid": "k1"}, headers=gw.admin)  # a typo must not select everything
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "invalid_parameter", "keyid")
+    assert "key_id" in error["message"]
+    paging = httpx.get(gw.url + "/admin/api/audit/export", params={"limit": 5}, headers=gw.admin)
+    assert paging.status_code == 400 and paging.json()["error"]["param"] == "limit"  # the export has no pages
 
 
 def test_admin_api_wants_the_token_even_from_loopback(burst_result: BurstResult) -> None:

@@ -52,6 +52,10 @@ FAMILIES = {
     "codebuddy2api_tokens": "counter",
     "codebuddy2api_request_errors": "counter",
     "codebuddy2api_build_info": "gauge",
+    "codebuddy2api_credentials": "gauge",
+    "codebuddy2api_replicas_live": "gauge",
+    "codebuddy2api_max_concurrent_share": "gauge",
+    "codebuddy2api_cost": "counter",
     "process_resident_memory_bytes": "gauge",
     "process_cpu_seconds": "counter",
 }
@@ -265,3 +269,40 @@ def test_observability_flags_map_onto_settings() -> None:
     )
     with pytest.raises(SettingsError, match="--workers"):
         load_settings({"workers": "0"})
+
+
+def samples_of(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {tuple(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == name}
+
+
+def test_credential_states_replicas_and_the_share_are_gauges_at_the_scrape(
+    server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Issue #38: credential state, live replicas and this replica's share, read at the scrape."""
+    gw = start_gateway(server_loop, simulator, tmp_path_factory, max_concurrent=9, upstream_api_key="sk-a-key-0001,sk-a-key-0002")
+    text = httpx.get(gw.url + "/metrics").text
+    states = samples_of(text, "codebuddy2api_credentials")
+    assert states == {(("state", "usable"), ("upstream", "upstream")): 2.0, (("state", "cooling"), ("upstream", "upstream")): 0.0,
+                      (("state", "disabled"), ("upstream", "upstream")): 0.0}
+    assert samples_of(text, "codebuddy2api_replicas_live") == {(): 1.0}
+    assert samples_of(text, "codebuddy2api_max_concurrent_share") == {(): 9.0}
+    first = gw.app.state.relay.pool.credentials[0].id
+    admin = httpx.post(f"{gw.url}/admin/api/credentials/{first}/disable", headers=gw.admin, json={})
+    assert admin.status_code == 200
+    states = samples_of(httpx.get(gw.url + "/metrics").text, "codebuddy2api_credentials")
+    assert states[(("state", "usable"), ("upstream", "upstream"))] == 1.0
+    assert states[(("state", "disabled"), ("upstream", "upstream"))] == 1.0
+
+
+def test_credential_states_counts_each_credential_once() -> None:
+    from gateway.observability.state_gauges import credential_states
+    from gateway.upstream.credential import Credential, Upstream
+
+    a, b = Upstream("a", "http://127.0.0.1:1/v1"), Upstream("b", "http://127.0.0.1:2/v1")
+    cooling = Credential(a, "k2", cooldowns={"m": 200.0, "old": 50.0})
+    expired = Credential(a, "k3", cooldowns={"m": 50.0})
+    off = Credential(b, "k4", disabled=True, cooldowns={"m": 200.0})
+    counts = credential_states([Credential(a, "k1"), cooling, expired, off], now=100.0)
+    assert counts == {("a", "usable"): 2, ("a", "cooling"): 1, ("a", "disabled"): 0,
+                      ("b", "usable"): 0, ("b", "cooling"): 0, ("b", "disabled"): 1}

@@ -36,7 +36,7 @@ from gateway.settings import Settings
 from gateway.simulator.server import create_simulator_app
 from gateway.store.replicas import CREDENTIAL_POLL
 from gateway.store.saved_settings import REVISION_MAX_AGE
-from tests.conftest import Gateway, ServerLoop, Simulator, replica_pair, wait_for, with_search_path
+from tests.conftest import Gateway, ServerLoop, Simulator, replica_pair, start_gateway, wait_for, with_search_path
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 MAX_CONCURRENT = 6
@@ -73,6 +73,36 @@ def pair(pair_servers: Pair) -> Pair:
 def chat(gateway: Gateway, model: str = "text", stream: bool = False) -> httpx.Response:
     return httpx.post(gateway.base_url + "/chat/completions", timeout=30,
                       json={"model": model, "messages": MESSAGES, "stream": stream})
+
+
+def test_each_replicas_status_names_it_its_share_and_the_live_replicas(pair: Pair) -> None:
+    """/admin/api/status on either replica: its own id, its part of max_concurrent (not the
+    global cap shown as if it were its own), and both replicas with their shares, in flight
+    and usable credentials, so replicas that disagree show it side by side."""
+    for gateway, me in ((pair.a, "replica-a"), (pair.b, "replica-b")):
+        status = httpx.get(gateway.url + "/admin/api/status", params={"window": 60}, headers=gateway.admin)
+        assert status.status_code == 200, status.text
+        body = status.json()
+        replica = body["replica"]
+        assert (replica["replica_id"], replica["shared"], replica["max_concurrent_share"]) == (me, True, MAX_CONCURRENT // 2)
+        assert body["max_concurrent"] == MAX_CONCURRENT
+        live = {m["replica_id"]: m for m in replica["live"]}
+        assert set(live) == {"replica-a", "replica-b"}
+        assert sum(m["max_concurrent_share"] for m in live.values()) == MAX_CONCURRENT
+        for member in live.values():
+            assert member["pid"] == os.getpid() and member["in_flight"] >= 0 and 0 <= member["heartbeat_age"] < 5
+            assert member["credentials_usable"] in (0, 1)  # the simulator's one credential (0 while cooling)
+        metrics = httpx.get(gateway.url + "/metrics").text  # the same, as gauges
+        assert "codebuddy2api_replicas_live 2.0" in metrics
+        assert f"codebuddy2api_max_concurrent_share {MAX_CONCURRENT // 2}.0" in metrics
+
+
+def test_a_gateway_alone_owns_the_whole_cap(server_loop: ServerLoop, simulator: Simulator,
+                                             tmp_path_factory: pytest.TempPathFactory) -> None:
+    gateway = start_gateway(server_loop, simulator, tmp_path_factory, max_concurrent=7, replica_id="solo")
+    replica = httpx.get(gateway.url + "/admin/api/status", headers=gateway.admin).json()["replica"]
+    assert (replica["replica_id"], replica["shared"], replica["max_concurrent_share"]) == ("solo", False, 7)
+    assert [(m["replica_id"], m["max_concurrent_share"]) for m in replica["live"]] == [("solo", 7)]
 
 
 def test_a_settings_change_on_a_reaches_b_next_request(pair: Pair) -> None:

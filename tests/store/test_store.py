@@ -267,7 +267,9 @@ def test_credential_state_versions_and_sharing_between_pools(opener: Callable[[]
     assert state.load() == {"c1": {"disabled": False, "cooldowns": {"m": 5.0}}}
     state.add_credential("added@up", "up", "http://127.0.0.1:9/v1", "sk-new")
     state.add_credential("added@up", "up", "http://127.0.0.1:9/v1", "sk-newer")  # upsert, no duplicate
-    assert state.added_credentials() == [("added@up", "up", "http://127.0.0.1:9/v1", "sk-newer")]
+    assert state.added_credentials() == [("added@up", "up", "http://127.0.0.1:9/v1", "sk-newer", None)]
+    state.add_credential("added@up", "up", "http://127.0.0.1:9/v1", "sk-newer", "rotated 2026-12")  # migration 11
+    assert state.added_credentials()[0].label == "rotated 2026-12"
 
     db = opener()
     a, b = _pool(db), _pool(opener())
