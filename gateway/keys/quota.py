@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from gateway.keys.model import KeyLimits
-from gateway.keys.periods import seconds_to_period_end
+from gateway.keys.periods import period_days, seconds_to_period_end
 
 #: The window of rpm and tpm, in seconds.
 WINDOW = 60.0
@@ -115,6 +115,7 @@ class _TokenLimit:
     room: int  # what it holds now
     wait: int  # seconds until it holds more
     period: str = "day"  # budget_tokens' period
+    since: str = ""  # its first day
 
     @property
     def code(self) -> str:
@@ -124,7 +125,7 @@ class _TokenLimit:
         if self.name == "tpm":
             return f"this API key is limited to {self.limit} tokens per minute"
         if self.name == "budget_tokens":
-            return f"this API key's budget of {self.limit} tokens per {self.period}"
+            return f"this API key's budget of {self.limit} tokens per {self.period} (since {self.since})"
         return f"this API key's daily budget of {self.limit} tokens"
 
 
@@ -137,7 +138,8 @@ def _token_limits(limits: KeyLimits, counts: Counts) -> list[_TokenLimit]:
                                  seconds_to_midnight(counts.now)))
     if limits.budget_tokens is not None:
         found.append(_TokenLimit("budget_tokens", limits.budget_tokens, limits.budget_tokens - counts.period_tokens,
-                                 seconds_to_period_end(counts.now, limits.budget_period), limits.budget_period))
+                                 seconds_to_period_end(counts.now, limits.budget_period), limits.budget_period,
+                                 period_days(counts.now, limits.budget_period)[0]))
     return found
 
 
