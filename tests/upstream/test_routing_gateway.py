@@ -169,14 +169,15 @@ def test_a_new_call_avoids_the_busy_replica(server_loop: ServerLoop, replicas: l
                                             held: list[threading.Thread]) -> None:
     two = replicas[:2]
     gateway = start(server_loop, tmp_path, two)
-    hold(held, gateway, [{"role": "user", "content": "slow one"}])
+    hold(held, gateway, [{"role": "user", "content": "slow one"}], seconds=8)
     wait_for(lambda: sum(served_by(two)) == 1, timeout=10)
     busy = served_by(two).index(1)
     assert metric(gateway, "codebuddy2api_upstream_calls_in_flight", upstream=f"upstream{busy}") == 1
-    for topic in ("x", "y", "z"):  # unrelated prompts, one after another, while the slow one runs
-        request_id = ask(gateway, conversation(topic, 1))
-        assert routed(gateway, request_id) == [(f"upstream{1 - busy}", "least_loaded")]
+    # unrelated prompts, one after another, while the slow one runs (its 8 s bound a busy machine's delays)
+    ids = [ask(gateway, conversation(topic, 1)) for topic in ("x", "y", "z")]
     assert served_by(two)[busy] == 1
+    for request_id in ids:
+        assert routed(gateway, request_id) == [(f"upstream{1 - busy}", "least_loaded")]
 
 
 # -- rule 4: the imbalance gate moves the session ----------------------------------------
@@ -192,12 +193,13 @@ def test_the_imbalance_gate_moves_a_session_off_its_busy_replica(
     ask(gateway, conversation("agent-7", 1), headers=session)
     home = served_by(two).index(1)
     for n in (2, 3):  # two slow turns of the same session: within the gate (0 * 1.0 + 1 >= 1), then at it
-        hold(held, gateway, conversation("agent-7", n), session, seconds=4)
+        hold(held, gateway, conversation("agent-7", n), session, seconds=8)
         wait_for(lambda n=n: served_by(two)[home] == n, timeout=10)
     assert served_by(two) == ([3, 0] if home == 0 else [0, 3])
     moved = ask(gateway, conversation("agent-7", 4), headers=session)  # home holds 2 > 0 * 1.0 + 1
-    assert routed(gateway, moved) == [(f"upstream{1 - home}", "rebalanced")]
     stays = ask(gateway, conversation("agent-7", 5), headers=session)  # re-mapped: it stays there
+    assert served_by(two)[home] == 3  # the slow ones still ran there meanwhile
+    assert routed(gateway, moved) == [(f"upstream{1 - home}", "rebalanced")]
     assert routed(gateway, stays) == [(f"upstream{1 - home}", "session")]
     assert metric(gateway, "codebuddy2api_routing_decisions_total", reason="rebalanced") == 1
 
