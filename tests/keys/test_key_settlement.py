@@ -238,3 +238,16 @@ def test_a_backward_clock_step_does_not_lock_a_key_and_its_limits_still_hold(
     over = store.reserve(db, key, "r5", 0)
     assert over is not None and over.code == "rate_limited" and 59 <= over.retry_after <= 60  # r3, r4 in this minute
     db.close()
+
+
+def test_a_row_of_the_version_before_leases_is_held_an_hour_as_it_was(db: Store) -> None:
+    """Mid-way through a rolling upgrade an old replica writes rows without a lease: they are
+    held (max_concurrent) until an hour after they began, as that version did, then reclaimed."""
+    key = make_key(db, max_concurrent=1)
+    now = time.time()
+    old = "INSERT INTO client_key_requests (request_id, key_id, at, day, reserved, used, open) VALUES (?, ?, ?, ?, 7, 0, 1)"
+    db.execute(old, ("old-running", key.key_id, now - 120, store.day_of(now)))
+    refused = store.reserve(db, key, "new", 0)
+    assert refused is not None and refused.code == "concurrency_limited"
+    db.execute("UPDATE client_key_requests SET at = ? WHERE request_id = 'old-running'", (now - store.STALE_OPEN - 1,))
+    assert store.reserve(db, key, "new", 0) is None and state(db, "old-running") == (0, 1, 7, 7)
