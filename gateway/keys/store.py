@@ -11,10 +11,12 @@ calendar minute) and ``max_concurrent`` over the open ones.
 A reservation is held on a lease (``lease_until``, :data:`LEASE` seconds, renewed by its
 process while the request runs: :func:`renew`). One whose process died, or whose
 settlement could not reach the store, is reclaimed by the next reservation of its key once
-the lease has run out: it stops counting against ``max_concurrent`` (``open = 2``) and its
-reserved tokens count as used until its settlement arrives (the settlement is journaled
-when the store is out: gateway/keys/limiter.py), which then corrects them. ``open``: 1 held,
-2 reclaimed (awaiting its settlement), 0 settled.
+the lease has run out: it stops counting against ``max_concurrent`` and its reserved
+tokens count as used until its settlement arrives (the settlement is journaled when the
+store is out: gateway/keys/limiter.py), which then corrects them. A reclaimed row is
+``open = 0, reclaimed = 1`` (``used`` = what it reserved): to a replica of the version
+before leases, mid-way through a rolling upgrade, it reads as an ended request, which is
+what it now is.
 
 Every function here blocks: callers run them in a worker thread. A reservation is one
 transaction that first locks the key's row (PostgreSQL ``SELECT ... FOR UPDATE``; SQLite's
@@ -148,7 +150,7 @@ _COUNTS = (
 #: reserved counts as used until their settlement arrives). A lease further ahead than any
 #: renewal can set was stamped before the clock stepped back: it has run out too.
 _RECLAIM = (
-    "UPDATE client_key_requests SET open = 2, used = reserved"
+    "UPDATE client_key_requests SET open = 0, reclaimed = 1, used = reserved"
     f" WHERE key_id = ? AND open = 1 AND (COALESCE(lease_until, at + {STALE_OPEN}) < ? OR lease_until > ?)"
 )
 _DAY_TOKENS = "SELECT tokens FROM client_key_usage WHERE key_id = ? AND day = ?"
@@ -218,7 +220,7 @@ def _purge(conn: Any, key_id: str, now: float) -> None:
     reclaimed rows whose settlement never came."""
     conn.execute(
         "DELETE FROM client_key_requests WHERE key_id = ?"
-        " AND ((open = 0 AND (at < ? OR at > ?)) OR (open = 2 AND at < ?))",
+        " AND ((open = 0 AND reclaimed = 0 AND (at < ? OR at > ?)) OR (reclaimed = 1 AND at < ?))",
         (key_id, now - KEEP_ENDED, now + CLOCK_SLACK, now - KEEP_RECLAIMED),
     )
 
@@ -246,12 +248,13 @@ def settle_in(conn: Any, request_id: str, used: int) -> bool:
     used; False if there was none to settle. Idempotent: a replayed settlement finds the
     row settled and changes nothing."""
     row = conn.execute(
-        "SELECT key_id, day, reserved FROM client_key_requests WHERE request_id = ? AND open IN (1, 2)", (request_id,)
+        "SELECT key_id, day, reserved FROM client_key_requests WHERE request_id = ? AND (open = 1 OR reclaimed = 1)",
+        (request_id,),
     ).fetchone()
     if row is None:
         return False
     key_id, day, reserved = row
-    conn.execute("UPDATE client_key_requests SET open = 0, used = ? WHERE request_id = ?", (used, request_id))
+    conn.execute("UPDATE client_key_requests SET open = 0, reclaimed = 0, used = ? WHERE request_id = ?", (used, request_id))
     conn.execute(
         "UPDATE client_key_usage SET tokens = tokens + ? WHERE key_id = ? AND day = ?",
         (used - int(reserved), key_id, day),

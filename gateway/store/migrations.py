@@ -236,9 +236,11 @@ MIGRATIONS: list[Migration] = [
         12,
         # a reservation's lease (gateway/keys/store.py): until when its process vouches for
         # it (renewed while the request runs); an open row past it is reclaimed by the next
-        # reservation of its key. NULL: a row from before (taken as lost an hour on).
+        # reservation of its key (reclaimed = 1 until its settlement arrives). NULL: a row
+        # from before (taken as lost an hour on).
         """
         ALTER TABLE client_key_requests ADD COLUMN lease_until REAL;
+        ALTER TABLE client_key_requests ADD COLUMN reclaimed INTEGER NOT NULL DEFAULT 0;
         """,
     ),
     (

@@ -8,7 +8,8 @@ round-robin, both keeping a named session on its credential). Failures before th
 first client byte are reported back here: 401/403 disables a credential (and the
 :class:`~gateway.upstream.prober.CredentialProber` re-enables it once a probe with its key
 works again), 429 cools it down (per credential and model) for Retry-After seconds,
-5xx and connect errors put it last for a few seconds (a penalty, not a cooldown). State
+5xx and connect errors put it last for a few seconds (a penalty, not a cooldown), a
+response head that never came (a hung engine) for a minute. State
 changes are persisted through a :class:`~gateway.upstream.pool_state.CredentialStateSync`
 (``pool.state``) so they survive a restart; in a running gateway through a background
 writer (``pool.state.writer``), so the request path never waits on the store.
@@ -37,6 +38,10 @@ log = structlog.get_logger("gateway.pool")
 #: How long a credential is tried last after a 5xx or a connect failure (seconds). It is
 #: a penalty, not a cooldown: with nothing healthier left it is still used.
 SERVER_ERROR_PENALTY = 5.0
+#: ... and after no response head within ``--first-byte-timeout`` (a hung engine: every
+#: request it takes waits that whole timeout before failing over, so it is tried last for
+#: longer; still used when nothing healthier is left). Issue #40.
+HUNG_PENALTY = 60.0
 #: Cooldown after a 429 that carried no Retry-After (seconds).
 DEFAULT_RATE_LIMIT_COOLDOWN = 30.0
 #: How long a credential is passed over for a model its upstream answered 404 for, or
@@ -254,6 +259,10 @@ class UpstreamPool:
             credential.cooldowns[model] = now + float(wait)
         elif status == 503 and error.retry_after is not None:
             credential.cooldowns[ANY_MODEL] = now + float(error.retry_after)
+        elif error.code == ErrorCode.UPSTREAM_TIMEOUT and status is None:  # no head at all, not a 504
+            credential.penalty_until = now + HUNG_PENALTY
+            log.warning("credential_hung", credential=credential.id, tried_last_for_s=HUNG_PENALTY)
+            return True
         elif error.code in (ErrorCode.UPSTREAM_UNREACHABLE, ErrorCode.UPSTREAM_TIMEOUT) or (status is not None and status >= 500):
             credential.penalty_until = now + SERVER_ERROR_PENALTY
             return True

@@ -54,10 +54,11 @@ class FlakyStore:
         return self.inner.run_tx(fn, write)
 
 
-def state(db: Store, request_id: str) -> tuple[int, int, int]:
-    """(open, reserved, used) of a request's row."""
-    [row] = db.execute("SELECT open, reserved, used FROM client_key_requests WHERE request_id = ?", (request_id,))
-    return int(row[0]), int(row[1]), int(row[2])
+def state(db: Store, request_id: str) -> tuple[int, int, int, int]:
+    """(open, reclaimed, reserved, used) of a request's row."""
+    [row] = db.execute("SELECT open, reclaimed, reserved, used FROM client_key_requests WHERE request_id = ?",
+                       (request_id,))
+    return int(row[0]), int(row[1]), int(row[2]), int(row[3])
 
 
 def record(request_id: str, key_id: str, total: int) -> RequestRecord:
@@ -75,11 +76,15 @@ def test_a_reservation_nobody_renews_is_reclaimed_by_the_next_one_once_its_lease
     assert refused is not None and refused.code == "concurrency_limited"
     time.sleep(0.6)
     assert store.reserve(db, key, "next", 100) is None  # the lost one no longer counts as concurrent
-    assert state(db, "lost") == (2, 300, 300)  # reclaimed: what it reserved counts as used
+    assert state(db, "lost") == (0, 1, 300, 300)  # reclaimed: what it reserved counts as used
+    # what a replica of the version before leases counts (mid-way through a rolling upgrade):
+    # the reclaimed row is an ended request there too, not a concurrent one
+    before = "SELECT COALESCE(SUM(open), 0) FROM client_key_requests WHERE key_id = ? AND at > ?"
+    assert db.execute(before, (key.key_id, time.time() - store.STALE_OPEN)) == [(1,)]  # "next" only
     assert store.usage_today(db)[key.key_id] == {"requests_today": 2, "tokens_today": 300}  # "next" is held
     # its settlement arrives late (replayed from a journal): the day's usage is corrected, once
     assert store.settle(db, "lost", 40) is True and store.settle(db, "lost", 40) is False
-    assert state(db, "lost") == (0, 300, 40)
+    assert state(db, "lost") == (0, 0, 300, 40)
     store.settle(db, "next", 60)
     assert store.usage_today(db)[key.key_id] == {"requests_today": 2, "tokens_today": 100}
 
@@ -129,10 +134,10 @@ async def test_settlements_while_the_store_is_out_are_journaled_and_replayed_onc
     limiter.finished(free, record("c", free.key_id, 55))
     await limiter.aclose()  # the settlements are done: each journaled, none waiting on the store
     assert durable.spill_entries == 3 and durable.lost == 0 and limiter.unsettled == 0
-    assert state(db, "a") == (1, 4000, 0) and state(db, "b") == (1, 4000, 0)
+    assert state(db, "a") == (1, 0, 4000, 0) and state(db, "b") == (1, 0, 4000, 0)
     flaky.failing = False
     assert await durable.recover() is True and durable.spill_entries == 0
-    assert state(db, "a") == (0, 4000, 120) and state(db, "b") == (0, 4000, 80)
+    assert state(db, "a") == (0, 0, 4000, 120) and state(db, "b") == (0, 0, 4000, 80)
     usage = store.usage_today(db)
     assert usage[limited.key_id] == {"requests_today": 2, "tokens_today": 200}
     assert usage[free.key_id] == {"requests_today": 1, "tokens_today": 55}
@@ -155,7 +160,7 @@ async def test_the_limiter_renews_the_leases_of_its_running_requests_and_only_th
     assert refused is not None and refused.code == "concurrency_limited" and limiter.leases.failed_reloads == 0
     await limiter.aclose()  # its process stops renewing (as if it died)
     await asyncio.sleep(1.1)
-    assert store.reserve(db, key, "other", 0) is None and state(db, "running")[0] == 2
+    assert store.reserve(db, key, "other", 0) is None and state(db, "running")[:2] == (0, 1)
     await durable.aclose()
 
 
@@ -224,7 +229,7 @@ def test_a_backward_clock_step_does_not_lock_a_key_and_its_limits_still_hold(
     assert refused is not None and refused.code == "rate_limited"
     clock[0] -= 3600  # NTP steps the clock back an hour
     assert store.reserve(db, key, "r3", 0) is None
-    assert state(db, "r2")[0] == 2  # its lease, stamped an hour ahead, counts as run out
+    assert state(db, "r2")[:2] == (0, 1)  # its lease, stamped an hour ahead, counts as run out
     assert db.execute("SELECT COUNT(*) FROM client_key_requests WHERE request_id = 'r1'") == [(0,)]  # dropped
     limited = store.reserve(db, key, "r4", 0)
     assert limited is not None and limited.code == "concurrency_limited"  # r3 is held
@@ -233,3 +238,16 @@ def test_a_backward_clock_step_does_not_lock_a_key_and_its_limits_still_hold(
     over = store.reserve(db, key, "r5", 0)
     assert over is not None and over.code == "rate_limited" and 59 <= over.retry_after <= 60  # r3, r4 in this minute
     db.close()
+
+
+def test_a_row_of_the_version_before_leases_is_held_an_hour_as_it_was(db: Store) -> None:
+    """Mid-way through a rolling upgrade an old replica writes rows without a lease: they are
+    held (max_concurrent) until an hour after they began, as that version did, then reclaimed."""
+    key = make_key(db, max_concurrent=1)
+    now = time.time()
+    old = "INSERT INTO client_key_requests (request_id, key_id, at, day, reserved, used, open) VALUES (?, ?, ?, ?, 7, 0, 1)"
+    db.execute(old, ("old-running", key.key_id, now - 120, store.day_of(now)))
+    refused = store.reserve(db, key, "new", 0)
+    assert refused is not None and refused.code == "concurrency_limited"
+    db.execute("UPDATE client_key_requests SET at = ? WHERE request_id = 'old-running'", (now - store.STALE_OPEN - 1,))
+    assert store.reserve(db, key, "new", 0) is None and state(db, "old-running") == (0, 1, 7, 7)

@@ -8,6 +8,7 @@ import pytest
 from gateway.errors import GatewayError
 from gateway.upstream.pool import (
     DEFAULT_RATE_LIMIT_COOLDOWN,
+    HUNG_PENALTY,
     SERVER_ERROR_PENALTY,
     Credential,
     Upstream,
@@ -196,3 +197,21 @@ def test_state_sync_restores_from_a_plain_store_and_survives_a_failing_save() ->
     credential.disabled = False
     sync.persist(credential)  # the store refuses: logged, and memory still holds the change
     assert not credential.disabled
+
+
+def test_a_head_that_never_came_puts_the_credential_last_for_a_minute_not_five_seconds() -> None:
+    """A hung engine (no response head within --first-byte-timeout) costs each request it
+    takes that whole timeout before failover: it is tried last for HUNG_PENALTY (issue #40).
+    An upstream 504 (it did answer) stays a 5xx penalty."""
+    p, now = pool("a", "b")
+    hung = GatewayError("timeout", "upstream_timeout", "the upstream did not answer in time")
+    assert p.report_failure(p.credentials[0], "m", hung) is True  # failover to another
+    now[0] += SERVER_ERROR_PENALTY + 0.1
+    assert {pick(p) for _ in range(4)} == {"b"}  # past a 5xx's penalty, still last
+    p.credentials[1].disabled = True
+    assert pick(p) == "a"  # still used when nothing healthier is left
+    p.credentials[1].disabled = False
+    now[0] += HUNG_PENALTY
+    assert {pick(p) for _ in range(4)} == {"a", "b"}
+    p.report_failure(p.credentials[0], "m", upstream_error(504, code="upstream_timeout"))
+    assert p.credentials[0].penalty_until == now[0] + SERVER_ERROR_PENALTY

@@ -255,3 +255,24 @@ async def test_auto_fallback_tries_a_fresh_connection_once() -> None:
     items = [item async for item in client.stream_chat(credential, BODY, policy(failover_max=0, upstream_stream="auto"))]
     assert seen == [True, False, False]
     assert items.count(ANSWERED) == 1 and items[1]["choices"][0]["delta"]["content"] == "whole"
+
+
+async def test_a_head_that_never_comes_fails_over_and_puts_the_hung_credential_last_for_longer() -> None:
+    """Issue #40: a hung engine's credential is tried last for HUNG_PENALTY, not 5 s."""
+    from gateway.upstream.pool import HUNG_PENALTY
+
+    ok = httpx.Response(200, content=sse_body(CHUNK), headers={"content-type": "text/event-stream"})
+    _, pool, _, now = make({"k2": ok}, ["k1", "k2"])
+
+    class Hung(Upstreams):
+        def __call__(self, request: httpx.Request) -> httpx.Response:
+            if request.headers["authorization"] == "Bearer k1":
+                raise httpx.ReadTimeout("no response head", request=request)  # what httpx says after the wait
+            return super().__call__(request)
+
+    hung = Hung({"k2": ok})
+    client = UpstreamClient(http=httpx.AsyncClient(transport=httpx.MockTransport(hung)))
+    attempts = UpstreamAttempts(pool, client, policy())
+    assert await collect(attempts) == [ANSWERED, CHUNK, DONE]
+    assert [(a["status"], a.get("error")) for a in attempts.log] == [(None, "upstream_timeout"), (200, None)]
+    assert pool.credentials[0].penalty_until == now[0] + HUNG_PENALTY
