@@ -239,7 +239,7 @@ def _chunk(delta: Delta, finish: str | None = None) -> Frame:
     return {"choices": [{"index": 0, "delta": dict(delta), "finish_reason": finish}]}
 
 
-def _usage(body: Mapping[str, Any], deltas: list[Delta]) -> dict[str, Any]:
+def usage_of(body: Mapping[str, Any], deltas: list[Delta]) -> dict[str, Any]:
     """Deterministic token counts: characters // 4 + 1."""
     prompt = sum(len(text_of(m.get("content"))) for m in chat_messages(body)) // 4 + 1
     text = reasoning = 0
@@ -284,9 +284,9 @@ def _frames(reply: Reply, ctx: Ctx) -> list[Frame]:
     if reply.usage_at is not None:
         _place_usage(chunks, reply, ctx)
     elif ctx.opts.usage == "last":
-        chunks[-1]["usage"] = _usage(ctx.body, reply.deltas)
+        chunks[-1]["usage"] = usage_of(ctx.body, reply.deltas)
     elif ctx.opts.usage == "separate" and _wants_usage(ctx.body):
-        chunks.append({"choices": [], "usage": _usage(ctx.body, reply.deltas)})
+        chunks.append({"choices": [], "usage": usage_of(ctx.body, reply.deltas)})
     if reply.done and ctx.opts.done:
         chunks.append({"_op": "done"})
     return chunks
@@ -294,7 +294,7 @@ def _frames(reply: Reply, ctx: Ctx) -> list[Frame]:
 
 def _place_usage(chunks: list[Frame], reply: Reply, ctx: Ctx) -> None:
     """Usage where some servers put it (always sent, as they do)."""
-    usage = _usage(ctx.body, reply.deltas)
+    usage = usage_of(ctx.body, reply.deltas)
     if reply.usage_at == "choice":
         chunks[-1]["choices"][0]["usage"] = usage
     elif reply.usage_at == "x_groq":

@@ -26,7 +26,9 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway.simulator import completions as sim_completions
+from gateway.simulator import engine_control
 from gateway.simulator import token_in as sim_token_in
+from gateway.simulator.engine_control import EngineControl, StreamGate
 from gateway.simulator.reply import (  # noqa: F401  (re-exported for tests and tools)
     DEFAULT_TOOLS,
     GREETING,
@@ -108,8 +110,9 @@ def _sse_bytes(frame: Frame, stamp: Stamp) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-async def _sse(plan: Plan, stamp: Stamp) -> AsyncGenerator[bytes, None]:
-    """Yield one SSE event per frame, honouring delays so each frame is flushed separately."""
+async def _sse(plan: Plan, stamp: Stamp, gate: StreamGate | None = None) -> AsyncGenerator[bytes, None]:
+    """Yield one SSE event per frame, honouring delays so each frame is flushed separately;
+    with a ``gate``, under the engine's pause state (engine_control)."""
     if plan.options.first_chunk_delay > 0:
         await asyncio.sleep(plan.options.first_chunk_delay)
     for n, frame in enumerate(plan.frames):
@@ -120,8 +123,24 @@ async def _sse(plan: Plan, stamp: Stamp) -> AsyncGenerator[bytes, None]:
             await asyncio.sleep(float(frame.get("seconds", 0)))
         elif op == "drop":
             raise SimulatedDrop("simulated connection drop")
+        elif gate is not None and not await gate.allows(frame):
+            for end in gate.abort_frames():
+                yield _sse_bytes(end, stamp)
+            return
         else:
             yield _sse_bytes(frame, stamp)
+
+
+async def _engine_sse(plan: Plan, stamp: Stamp, engine: EngineControl, request_id: str,
+                      body: dict[str, Any]) -> AsyncGenerator[bytes, None]:
+    """A chat stream as the engine serves it: it waits in the queue while the engine is
+    paused, then counts as in flight until it ends."""
+    ticket = await engine.admit(request_id)
+    try:
+        async for piece in _sse(plan, stamp, StreamGate(engine, ticket, body)):
+            yield piece
+    finally:
+        engine.release(ticket)
 
 
 async def _truncated(payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
@@ -168,6 +187,10 @@ class ClosingStreamingResponse(StreamingResponse):
 
 def _sim(request: Request) -> SimState:
     return request.app.state.sim  # type: ignore[no-any-return]
+
+
+def _engine(request: Request) -> EngineControl:
+    return request.app.state.engine  # type: ignore[no-any-return]
 
 
 async def _json_body(request: Request) -> Any:
@@ -236,10 +259,15 @@ async def chat_completions(request: Request) -> Response:
         media_type, content = plan.raw
         return Response(content, media_type=media_type, headers=plan.headers)
     stamp = Stamp(model, plan.options.unstable_id)
+    engine, request_id = _engine(request), request.headers.get("x-request-id") or stamp.base_id
     if not stream:
-        return await _non_stream(plan, stamp, _sim(request).stats)
+        ticket = await engine.admit(request_id)  # waits while paused; no mid-answer freeze or abort
+        try:
+            return await _non_stream(plan, stamp, _sim(request).stats)
+        finally:
+            engine.release(ticket)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **plan.headers}
-    body_iter = _tracked(_sim(request).stats, _sse(plan, stamp))
+    body_iter = _tracked(_sim(request).stats, _engine_sse(plan, stamp, engine, request_id, body))
     return ClosingStreamingResponse(body_iter, media_type="text/event-stream", headers=headers)
 
 
@@ -351,6 +379,8 @@ async def text_completions(request: Request) -> Response:
     if isinstance(body, Response):
         return body
     answer_id, created = "cmpl-sim" + uuid.uuid4().hex[:12], int(time.time())
+    engine = _engine(request)
+    engine.release(await engine.admit(answer_id))  # waits while paused (no mid-answer freeze here)
     if sim_token_in.is_token_in(body) and body.get("stream") is True:  # vLLM token-in (a rollout continuation)
         return _completion_stream(sim_token_in.completion_chunks(body, answer_id, created))
     if body.get("stream") is not True:
@@ -395,8 +425,10 @@ def create_simulator_app() -> Starlette:
         Route("/_sim/stats", stats, methods=["GET"]),
         Route("/_sim/fault", fault, methods=["POST", "DELETE"]),
         Route("/healthz", healthz, methods=["GET"]),
+        *engine_control.ROUTES,
     ])
     app.state.sim = SimState()
+    app.state.engine = EngineControl()
     _quiet_deliberate_drops()
     return app
 
