@@ -21,6 +21,9 @@ from gateway.admin.auth import AdminAccess, login_base_url
 from gateway.admin.common import admin_error
 from gateway.admin.sessions import SessionEpoch
 from gateway.admin.throttle import AttemptThrottle
+from gateway.engines.control import EngineControl
+from gateway.engines.fleet import EngineFleet
+from gateway.engines.hold import EngineHold
 from gateway.errors import GatewayError
 from gateway.generation.passthrough import CompletionsRoute, EmbeddingsRoute
 from gateway.generation.recording_gate import RecordingGate, with_spill_hint
@@ -193,6 +196,11 @@ def create_app(
     )
     observability.durable.statements.update(rollout_store.STATEMENTS)  # replayed like the audit
     relay.rollouts = RolloutRecorder(db, observability.durable, live, lambda: relay.pool)
+    metrics = observability.metrics
+    relay.engine_hold = EngineHold(on_held=metrics.engine_held_calls.set)
+    engine_control = EngineControl()  # its HTTP client opens with the lifespan
+    engines = EngineFleet(lambda: relay.pool, engine_control, relay.engine_hold,
+                          lambda name, paused: metrics.engine_paused.labels(name).set(1 if paused else 0))
     envelope_keys = EnvelopeKeys(db)
     envelope_keys.load()  # before serving: requests only read the in-memory keyring
     relay.envelope_keys = envelope_keys
@@ -231,6 +239,7 @@ def create_app(
         prober = CredentialProber(lambda: relay.pool, upstream, settings.credential_probe_interval)
         await prober.start()
         observability.metrics.declare_configuration(relay.pool)
+        engine_control.open()
         if getattr(app.state, "print_banner", False):
             from gateway.banner import announce
 
@@ -275,6 +284,7 @@ def create_app(
             await envelope_keys.aclose()
             await client_keys.aclose()
             await upstream.aclose()
+            await engine_control.aclose()
             if relay.capture is not None:
                 relay.capture.close()  # drains: every finished call is on disk
             await relay.limiter.drain()  # settlements under way, before the store closes
@@ -345,6 +355,7 @@ def create_app(
     app.state.envelope_keys = envelope_keys
     app.state.client_keys = client_keys
     app.state.relay = relay
+    app.state.engines = engines
     app.state.credential_state = credential_state
     app.state.replication = replication
     app.state.observability = observability

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from starlette.requests import ClientDisconnect, HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.engines.hold import EngineHold
 from gateway.errors import ErrorCode, GatewayError
 from gateway.generation.body_parsing import BodyBudget, parse_request
 from gateway.generation.outcome import RequestOutcome, internal_error
@@ -74,6 +75,9 @@ class GenerationService:
         #: managed client keys (gateway/keys/): who may ask, and their reservations
         self.keys: KeyRegistry | None = None
         self.limiter: KeyLimiter | None = None
+        #: new calls to engines wait here while the engines are paused for a weight update
+        #: (gateway/engines/; set at start-up)
+        self.engine_hold: EngineHold | None = None
 
     def tenant(self, request: HTTPConnection) -> Tenant:
         """The tenant of a request whose client key was checked."""
@@ -172,7 +176,8 @@ class GenerationService:
         try:
             # a room may name its own run: the relayed routes' RelayedCall (gateway/generation/passthrough.py)
             run_type = getattr(room, "run_type", GenerationRun)
-            attempts = UpstreamAttempts(self.pool, self.upstream, policy, session, record.trace_context, token_in)
+            attempts = UpstreamAttempts(self.pool, self.upstream, policy, session, record.trace_context, token_in,
+                                        self.engine_hold)
             run = run_type(room, parsed, policy, record, attempts)
         except Exception as exc:
             err = internal_error(exc, record.request_id, "encoder")

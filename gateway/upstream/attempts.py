@@ -15,11 +15,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from gateway.errors import GatewayError
+from gateway.engines.hold import EngineHold
+from gateway.errors import ErrorCode, GatewayError
 from gateway.generation.policy import StreamPolicy
 from gateway.rollout.tokens import with_token_fields
 from gateway.upstream.client import ANSWERED, Send, UpstreamClient, UpstreamItem
-from gateway.upstream.pool import UpstreamPool
+from gateway.upstream.pool import Lease, UpstreamPool
 from gateway.upstream.token_in import TokenIn
 
 
@@ -28,7 +29,7 @@ class UpstreamAttempts:
 
     def __init__(
         self, pool: UpstreamPool, client: UpstreamClient, policy: StreamPolicy, session: str | None = None,
-        trace_context: str | None = None, token_in: TokenIn | None = None,
+        trace_context: str | None = None, token_in: TokenIn | None = None, hold: EngineHold | None = None,
     ) -> None:
         self.pool = pool
         self.client = client
@@ -42,6 +43,8 @@ class UpstreamAttempts:
         #: a rollout call's token-in continuation (gateway/upstream/token_in.py): its chat
         #: attempts go through it (token ids to an engine that has token_in, else chat)
         self.token_in = token_in
+        #: while the engines are paused for a weight update, calls to them wait here (gateway/engines/)
+        self.hold = hold
 
     async def stream(self, body: dict[str, Any], send: Send | None = None) -> AsyncIterator[UpstreamItem]:
         """Yield ANSWERED, then the chunks (and DONE) of one answer; raise GatewayError
@@ -56,8 +59,10 @@ class UpstreamAttempts:
         last_error: GatewayError | None = None
         for _ in range(1 + self.policy.failover_max):
             try:
-                lease = pool.acquire(model, tried, self.session)
+                lease = await self._acquire(model, tried)
             except GatewayError as err:
+                if err.code == ErrorCode.ENGINE_PAUSED:
+                    raise
                 # after a failed attempt, the client hears what the upstream said, unless
                 # every credential now cools down: then when to come back
                 raise (last_error if last_error is not None and err.kind != "rate_limit" else err) from None
@@ -98,6 +103,17 @@ class UpstreamAttempts:
                 lease.release()
                 attempt["duration_ms"] = round((time.monotonic() - started) * 1000, 1)
         raise self._after_failover(model, tried, last_error)
+
+    async def _acquire(self, model: str, tried: set[str]) -> Lease:
+        """A credential for the next attempt; while its engine is paused, the call waits in
+        the hold (no lease held meanwhile), then picks again."""
+        while True:
+            lease = self.pool.acquire(model, tried, self.session)
+            upstream = lease.credential.upstream
+            if self.hold is None or not self.hold.holds(upstream.engine_api):
+                return lease
+            lease.release()
+            await self.hold.wait(upstream.name, self.policy.engine_pause_max)
 
     def _after_failover(self, model: str, tried: set[str], last_error: GatewayError | None) -> GatewayError:
         """Failover is used up: when every credential now cools down, say when to retry."""

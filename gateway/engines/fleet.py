@@ -1,0 +1,128 @@
+"""``EngineFleet``: the engines configured with an engine API (``engine_api = "vllm"``),
+paused and resumed together around a weight update, with the gateway's hold around them.
+
+Pause: the hold closes first (no new call reaches an engine from here on), then every
+engine gets ``/pause?mode=`` and is polled until it reports ``is_paused``. Resume: each
+engine gets the new weight version (when given) and ``/resume``, then the hold opens and
+the held calls go on. The fleet is read from the pool each time, so credentials added
+through the admin API count too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from gateway.engines.control import Engine, EngineControl, EngineControlError, engine_root
+from gateway.engines.hold import EngineHold
+from gateway.upstream.pool import UpstreamPool
+
+PAUSE_MODES = ("keep", "abort", "wait")
+#: Seconds one engine's status (``is_paused``, ``weight_info``) may take for the listing.
+STATUS_TIMEOUT = 2.0
+#: The first and the longest gap between ``is_paused`` polls after ``/pause``.
+POLL_FIRST, POLL_MAX = 0.02, 0.5
+
+
+def fleet_of(pool: UpstreamPool) -> list[Engine]:
+    """One engine per upstream with an engine API, in the pool's order."""
+    engines: dict[tuple[str, str], Engine] = {}
+    for credential in pool.credentials:
+        upstream = credential.upstream
+        key = (upstream.name, upstream.base_url)
+        if upstream.engine_api is None or key in engines and not credential.api_key:
+            continue  # a later credential is used only for its key, when the first had none
+        headers = dict(upstream.headers)
+        if credential.api_key:
+            headers["authorization"] = f"Bearer {credential.api_key}"
+        if key in engines and "authorization" in engines[key].headers:
+            continue
+        engines[key] = Engine(upstream.name, engine_root(upstream.base_url), headers)
+    return list(engines.values())
+
+
+async def _bounded(bound: float, step: Callable[[], Awaitable[None]], late: str) -> str | None:
+    """Run ``step`` within ``bound`` seconds: None, or why it failed."""
+    try:
+        async with asyncio.timeout(bound):
+            await step()
+    except TimeoutError:
+        return late
+    except EngineControlError as exc:
+        return str(exc)
+    return None
+
+
+class EngineFleet:
+    """Pause, resume and list the engines; the hold keeps new calls meanwhile."""
+
+    def __init__(self, pool: Callable[[], UpstreamPool], control: EngineControl, hold: EngineHold,
+                 on_paused: Callable[[str, bool], None] | None = None) -> None:
+        self.pool = pool
+        self.control = control
+        self.hold = hold
+        self._on_paused = on_paused or (lambda name, paused: None)
+
+    def engines(self) -> list[Engine]:
+        return fleet_of(self.pool())
+
+    async def pause(self, mode: str, bound: float) -> dict[str, str]:
+        """Close the hold, pause every engine; the engines that did not report paused
+        within ``bound`` seconds, with why (empty: all paused)."""
+        self.hold.close()
+        engines = self.engines()
+        reasons = await asyncio.gather(*(self._pause_one(e, mode, bound) for e in engines))
+        return {e.name: why for e, why in zip(engines, reasons, strict=True) if why is not None}
+
+    async def _pause_one(self, engine: Engine, mode: str, bound: float) -> str | None:
+        async def step() -> None:
+            await self.control.pause(engine, mode)
+            gap = POLL_FIRST
+            while not await self.control.is_paused(engine):
+                await asyncio.sleep(gap)
+                gap = min(gap * 2, POLL_MAX)
+
+        why = await _bounded(bound, step, f"not paused within {bound:g} s")
+        if why is None:
+            self._on_paused(engine.name, True)
+        return why
+
+    async def resume(self, weight_version: str | None, bound: float) -> tuple[dict[str, str], int]:
+        """Set the weight version (when given) and resume every engine, then open the
+        hold. The engines that failed (with why) and how many held calls were released;
+        the hold opens whatever failed (a held call sent to a still-paused engine waits in
+        its queue, as it would without the gateway)."""
+        engines = self.engines()
+        reasons = await asyncio.gather(*(self._resume_one(e, weight_version, bound) for e in engines))
+        released = self.hold.open()
+        return {e.name: why for e, why in zip(engines, reasons, strict=True) if why is not None}, released
+
+    async def _resume_one(self, engine: Engine, weight_version: str | None, bound: float) -> str | None:
+        async def step() -> None:
+            if weight_version is not None:
+                await self.control.update_weight_version(engine, weight_version)
+            await self.control.resume(engine)
+
+        why = await _bounded(bound, step, f"not resumed within {bound:g} s")
+        if why is None:
+            self._on_paused(engine.name, False)
+        return why
+
+    async def status(self) -> list[dict[str, Any]]:
+        """Each engine: url, paused, weight version (asked now), calls in flight, calls held."""
+        engines = self.engines()
+        return list(await asyncio.gather(*(self._status_one(e) for e in engines)))
+
+    async def _status_one(self, engine: Engine) -> dict[str, Any]:
+        in_flight = sum(c.in_flight for c in self.pool().credentials
+                        if c.upstream.name == engine.name and engine_root(c.upstream.base_url) == engine.root)
+        found: dict[str, Any] = {"paused": None, "weight_version": None}
+
+        async def step() -> None:
+            found["paused"] = await self.control.is_paused(engine)
+            found["weight_version"] = await self.control.weight_version(engine)
+
+        why = await _bounded(STATUS_TIMEOUT, step, f"no status within {STATUS_TIMEOUT:g} s")
+        return {"name": engine.name, "url": engine.url, **found, "in_flight": in_flight,
+                "held": self.hold.held.get(engine.name, 0), "error": why}
