@@ -197,10 +197,12 @@ def create_app(
     observability.durable.statements.update(rollout_store.STATEMENTS)  # replayed like the audit
     relay.rollouts = RolloutRecorder(db, observability.durable, live, lambda: relay.pool)
     metrics = observability.metrics
-    relay.engine_hold = EngineHold(on_held=metrics.engine_held_calls.set)
     engine_control = EngineControl()  # its HTTP client opens with the lifespan
-    engines = EngineFleet(lambda: relay.pool, engine_control, relay.engine_hold,
-                          lambda name, paused: metrics.engine_paused.labels(name).set(1 if paused else 0))
+    engines = relay.engines = EngineFleet(
+        lambda: relay.pool, engine_control, EngineHold(on_held=metrics.engine_held_calls.set),
+        lambda name, paused: metrics.engine_paused.labels(name).set(1 if paused else 0),
+    )
+    engines.on_continued = metrics.continuations.labels("abort").inc
     envelope_keys = EnvelopeKeys(db)
     envelope_keys.load()  # before serving: requests only read the in-memory keyring
     relay.envelope_keys = envelope_keys

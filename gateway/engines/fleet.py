@@ -15,30 +15,38 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway.engines.control import Engine, EngineControl, EngineControlError, engine_root
-from gateway.engines.hold import EngineHold
+from gateway.engines.hold import EngineHold, engine_paused
+from gateway.generation.policy import StreamPolicy
+from gateway.upstream.credential import Credential
 from gateway.upstream.pool import UpstreamPool
 
 PAUSE_MODES = ("keep", "abort", "wait")
 #: Seconds one engine's status (``is_paused``, ``weight_info``) may take for the listing.
 STATUS_TIMEOUT = 2.0
-#: The first and the longest gap between ``is_paused`` polls after ``/pause``.
+#: The first and the longest gap between ``is_paused`` polls (after ``/pause``, before a continuation).
 POLL_FIRST, POLL_MAX = 0.02, 0.5
 
 
+def engine_of(credential: Credential) -> Engine:
+    """The engine behind a credential: its upstream's root, headers and this key."""
+    upstream = credential.upstream
+    headers = dict(upstream.headers)
+    if credential.api_key:
+        headers["authorization"] = f"Bearer {credential.api_key}"
+    return Engine(upstream.name, engine_root(upstream.base_url), headers)
+
+
 def fleet_of(pool: UpstreamPool) -> list[Engine]:
-    """One engine per upstream with an engine API, in the pool's order."""
+    """One engine per upstream with an engine API, in the pool's order (with the first
+    credential that has a key)."""
     engines: dict[tuple[str, str], Engine] = {}
     for credential in pool.credentials:
         upstream = credential.upstream
         key = (upstream.name, upstream.base_url)
-        if upstream.engine_api is None or key in engines and not credential.api_key:
-            continue  # a later credential is used only for its key, when the first had none
-        headers = dict(upstream.headers)
-        if credential.api_key:
-            headers["authorization"] = f"Bearer {credential.api_key}"
-        if key in engines and "authorization" in engines[key].headers:
+        if upstream.engine_api is None or key in engines and (
+                not credential.api_key or "authorization" in engines[key].headers):
             continue
-        engines[key] = Engine(upstream.name, engine_root(upstream.base_url), headers)
+        engines[key] = engine_of(credential)
     return list(engines.values())
 
 
@@ -63,6 +71,8 @@ class EngineFleet:
         self.control = control
         self.hold = hold
         self._on_paused = on_paused or (lambda name, paused: None)
+        #: called once per continuation sent after an abort (gateway/engines/continuation.py)
+        self.on_continued: Callable[[], None] = lambda: None
 
     def engines(self) -> list[Engine]:
         return fleet_of(self.pool())
@@ -108,6 +118,28 @@ class EngineFleet:
         if why is None:
             self._on_paused(engine.name, False)
         return why
+
+    async def accepting(self, credential: Credential, policy: StreamPolicy) -> None:
+        """Before a continuation: wait while the gateway holds calls to this engine, then
+        while the engine reports ``is_paused`` (polled with backoff); at most
+        ``--engine-pause-max`` seconds each, then ``engine_paused``. An engine without an
+        engine API, or one whose ``/is_paused`` does not answer, is asked at once (a paused
+        engine queues the request itself)."""
+        upstream, bound = credential.upstream, policy.engine_pause_max
+        if self.hold.holds(upstream.engine_api):
+            await self.hold.wait(upstream.name, bound)
+        if upstream.engine_api is None:
+            return
+        engine, gap = engine_of(credential), POLL_FIRST
+        try:
+            async with asyncio.timeout(bound):
+                while await self.control.is_paused(engine):
+                    await asyncio.sleep(gap)
+                    gap = min(gap * 2, POLL_MAX)
+        except TimeoutError:
+            raise engine_paused(bound) from None
+        except EngineControlError:
+            return
 
     async def status(self) -> list[dict[str, Any]]:
         """Each engine: url, paused, weight version (asked now), calls in flight, calls held."""

@@ -16,6 +16,15 @@ from collections.abc import Callable
 from gateway.errors import ErrorCode, GatewayError
 
 
+def engine_paused(bound: float) -> GatewayError:
+    """A call that waited for paused engines longer than ``bound`` seconds."""
+    return GatewayError(
+        "overloaded", ErrorCode.ENGINE_PAUSED,
+        f"the inference engines stayed paused for a weight update longer than {bound:g} s"
+        " (--engine-pause-max)", retry_after=1,
+    )
+
+
 class EngineHold:
     """Closed while the fleet is paused; counts the calls waiting, per upstream name."""
 
@@ -55,11 +64,7 @@ class EngineHold:
             async with asyncio.timeout(bound):
                 await self._open.wait()
         except TimeoutError:
-            raise GatewayError(
-                "overloaded", ErrorCode.ENGINE_PAUSED,
-                f"the inference engines stayed paused for a weight update longer than {bound:g} s"
-                " (--engine-pause-max)", retry_after=1,
-            ) from None
+            raise engine_paused(bound) from None
         finally:
             self.held[upstream] -= 1
             if not self.held[upstream]:

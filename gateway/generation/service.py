@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from starlette.requests import ClientDisconnect, HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.engines.hold import EngineHold
+from gateway.engines.fleet import EngineFleet
 from gateway.errors import ErrorCode, GatewayError
 from gateway.generation.body_parsing import BodyBudget, parse_request
 from gateway.generation.outcome import RequestOutcome, internal_error
@@ -75,9 +75,9 @@ class GenerationService:
         #: managed client keys (gateway/keys/): who may ask, and their reservations
         self.keys: KeyRegistry | None = None
         self.limiter: KeyLimiter | None = None
-        #: new calls to engines wait here while the engines are paused for a weight update
-        #: (gateway/engines/; set at start-up)
-        self.engine_hold: EngineHold | None = None
+        #: weight sync (gateway/engines/; set at start-up): new calls to engines wait in its
+        #: hold while they are paused, aborted chat answers are continued
+        self.engines: EngineFleet | None = None
 
     def tenant(self, request: HTTPConnection) -> Tenant:
         """The tenant of a request whose client key was checked."""
@@ -177,7 +177,7 @@ class GenerationService:
             # a room may name its own run: the relayed routes' RelayedCall (gateway/generation/passthrough.py)
             run_type = getattr(room, "run_type", GenerationRun)
             attempts = UpstreamAttempts(self.pool, self.upstream, policy, session, record.trace_context, token_in,
-                                        self.engine_hold)
+                                        self.engines)
             run = run_type(room, parsed, policy, record, attempts)
         except Exception as exc:
             err = internal_error(exc, record.request_id, "encoder")

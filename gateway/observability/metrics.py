@@ -377,6 +377,11 @@ class Metrics:
             p + "engine_held_calls", "Generation calls waiting in the gateway while the engines are paused",
             registry=r, multiprocess_mode="livesum",
         )
+        self.continuations = Counter(
+            p + "continuations", "Chat answers an engine ended with finish_reason abort, continued with the"
+            " partial answer as a prefill", ["reason"], registry=r,
+        )
+        self.continuations.labels("abort")
         self.build_info = Gauge(
             p + "build_info", "Always 1: the gateway's version and Python", ["version", "python"],
             registry=r, multiprocess_mode="livemax",

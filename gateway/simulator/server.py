@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.simulator import completions as sim_completions
 from gateway.simulator import engine_control
+from gateway.simulator import prefill as sim_prefill
 from gateway.simulator import token_in as sim_token_in
 from gateway.simulator.engine_control import EngineControl, StreamGate
 from gateway.simulator.reply import (  # noqa: F401  (re-exported for tests and tools)
@@ -251,6 +252,12 @@ async def chat_completions(request: Request) -> Response:
                           request.headers.get("authorization", ""))
     except ValueError as exc:
         return _bad_request(str(exc))
+    refused = sim_prefill.refusal(body)
+    if refused is not None:
+        return _bad_request(refused)
+    prefill = sim_prefill.prefill_of(body)
+    if prefill is not None and plan.status == 200:
+        plan = dataclasses.replace(plan, frames=sim_prefill.continued(plan.frames, prefill))
     if plan.options.ttfb > 0:
         await asyncio.sleep(plan.options.ttfb)
     if plan.status != 200:

@@ -15,7 +15,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from gateway.engines.hold import EngineHold
+from gateway.engines.continuation import continuing
+from gateway.engines.fleet import EngineFleet
 from gateway.errors import ErrorCode, GatewayError
 from gateway.generation.policy import StreamPolicy
 from gateway.rollout.tokens import with_token_fields
@@ -29,7 +30,7 @@ class UpstreamAttempts:
 
     def __init__(
         self, pool: UpstreamPool, client: UpstreamClient, policy: StreamPolicy, session: str | None = None,
-        trace_context: str | None = None, token_in: TokenIn | None = None, hold: EngineHold | None = None,
+        trace_context: str | None = None, token_in: TokenIn | None = None, engines: EngineFleet | None = None,
     ) -> None:
         self.pool = pool
         self.client = client
@@ -43,8 +44,9 @@ class UpstreamAttempts:
         #: a rollout call's token-in continuation (gateway/upstream/token_in.py): its chat
         #: attempts go through it (token ids to an engine that has token_in, else chat)
         self.token_in = token_in
-        #: while the engines are paused for a weight update, calls to them wait here (gateway/engines/)
-        self.hold = hold
+        #: weight sync (gateway/engines/): while the engines are paused, calls to them wait in
+        #: its hold; a chat answer an engine aborts is continued
+        self.engines = engines
 
     async def stream(self, body: dict[str, Any], send: Send | None = None) -> AsyncIterator[UpstreamItem]:
         """Yield ANSWERED, then the chunks (and DONE) of one answer; raise GatewayError
@@ -52,7 +54,7 @@ class UpstreamAttempts:
         the request of one attempt (default: a chat completion; the relayed routes pass
         the client's ``stream_path``/``json_path``)."""
         chat = send is None
-        send = send or (self.token_in.send if self.token_in is not None else self.client.stream_chat)
+        send = send or (self.token_in.send if self.token_in is not None else self._chat())
         pool = self.pool
         model = str(body.get("model", ""))
         tried: set[str] = set()
@@ -104,16 +106,22 @@ class UpstreamAttempts:
                 attempt["duration_ms"] = round((time.monotonic() - started) * 1000, 1)
         raise self._after_failover(model, tried, last_error)
 
+    def _chat(self) -> Send:
+        """A chat attempt; with weight sync, its aborts continued (gateway/engines/continuation.py)."""
+        if self.engines is None:
+            return self.client.stream_chat
+        return continuing(self.client.stream_chat, self.engines.accepting, self.engines.on_continued)
+
     async def _acquire(self, model: str, tried: set[str]) -> Lease:
         """A credential for the next attempt; while its engine is paused, the call waits in
         the hold (no lease held meanwhile), then picks again."""
         while True:
             lease = self.pool.acquire(model, tried, self.session)
             upstream = lease.credential.upstream
-            if self.hold is None or not self.hold.holds(upstream.engine_api):
+            if self.engines is None or not self.engines.hold.holds(upstream.engine_api):
                 return lease
             lease.release()
-            await self.hold.wait(upstream.name, self.policy.engine_pause_max)
+            await self.engines.hold.wait(upstream.name, self.policy.engine_pause_max)
 
     def _after_failover(self, model: str, tried: set[str], last_error: GatewayError | None) -> GatewayError:
         """Failover is used up: when every credential now cools down, say when to retry."""

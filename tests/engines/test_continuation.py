@@ -1,0 +1,104 @@
+"""Transparent continuation after an engine's abort (gateway/engines/continuation.py):
+the pure PartialAnswer fed chunk by chunk, and end to end through the strict SDKs: an
+engine-side ``/pause?mode=abort`` the gateway was not told about, mid-answer, in both
+stream modes, on Chat and Messages: every client gets the one whole answer."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.engines.continuation import MAX_CONTINUATIONS, PartialAnswer
+from gateway.simulator.server import TEXT
+from tests.conftest import ServerLoop, wait_for
+from tests.engines.test_weight_sync import chat_call, engine_gateway, engine_state, messages_call, metric
+
+
+def chunk(content: str | None = None, finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    delta: dict[str, Any] = {} if content is None else {"content": content}
+    delta.update(extra.pop("delta", {}))
+    return {"id": "c", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+
+
+def test_an_abort_after_text_is_held_back_and_the_next_leg_continues_it() -> None:
+    partial = PartialAnswer()
+    assert partial.feed(chunk("Hel", delta={"role": "assistant"})) == chunk("Hel", delta={"role": "assistant"})
+    assert partial.feed(chunk("lo", finish="abort")) == chunk("lo")  # the text stays, the abort goes
+    assert partial.aborted and partial.text == "Hello"
+    assert partial.feed({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}}) is None
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    assert partial.continuation_body(body) == {
+        "model": "m", "stream": True, "continue_final_message": True, "add_generation_prompt": False,
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]}
+    assert body["messages"] == [{"role": "user", "content": "hi"}]  # the call's own body is untouched
+    # the continuation leg: no second role, no second prompt ids, usage over both legs
+    assert partial.feed(chunk(" world", delta={"role": "assistant"}, prompt_token_ids=[1, 2])) == chunk(" world")
+    assert partial.feed(chunk(finish="stop")) == chunk(finish="stop")
+    last = partial.feed({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}})
+    assert last == {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}}
+    assert not partial.aborted and partial.text == "Hello world"
+
+
+def test_a_client_prefill_grows_and_an_empty_partial_is_asked_again() -> None:
+    partial = PartialAnswer()
+    partial.feed(chunk(" sunny", finish="abort"))
+    body = {"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "It is"}]}
+    assert partial.continuation_body(body)["messages"][-1] == {"role": "assistant", "content": "It is sunny"}
+    empty = PartialAnswer()
+    assert empty.feed(chunk(delta={"role": "assistant"}, finish="abort")) is None and empty.aborted
+    assert empty.continuation_body(body) is body
+
+
+@pytest.mark.parametrize(("delta", "why"), [
+    ({"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "f", "arguments": "{\"a"}}]}, "tool_call"),
+    ({"reasoning_content": "hmm"}, "reasoning"),
+])
+def test_a_partial_that_cannot_be_prefilled_keeps_its_abort(delta: dict[str, Any], why: str) -> None:
+    partial = PartialAnswer()
+    partial.feed(chunk(delta=delta))
+    aborted = chunk(finish="abort")
+    assert partial.feed(aborted) == aborted and not partial.aborted and partial.blocked == why
+
+
+def test_continuations_are_bounded() -> None:
+    partial = PartialAnswer()
+    for _ in range(MAX_CONTINUATIONS):
+        partial.feed(chunk("x", finish="abort"))
+        assert partial.aborted
+        partial.continuation_body({"messages": []})
+    last = chunk("x", finish="abort")
+    assert partial.feed(last) == last and not partial.aborted
+
+
+@pytest.mark.parametrize("mode", ["compatible", "realtime"])
+def test_an_engine_side_abort_mid_answer_is_continued_and_clients_see_one_answer(
+    server_loop: ServerLoop, tmp_path_factory: pytest.TempPathFactory, mode: str
+) -> None:
+    gateway, simulator = engine_gateway(server_loop, tmp_path_factory, stream_mode=mode)
+    calls = [chat_call, messages_call] * 2
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(call, gateway) for call in calls]
+        wait_for(lambda: engine_state(simulator)["in_flight"] == 4, timeout=15)
+        time.sleep(0.1)  # a few chunks into each answer
+        assert httpx.post(simulator.url + "/pause", params={"mode": "abort"}).json() == {"status": "paused"}
+        assert engine_state(simulator)["aborted"] == 4
+        time.sleep(0.3)  # the gateway polls /is_paused meanwhile; nothing may reach the engine's queue
+        assert len(simulator.requests()) == 4 and not any(f.done() for f in futures)
+        threading.Timer(0, lambda: httpx.post(simulator.url + "/resume")).start()
+        answers = [f.result(timeout=60) for f in futures]
+    for (text, finish), call in zip(answers, calls, strict=True):
+        assert text == TEXT and finish == ("stop" if call is chat_call else "end_turn")
+    sent = simulator.requests()
+    assert len(sent) == 8
+    continuations = [r["body"] for r in sent[4:]]
+    for body in continuations:
+        prefill = body["messages"][-1]
+        assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
+        assert prefill["role"] == "assistant" and prefill["content"] and TEXT.startswith(prefill["content"])
+        assert prefill["content"] != TEXT and body["messages"][:-1] == sent[0]["body"]["messages"]
+    assert metric(gateway, 'codebuddy2api_continuations_total{reason="abort"}') == 4
