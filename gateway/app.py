@@ -286,6 +286,7 @@ def create_app(
             await envelope_keys.aclose()
             await client_keys.aclose()
             await upstream.aclose()
+            await engines.aclose()
             await engine_control.aclose()
             if relay.capture is not None:
                 relay.capture.close()  # drains: every finished call is on disk

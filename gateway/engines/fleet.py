@@ -73,6 +73,7 @@ class EngineFleet:
         self._on_paused = on_paused or (lambda name, paused: None)
         #: called once per continuation sent after an abort (gateway/engines/continuation.py)
         self.on_continued: Callable[[], None] = lambda: None
+        self._watches: dict[str, asyncio.Task[bool]] = {}  # engine root -> its /is_paused poller
 
     def engines(self) -> list[Engine]:
         return fleet_of(self.pool())
@@ -121,25 +122,48 @@ class EngineFleet:
 
     async def accepting(self, credential: Credential, policy: StreamPolicy) -> None:
         """Before a continuation: wait while the gateway holds calls to this engine, then
-        while the engine reports ``is_paused`` (polled with backoff); at most
-        ``--engine-pause-max`` seconds each, then ``engine_paused``. An engine without an
-        engine API, or one whose ``/is_paused`` does not answer, is asked at once (a paused
-        engine queues the request itself)."""
+        while the engine reports ``is_paused``; at most ``--engine-pause-max`` seconds
+        each, then ``engine_paused``. An engine without an engine API, or one whose
+        ``/is_paused`` does not answer, is asked at once (a paused engine queues the
+        request itself)."""
         upstream, bound = credential.upstream, policy.engine_pause_max
         if self.hold.holds(upstream.engine_api):
             await self.hold.wait(upstream.name, bound)
         if upstream.engine_api is None:
             return
-        engine, gap = engine_of(credential), POLL_FIRST
+        engine = engine_of(credential)
+        watch = self._watches.get(engine.root)
+        if watch is None or watch.done():
+            watch = self._watches[engine.root] = asyncio.create_task(self._watch(engine, bound))
+        try:
+            async with asyncio.timeout(bound):
+                accepting = await asyncio.shield(watch)  # a cancelled waiter leaves the watch to the others
+        except TimeoutError:
+            accepting = False
+        if not accepting:
+            raise engine_paused(bound)
+
+    async def _watch(self, engine: Engine, bound: float) -> bool:
+        """One poller per engine, however many calls wait on it: ``/is_paused`` with
+        backoff until false (True), or ``bound`` seconds (False)."""
+        gap = POLL_FIRST
         try:
             async with asyncio.timeout(bound):
                 while await self.control.is_paused(engine):
                     await asyncio.sleep(gap)
                     gap = min(gap * 2, POLL_MAX)
         except TimeoutError:
-            raise engine_paused(bound) from None
+            return False
         except EngineControlError:
-            return
+            return True
+        return True
+
+    async def aclose(self) -> None:
+        """Stop the pollers (at shutdown)."""
+        for watch in self._watches.values():
+            watch.cancel()
+        await asyncio.gather(*self._watches.values(), return_exceptions=True)
+        self._watches.clear()
 
     async def status(self) -> list[dict[str, Any]]:
         """Each engine: url, paused, weight version (asked now), calls in flight, calls held."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,6 +149,18 @@ class StreamGate:
         if isinstance(options, dict) and options.get("include_usage") is True:
             frames.append({"choices": [], "usage": usage_of(self.body, self.sent)})
         return frames + [{"_op": "done"}]
+
+
+async def gated(engine: EngineControl, request_id: str, body: dict[str, Any],
+                frames: Callable[[StreamGate], AsyncIterator[bytes]]) -> AsyncGenerator[bytes, None]:
+    """A chat stream as the engine serves it: it waits in the queue while the engine is
+    paused, then counts as in flight until it ends (``frames``: its bytes under the gate)."""
+    ticket = await engine.admit(request_id)
+    try:
+        async for piece in frames(StreamGate(engine, ticket, body)):
+            yield piece
+    finally:
+        engine.release(ticket)
 
 
 def _control(request: Request) -> EngineControl:

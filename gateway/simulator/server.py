@@ -132,18 +132,6 @@ async def _sse(plan: Plan, stamp: Stamp, gate: StreamGate | None = None) -> Asyn
             yield _sse_bytes(frame, stamp)
 
 
-async def _engine_sse(plan: Plan, stamp: Stamp, engine: EngineControl, request_id: str,
-                      body: dict[str, Any]) -> AsyncGenerator[bytes, None]:
-    """A chat stream as the engine serves it: it waits in the queue while the engine is
-    paused, then counts as in flight until it ends."""
-    ticket = await engine.admit(request_id)
-    try:
-        async for piece in _sse(plan, stamp, StreamGate(engine, ticket, body)):
-            yield piece
-    finally:
-        engine.release(ticket)
-
-
 async def _truncated(payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
     """Half a JSON body, then an abort: the non-streaming flavour of ``drop``."""
     raw = json.dumps(payload).encode()
@@ -274,7 +262,8 @@ async def chat_completions(request: Request) -> Response:
         finally:
             engine.release(ticket)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **plan.headers}
-    body_iter = _tracked(_sim(request).stats, _engine_sse(plan, stamp, engine, request_id, body))
+    body_iter = _tracked(_sim(request).stats, engine_control.gated(
+        engine, request_id, body, lambda gate: _sse(plan, stamp, gate)))
     return ClosingStreamingResponse(body_iter, media_type="text/event-stream", headers=headers)
 
 

@@ -1,11 +1,10 @@
 """Transparent continuation after an engine's abort (gateway/engines/continuation.py):
 the pure PartialAnswer fed chunk by chunk, and end to end through the strict SDKs: an
 engine-side ``/pause?mode=abort`` the gateway was not told about, mid-answer, in both
-stream modes, on Chat and Messages: every client gets the one whole answer."""
+stream modes, on Chat, Messages and Responses: every client gets the one whole answer."""
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -16,7 +15,15 @@ import pytest
 from gateway.engines.continuation import MAX_CONTINUATIONS, PartialAnswer
 from gateway.simulator.server import TEXT
 from tests.conftest import ServerLoop, wait_for
-from tests.engines.test_weight_sync import chat_call, engine_gateway, engine_state, messages_call, metric
+from tests.engines.test_weight_sync import (
+    FINISHED,
+    chat_call,
+    engine_gateway,
+    engine_state,
+    messages_call,
+    metric,
+    responses_call,
+)
 
 
 def chunk(content: str | None = None, finish: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -80,25 +87,25 @@ def test_an_engine_side_abort_mid_answer_is_continued_and_clients_see_one_answer
     server_loop: ServerLoop, tmp_path_factory: pytest.TempPathFactory, mode: str
 ) -> None:
     gateway, simulator = engine_gateway(server_loop, tmp_path_factory, stream_mode=mode)
-    calls = [chat_call, messages_call] * 2
-    with ThreadPoolExecutor(4) as pool:
+    calls = [chat_call, messages_call, responses_call] * 2
+    with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(call, gateway) for call in calls]
-        wait_for(lambda: engine_state(simulator)["in_flight"] == 4, timeout=15)
+        wait_for(lambda: engine_state(simulator)["in_flight"] == 6, timeout=15)
         time.sleep(0.1)  # a few chunks into each answer
         assert httpx.post(simulator.url + "/pause", params={"mode": "abort"}).json() == {"status": "paused"}
-        assert engine_state(simulator)["aborted"] == 4
+        assert engine_state(simulator)["aborted"] == 6
         time.sleep(0.3)  # the gateway polls /is_paused meanwhile; nothing may reach the engine's queue
-        assert len(simulator.requests()) == 4 and not any(f.done() for f in futures)
-        threading.Timer(0, lambda: httpx.post(simulator.url + "/resume")).start()
+        assert len(simulator.requests()) == 6 and not any(f.done() for f in futures)
+        assert httpx.post(simulator.url + "/resume").json() == {"status": "resumed"}
         answers = [f.result(timeout=60) for f in futures]
     for (text, finish), call in zip(answers, calls, strict=True):
-        assert text == TEXT and finish == ("stop" if call is chat_call else "end_turn")
+        assert (text, finish) == (TEXT, FINISHED[call])
     sent = simulator.requests()
-    assert len(sent) == 8
-    continuations = [r["body"] for r in sent[4:]]
+    assert len(sent) == 12
+    continuations = [r["body"] for r in sent[6:]]
     for body in continuations:
         prefill = body["messages"][-1]
         assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
         assert prefill["role"] == "assistant" and prefill["content"] and TEXT.startswith(prefill["content"])
-        assert prefill["content"] != TEXT and body["messages"][:-1] == sent[0]["body"]["messages"]
-    assert metric(gateway, 'codebuddy2api_continuations_total{reason="abort"}') == 4
+        assert prefill["content"] != TEXT and body["messages"][:-1] in [r["body"]["messages"] for r in sent[:6]]
+    assert metric(gateway, 'codebuddy2api_continuations_total{reason="abort"}') == 6

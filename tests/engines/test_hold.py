@@ -1,15 +1,20 @@
-"""EngineHold and the fleet's engine list, fed directly (no server)."""
+"""EngineHold, the fleet's engine list and its wait for an engine to accept again, fed
+directly (no server; the engine on httpx.MockTransport)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
+import httpx
 import pytest
 
-from gateway.engines.control import engine_root
-from gateway.engines.fleet import fleet_of
+from gateway.engines.control import EngineControl, engine_root
+from gateway.engines.fleet import EngineFleet, fleet_of
 from gateway.engines.hold import EngineHold
 from gateway.errors import GatewayError
+from gateway.generation.policy import StreamPolicy
+from gateway.settings import Settings
 from gateway.upstream.credential import Credential, Upstream
 from gateway.upstream.pool import UpstreamPool
 
@@ -63,3 +68,38 @@ def test_the_fleet_is_the_upstreams_with_an_engine_api_once_each_with_a_key() ->
     assert engine.headers == {"x-team": "rl", "authorization": "Bearer sk-1"}
     assert "sk-1" not in repr(engine)
     assert engine_root("http://h/v1") == "http://h" and engine_root("http://h/api") == "http://h/api"
+
+
+def _fleet(answers: list[bool]) -> tuple[EngineFleet, Credential, list[str]]:
+    """A fleet over one vLLM credential whose /is_paused answers ``answers`` in turn
+    (then false); the paths asked, in order."""
+    asked: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
+        return httpx.Response(200, json={"is_paused": answers.pop(0) if answers else False})
+
+    credential = Credential(Upstream("v", "http://engine:8000/v1", engine_api="vllm"), "sk-1")
+    control = EngineControl(httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    return EngineFleet(lambda: UpstreamPool([credential]), control, EngineHold()), credential, asked
+
+
+async def test_calls_waiting_for_an_engine_share_one_is_paused_poller() -> None:
+    fleet, credential, asked = _fleet([True, True, True])
+    policy = dataclasses.replace(StreamPolicy.snapshot(Settings()), engine_pause_max=5.0)
+    async with asyncio.timeout(5):
+        await asyncio.gather(*(fleet.accepting(credential, policy) for _ in range(5)))
+    assert asked == ["/is_paused"] * 4  # one poller: three "paused", then "not paused"
+
+
+async def test_an_engine_that_stays_paused_is_engine_paused_after_the_bound() -> None:
+    fleet, credential, asked = _fleet([True] * 1000)
+    policy = dataclasses.replace(StreamPolicy.snapshot(Settings()), engine_pause_max=0.2)
+    with pytest.raises(GatewayError) as caught:
+        async with asyncio.timeout(5):
+            await fleet.accepting(credential, policy)
+    assert caught.value.code == "engine_paused" and len(asked) >= 2
+    await fleet.aclose()
+    plain = Credential(Upstream("p", "http://plain:8000/v1"), None)  # no engine API: asked at once
+    async with asyncio.timeout(5):
+        await fleet.accepting(plain, policy)

@@ -54,6 +54,18 @@ def messages_call(gateway: Gateway) -> tuple[str, str | None]:
     return text, final.stop_reason
 
 
+def responses_call(gateway: Gateway) -> tuple[str, str | None]:
+    client = openai.OpenAI(base_url=gateway.base_url, api_key="x", max_retries=0, timeout=30,
+                           _strict_response_validation=True)
+    with client.responses.stream(model=SLOW, input="hi") as stream:
+        final = stream.get_final_response()
+    return final.output_text, final.status
+
+
+#: What each protocol's finished answer says (finish_reason, stop_reason, status).
+FINISHED = {chat_call: "stop", messages_call: "end_turn", responses_call: "completed"}
+
+
 def metric(gateway: Gateway, line_start: str) -> float:
     text = httpx.get(gateway.url + "/metrics").text
     return float(next(line for line in text.splitlines() if line.startswith(line_start)).rsplit(" ", 1)[1])
@@ -68,7 +80,7 @@ def test_a_held_pause_mid_run_is_invisible_to_clients(
     server_loop: ServerLoop, tmp_path_factory: pytest.TempPathFactory, mode: str
 ) -> None:
     gateway, simulator = engine_gateway(server_loop, tmp_path_factory, stream_mode=mode)
-    calls: list[Callable[[Gateway], tuple[str, str | None]]] = [chat_call, messages_call] * 3
+    calls: list[Callable[[Gateway], tuple[str, str | None]]] = [chat_call, messages_call, responses_call] * 2
     with ThreadPoolExecutor(12) as pool:
         before: list[Future[tuple[str, str | None]]] = [pool.submit(call, gateway) for call in calls]
         wait_for(lambda: engine_state(simulator)["in_flight"] == 6, timeout=15)
@@ -94,8 +106,7 @@ def test_a_held_pause_mid_run_is_invisible_to_clients(
         assert resumed.json() == {"weight_version": "v2", "engines": ["upstream"], "released": 6}
         answers = [f.result(timeout=60) for f in before + held]
     for (text, finish), call in zip(answers, calls * 2, strict=True):
-        assert text == TEXT
-        assert finish == ("stop" if call is chat_call else "end_turn")
+        assert (text, finish) == (TEXT, FINISHED[call])
     assert len(simulator.requests()) == 12
     assert engine_state(simulator) | {"pauses": 0} == {
         "paused_mode": None, "in_flight": 0, "pauses": 0, "aborted": 0, "weight_version": "v2"}

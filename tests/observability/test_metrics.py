@@ -51,6 +51,7 @@ FAMILIES = {
     "codebuddy2api_request_errors": "counter",
     "codebuddy2api_build_info": "gauge",
     "codebuddy2api_engine_held_calls": "gauge",
+    "codebuddy2api_continuations": "counter",
     "process_resident_memory_bytes": "gauge",
     "process_cpu_seconds": "counter",
 }
