@@ -20,6 +20,7 @@ from tests.engines.test_weight_sync import (
     chat_call,
     engine_gateway,
     engine_state,
+    engines,
     messages_call,
     metric,
     responses_call,
@@ -109,3 +110,24 @@ def test_an_engine_side_abort_mid_answer_is_continued_and_clients_see_one_answer
         assert prefill["role"] == "assistant" and prefill["content"] and TEXT.startswith(prefill["content"])
         assert prefill["content"] != TEXT and body["messages"][:-1] in [r["body"]["messages"] for r in sent[:6]]
     assert metric(gateway, 'codebuddy2api_continuations_total{reason="abort"}') == 6
+
+
+def test_a_gateway_held_abort_pause_holds_the_continuations_until_resume(
+    server_loop: ServerLoop, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    gateway, simulator = engine_gateway(server_loop, tmp_path_factory, stream_mode="realtime")
+    calls = [chat_call, messages_call, responses_call]
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(call, gateway) for call in calls]
+        wait_for(lambda: engine_state(simulator)["in_flight"] == 3, timeout=15)
+        time.sleep(0.1)
+        paused = httpx.post(gateway.url + "/admin/api/engines/pause", json={"mode": "abort"}, headers=gateway.admin)
+        assert paused.status_code == 200 and engine_state(simulator)["aborted"] == 3
+        wait_for(lambda: engines(gateway)["held"] == 3, timeout=15)  # the continuations wait in the hold
+        time.sleep(0.2)
+        assert len(simulator.requests()) == 3 and not any(f.done() for f in futures)
+        resumed = httpx.post(gateway.url + "/admin/api/engines/resume", json={"weight_version": "v2"}, headers=gateway.admin)
+        assert resumed.json()["released"] == 3
+        answers = [f.result(timeout=60) for f in futures]
+    assert answers == [(TEXT, FINISHED[call]) for call in calls]
+    assert [r["body"].get("continue_final_message") for r in simulator.requests()] == [None] * 3 + [True] * 3
