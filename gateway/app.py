@@ -242,6 +242,7 @@ def create_app(
         await prober.start()
         observability.metrics.declare_configuration(relay.pool)
         engine_control.open()
+        await engines.learn_versions()  # each engine's version before the first call (2 s bound per engine)
         if getattr(app.state, "print_banner", False):
             from gateway.banner import announce
 

@@ -17,6 +17,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from gateway.engines.versions import VersionTrail
 from gateway.generation.policy import StreamPolicy
 from gateway.stream.answer import DONE
 from gateway.upstream.client import ANSWERED, Send, UpstreamItem
@@ -103,12 +104,16 @@ def _summed(first: dict[str, Any] | None, then: dict[str, Any], keep_prompt: boo
     return {**then, "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": int(prompt or 0) + completion}
 
 
-#: Waits until the credential's engine accepts again (bounded; raises engine_paused).
-Resumed = Callable[[Credential, StreamPolicy], Awaitable[None]]
+#: Waits until the credential's engine accepts again (bounded; raises engine_paused): its
+#: weight version then, when known.
+Resumed = Callable[[Credential, StreamPolicy], Awaitable["str | None"]]
 
 
-def continuing(send: Send, resumed: Resumed, on_continued: Callable[[], None] | None = None) -> Send:
-    """``send`` (a chat attempt) with its aborts continued on the same credential."""
+def continuing(send: Send, resumed: Resumed, on_continued: Callable[[], None] | None = None,
+               trail: VersionTrail | None = None) -> Send:
+    """``send`` (a chat attempt) with its aborts continued on the same credential;
+    ``trail``: the attempt's weight versions (fed every chunk, told the version a
+    continuation runs on)."""
 
     async def attempt(credential: Credential, body: dict[str, Any], policy: StreamPolicy,
                       headers: dict[str, str] | None = None) -> AsyncIterator[UpstreamItem]:
@@ -121,12 +126,16 @@ def continuing(send: Send, resumed: Resumed, on_continued: Callable[[], None] | 
                         if (item is ANSWERED and not partial.legs) or (item is DONE and not partial.aborted):
                             yield item
                         continue
+                    if trail is not None:
+                        trail.count(item)  # type: ignore[arg-type]
                     out = partial.feed(item)  # type: ignore[arg-type]
                     if out is not None:
                         yield out
             if not partial.aborted:
                 return
-            await resumed(credential, policy)
+            version = await resumed(credential, policy)
+            if trail is not None:
+                trail.switch(version)
             leg_body = partial.continuation_body(body)
             if on_continued is not None:
                 on_continued()

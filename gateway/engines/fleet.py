@@ -16,6 +16,7 @@ from typing import Any
 
 from gateway.engines.control import Engine, EngineControl, EngineControlError, engine_root
 from gateway.engines.hold import EngineHold, engine_paused
+from gateway.engines.versions import VersionTrail
 from gateway.generation.policy import StreamPolicy
 from gateway.upstream.credential import Credential
 from gateway.upstream.pool import UpstreamPool
@@ -74,6 +75,42 @@ class EngineFleet:
         #: called once per continuation sent after an abort (gateway/engines/continuation.py)
         self.on_continued: Callable[[], None] = lambda: None
         self._watches: dict[str, asyncio.Task[bool]] = {}  # engine root -> its /is_paused poller
+        #: each engine's weight version as last reported (or set by a resume), by name
+        self.versions: dict[str, str] = {}
+        self._trails: dict[str, set[VersionTrail]] = {}  # engine name -> the attempts at it now
+
+    def track(self, credential: Credential) -> VersionTrail | None:
+        """An attempt at this credential's engine starts: its version trail (None for an
+        upstream without an engine API), from the version known now."""
+        name = credential.upstream.name
+        if credential.upstream.engine_api is None:
+            return None
+        trail = VersionTrail(name)
+        trail.switch(self.versions.get(name))
+        self._trails.setdefault(name, set()).add(trail)
+        return trail
+
+    def untrack(self, trail: VersionTrail | None) -> None:
+        if trail is not None:
+            self._trails.get(trail.engine, set()).discard(trail)
+
+    def _learn(self, name: str, version: str | None, switch: bool) -> None:
+        """The engine's version now; ``switch``: the attempts at it run it from here on."""
+        if version is None:
+            return
+        self.versions[name] = version
+        for trail in self._trails.get(name, ()) if switch else ():
+            trail.switch(version)
+
+    async def learn_versions(self) -> None:
+        """Ask every engine its version (at start-up; 2 s bound each, failures ignored)."""
+        await asyncio.gather(*(self._ask_version(e, switch=False) for e in self.engines()))
+
+    async def _ask_version(self, engine: Engine, switch: bool) -> None:
+        async def step() -> None:
+            self._learn(engine.name, await self.control.weight_version(engine), switch)
+
+        await _bounded(STATUS_TIMEOUT, step, "")
 
     def engines(self) -> list[Engine]:
         return fleet_of(self.pool())
@@ -118,19 +155,21 @@ class EngineFleet:
         why = await _bounded(bound, step, f"not resumed within {bound:g} s")
         if why is None:
             self._on_paused(engine.name, False)
+            self._learn(engine.name, weight_version, switch=True)
+            await self._ask_version(engine, switch=True)  # the engine's own word wins
         return why
 
-    async def accepting(self, credential: Credential, policy: StreamPolicy) -> None:
+    async def accepting(self, credential: Credential, policy: StreamPolicy) -> str | None:
         """Before a continuation: wait while the gateway holds calls to this engine, then
         while the engine reports ``is_paused``; at most ``--engine-pause-max`` seconds
         each, then ``engine_paused``. An engine without an engine API, or one whose
         ``/is_paused`` does not answer, is asked at once (a paused engine queues the
-        request itself)."""
+        request itself). The engine's weight version then, when known."""
         upstream, bound = credential.upstream, policy.engine_pause_max
         if self.hold.holds(upstream.engine_api):
             await self.hold.wait(upstream.name, bound)
         if upstream.engine_api is None:
-            return
+            return None
         engine = engine_of(credential)
         watch = self._watches.get(engine.root)
         if watch is None or watch.done():
@@ -142,6 +181,7 @@ class EngineFleet:
             accepting = False
         if not accepting:
             raise engine_paused(bound)
+        return self.versions.get(upstream.name)
 
     async def _watch(self, engine: Engine, bound: float) -> bool:
         """One poller per engine, however many calls wait on it: ``/is_paused`` with
@@ -156,6 +196,7 @@ class EngineFleet:
             return False
         except EngineControlError:
             return True
+        await self._ask_version(engine, switch=False)  # what a continuation will run on
         return True
 
     async def aclose(self) -> None:
@@ -178,6 +219,7 @@ class EngineFleet:
         async def step() -> None:
             found["paused"] = await self.control.is_paused(engine)
             found["weight_version"] = await self.control.weight_version(engine)
+            self._learn(engine.name, found["weight_version"], switch=False)
 
         why = await _bounded(STATUS_TIMEOUT, step, f"no status within {STATUS_TIMEOUT:g} s")
         return {"name": engine.name, "url": engine.url, **found, "in_flight": in_flight,

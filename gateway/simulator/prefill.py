@@ -1,8 +1,8 @@
 """vLLM's assistant prefill in the simulator: ``continue_final_message: true`` (with
 ``add_generation_prompt: false``, as vLLM requires) continues the final assistant message
 instead of starting a new one. The scripted answer is the whole answer, so a continuation
-is that answer with the prefill taken off its start (when it starts with it: otherwise
-the engine "says something else", and the script is sent as it is)."""
+is that answer with the prefill taken off its start, with its token ids (when it starts
+with it: otherwise the engine "says something else", and the script is sent as it is)."""
 
 from __future__ import annotations
 
@@ -40,13 +40,25 @@ def continued(frames: list[Frame], prefill: str) -> list[Frame]:
         content = _content(frame)
         if left and content:
             cut = min(left, len(content))
-            frame["choices"][0]["delta"]["content"] = content[cut:]
+            _cut(frame["choices"][0], content, cut)
             left -= cut
         if isinstance(frame.get("usage"), dict):  # the completion is what is left (sim_scenarios' count)
             usage = frame["usage"]
             usage["completion_tokens"] = (len(text) - len(prefill)) // 4 + 1
             usage["total_tokens"] = usage.get("prompt_tokens", 0) + usage["completion_tokens"]
     return out
+
+
+def _cut(choice: dict[str, Any], content: str, cut: int) -> None:
+    """The first ``cut`` characters off a chunk's content, and off its token ids and
+    logprobs when it has one token per character (sim_tokens' tokenizer)."""
+    choice["delta"]["content"] = content[cut:]
+    ids = choice.get("token_ids")
+    if isinstance(ids, list) and len(ids) == len(content):
+        choice["token_ids"] = ids[cut:]
+    entries = (choice.get("logprobs") or {}).get("content")
+    if isinstance(entries, list) and len(entries) == len(content):
+        choice["logprobs"] = {**choice["logprobs"], "content": entries[cut:]}
 
 
 def _content(frame: Frame) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 
 from gateway.engines.continuation import continuing
 from gateway.engines.fleet import EngineFleet
+from gateway.engines.versions import VersionTrail
 from gateway.errors import ErrorCode, GatewayError
 from gateway.generation.policy import StreamPolicy
 from gateway.rollout.tokens import with_token_fields
@@ -54,7 +55,8 @@ class UpstreamAttempts:
         the request of one attempt (default: a chat completion; the relayed routes pass
         the client's ``stream_path``/``json_path``)."""
         chat = send is None
-        send = send or (self.token_in.send if self.token_in is not None else self._chat())
+        plain_chat = chat and self.token_in is None  # continued after an abort, versions tracked
+        send = send or (self.token_in.send if self.token_in is not None else self.client.stream_chat)
         pool = self.pool
         model = str(body.get("model", ""))
         tried: set[str] = set()
@@ -79,6 +81,9 @@ class UpstreamAttempts:
                 "started_at": time.time(),  # wall clock, for the trace's attempt span
             }
             self.log.append(attempt)
+            trail = self.engines.track(credential) if self.engines is not None and plain_chat else None
+            if trail is not None:  # the answer's weight versions per token range (gateway/engines/versions.py)
+                attempt["weight_versions"] = trail.versions
             headers = None
             if self.trace_context:  # the attempt's span id, told to the upstream (vLLM, SGLang trace it)
                 version, trace_id, _, flags = self.trace_context.split("-")
@@ -88,7 +93,8 @@ class UpstreamAttempts:
             answered = False
             try:
                 # closed here, at once, when this generator is (not whenever it is collected)
-                async with contextlib.aclosing(send(credential, upstream_body, self.policy, headers)) as items:  # type: ignore[type-var]
+                attempt_send = self._chat(trail) if plain_chat else send
+                async with contextlib.aclosing(attempt_send(credential, upstream_body, self.policy, headers)) as items:  # type: ignore[type-var]
                     async for item in items:
                         if item is ANSWERED:
                             answered = True
@@ -103,14 +109,16 @@ class UpstreamAttempts:
                 last_error = err
             finally:
                 lease.release()
+                if trail is not None:
+                    self.engines.untrack(trail)  # type: ignore[union-attr]
                 attempt["duration_ms"] = round((time.monotonic() - started) * 1000, 1)
         raise self._after_failover(model, tried, last_error)
 
-    def _chat(self) -> Send:
+    def _chat(self, trail: VersionTrail | None) -> Send:
         """A chat attempt; with weight sync, its aborts continued (gateway/engines/continuation.py)."""
         if self.engines is None:
             return self.client.stream_chat
-        return continuing(self.client.stream_chat, self.engines.accepting, self.engines.on_continued)
+        return continuing(self.client.stream_chat, self.engines.accepting, self.engines.on_continued, trail)
 
     async def _acquire(self, model: str, tried: set[str]) -> Lease:
         """A credential for the next attempt; while its engine is paused, the call waits in

@@ -77,6 +77,8 @@ def _fleet(answers: list[bool]) -> tuple[EngineFleet, Credential, list[str]]:
 
     def handler(request: httpx.Request) -> httpx.Response:
         asked.append(request.url.path)
+        if request.url.path == "/weight_info":
+            return httpx.Response(200, json={"weight_version": "v7"})
         return httpx.Response(200, json={"is_paused": answers.pop(0) if answers else False})
 
     credential = Credential(Upstream("v", "http://engine:8000/v1", engine_api="vllm"), "sk-1")
@@ -88,8 +90,9 @@ async def test_calls_waiting_for_an_engine_share_one_is_paused_poller() -> None:
     fleet, credential, asked = _fleet([True, True, True])
     policy = dataclasses.replace(StreamPolicy.snapshot(Settings()), engine_pause_max=5.0)
     async with asyncio.timeout(5):
-        await asyncio.gather(*(fleet.accepting(credential, policy) for _ in range(5)))
-    assert asked == ["/is_paused"] * 4  # one poller: three "paused", then "not paused"
+        versions = await asyncio.gather(*(fleet.accepting(credential, policy) for _ in range(5)))
+    # one poller: three "paused", then "not paused", then the version the continuations will run on
+    assert asked == ["/is_paused"] * 4 + ["/weight_info"] and versions == ["v7"] * 5
 
 
 async def test_an_engine_that_stays_paused_is_engine_paused_after_the_bound() -> None:
