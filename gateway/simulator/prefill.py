@@ -35,13 +35,16 @@ def continued(frames: list[Frame], prefill: str) -> list[Frame]:
     text = "".join(_content(f) for f in frames)
     if not prefill or not text.startswith(prefill):
         return frames
-    out, left = copy.deepcopy(frames), len(prefill)
-    for frame in out:
+    out, left = [], len(prefill)
+    for n, frame in enumerate(copy.deepcopy(frames)):
         content = _content(frame)
         if left and content:
             cut = min(left, len(content))
             _cut(frame["choices"][0], content, cut)
             left -= cut
+            if n and _emptied(frame):  # the engine samples only what follows the prefill
+                continue
+        out.append(frame)
         if isinstance(frame.get("usage"), dict):  # the completion is what is left (sim_scenarios' count)
             usage = frame["usage"]
             usage["completion_tokens"] = (len(text) - len(prefill)) // 4 + 1
@@ -59,6 +62,13 @@ def _cut(choice: dict[str, Any], content: str, cut: int) -> None:
     entries = (choice.get("logprobs") or {}).get("content")
     if isinstance(entries, list) and len(entries) == len(content):
         choice["logprobs"] = {**choice["logprobs"], "content": entries[cut:]}
+
+
+def _emptied(frame: Frame) -> bool:
+    """A chunk the cut left with nothing to say (no text, ids, finish or usage)."""
+    choice = frame["choices"][0]
+    return (set(frame) <= {"choices"} and not choice.get("finish_reason") and not choice.get("token_ids")
+            and not choice["delta"].get("content") and set(choice["delta"]) <= {"content", "role"})
 
 
 def _content(frame: Frame) -> str:
