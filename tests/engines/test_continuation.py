@@ -1,7 +1,8 @@
 """Transparent continuation after an engine's abort (gateway/engines/continuation.py):
 the pure PartialAnswer fed chunk by chunk, and end to end through the strict SDKs: an
 engine-side ``/pause?mode=abort`` the gateway was not told about, mid-answer, in both
-stream modes, on Chat, Messages and Responses: every client gets the one whole answer."""
+stream modes, on Chat, Messages and Responses (HTTP and WebSocket): every client gets the
+one whole answer."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import pytest
 from gateway.engines.continuation import MAX_CONTINUATIONS, PartialAnswer
 from gateway.simulator.server import TEXT
 from tests.conftest import ServerLoop, wait_for
+from tests.protocols.test_responses_ws import exchange, open_ws
 from tests.engines.test_weight_sync import (
     FINISHED,
+    SLOW,
     chat_call,
     engine_gateway,
     engine_state,
@@ -131,3 +134,25 @@ def test_a_gateway_held_abort_pause_holds_the_continuations_until_resume(
         answers = [f.result(timeout=60) for f in futures]
     assert answers == [(TEXT, FINISHED[call]) for call in calls]
     assert [r["body"].get("continue_final_message") for r in simulator.requests()] == [None] * 3 + [True] * 3
+
+
+@pytest.mark.parametrize("mode", ["compatible", "realtime"])
+def test_an_abort_under_a_responses_websocket_turn_is_continued(
+    server_loop: ServerLoop, tmp_path_factory: pytest.TempPathFactory, mode: str
+) -> None:
+    """Codex's transport: one ``response.create`` frame, the engine aborts mid-answer, the
+    turn ends ``response.completed`` with the whole text (each event valid for the SDK)."""
+    gateway, simulator = engine_gateway(server_loop, tmp_path_factory, stream_mode=mode)
+    with open_ws(gateway) as ws, ThreadPoolExecutor(1) as pool:
+        turn = pool.submit(exchange, ws, {"type": "response.create", "model": SLOW, "input": "hi"})
+        wait_for(lambda: engine_state(simulator)["in_flight"] == 1, timeout=15)
+        time.sleep(0.1)
+        httpx.post(simulator.url + "/pause", params={"mode": "abort"})
+        time.sleep(0.2)
+        httpx.post(simulator.url + "/resume")
+        events = turn.result(timeout=60)
+    assert events[-1]["type"] == "response.completed"
+    [message] = events[-1]["response"]["output"]
+    assert message["content"][0]["text"] == TEXT
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == TEXT
+    assert [r["body"].get("continue_final_message") for r in simulator.requests()] == [None, True]
