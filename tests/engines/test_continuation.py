@@ -13,7 +13,12 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.engines.continuation import MAX_CONTINUATIONS, PartialAnswer
+from gateway.engines.continuation import MAX_CONTINUATIONS, PartialAnswer, continuing
+from gateway.engines.hold import engine_paused
+from gateway.engines.versions import VersionTrail
+from gateway.errors import GatewayError
+from gateway.stream.answer import DONE
+from gateway.upstream.client import ANSWERED
 from gateway.simulator.server import TEXT
 from tests.conftest import ServerLoop, wait_for
 from tests.protocols.test_responses_ws import exchange, open_ws
@@ -156,3 +161,52 @@ def test_an_abort_under_a_responses_websocket_turn_is_continued(
     assert message["content"][0]["text"] == TEXT
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == TEXT
     assert [r["body"].get("continue_final_message") for r in simulator.requests()] == [None, True]
+
+
+def _legs(*legs: list[Any]) -> Any:
+    """A fake chat send answering each call with the next leg's items; the bodies it got."""
+    bodies: list[dict[str, Any]] = []
+
+    async def send(credential: Any, body: dict[str, Any], policy: Any, headers: Any = None) -> Any:
+        bodies.append(body)
+        for item in legs[len(bodies) - 1]:
+            yield item
+
+    return send, bodies
+
+
+async def _collect(items: Any) -> list[Any]:
+    return [item async for item in items]
+
+
+async def test_the_shell_continues_on_the_same_send_and_hides_the_seam() -> None:
+    send, bodies = _legs(
+        [ANSWERED, chunk("Hel", delta={"role": "assistant"}), chunk(finish="abort"), DONE],
+        [ANSWERED, chunk("lo", delta={"role": "assistant"}), chunk(finish="stop"), DONE],
+    )
+    waited: list[str] = []
+
+    async def resumed(credential: Any, policy: Any) -> str:
+        waited.append("resumed")
+        return "v2"
+
+    trail = VersionTrail("e")
+    trail.switch("v1")
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    items = await _collect(continuing(send, resumed, trail=trail)(None, body, None))  # type: ignore[arg-type]
+    assert items == [ANSWERED, chunk("Hel", delta={"role": "assistant"}), chunk("lo"), chunk(finish="stop"), DONE]
+    assert waited == ["resumed"] and bodies[1]["messages"][-1] == {"role": "assistant", "content": "Hel"}
+    assert trail.versions == [{"version": "v1", "from_token": 0}, {"version": "v2", "from_token": 1}]
+
+
+async def test_an_engine_that_stays_paused_fails_the_call_after_the_partial() -> None:
+    send, bodies = _legs([ANSWERED, chunk("Hel"), chunk(finish="abort"), DONE])
+
+    async def resumed(credential: Any, policy: Any) -> str:
+        raise engine_paused(0.1)
+
+    seen: list[Any] = []
+    with pytest.raises(GatewayError) as caught:
+        async for item in continuing(send, resumed)(None, {"messages": []}, None):  # type: ignore[arg-type]
+            seen.append(item)
+    assert caught.value.code == "engine_paused" and seen == [ANSWERED, chunk("Hel")] and len(bodies) == 1
