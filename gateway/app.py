@@ -22,6 +22,9 @@ from gateway.admin.auth import AdminAccess, login_base_url
 from gateway.admin.common import admin_error
 from gateway.admin.sessions import SessionEpoch
 from gateway.admin.throttle import AttemptThrottle
+from gateway.engines.control import EngineControl
+from gateway.engines.fleet import EngineFleet
+from gateway.engines.hold import EngineHold
 from gateway.errors import GatewayError
 from gateway.generation.passthrough import CompletionsRoute, EmbeddingsRoute
 from gateway.generation.recording_gate import RecordingGate, with_spill_hint
@@ -196,6 +199,13 @@ def create_app(
     )
     observability.durable.statements.update(rollout_store.STATEMENTS)  # replayed like the audit
     relay.rollouts = RolloutRecorder(db, observability.durable, live, lambda: relay.pool)
+    metrics = observability.metrics
+    engine_control = EngineControl()  # its HTTP client opens with the lifespan
+    engines = relay.engines = EngineFleet(
+        lambda: relay.pool, engine_control, EngineHold(on_held=metrics.engine_held_calls.set),
+        lambda name, paused: metrics.engine_paused.labels(name).set(1 if paused else 0),
+    )
+    engines.on_continued = metrics.continuations.labels("abort").inc
     envelope_keys = EnvelopeKeys(db)
     envelope_keys.load()  # before serving: requests only read the in-memory keyring
     relay.envelope_keys = envelope_keys
@@ -238,6 +248,8 @@ def create_app(
         prober = CredentialProber(lambda: relay.pool, upstream, settings.credential_probe_interval)
         await prober.start()
         observability.metrics.declare_configuration(relay.pool)
+        engine_control.open()
+        await engines.learn_versions()  # each engine's version before the first call (2 s bound per engine)
         if getattr(app.state, "print_banner", False):
             from gateway.banner import announce
 
@@ -289,6 +301,8 @@ def create_app(
             await envelope_keys.aclose()
             await client_keys.aclose()
             await upstream.aclose()
+            await engines.aclose()
+            await engine_control.aclose()
             if relay.capture is not None:
                 relay.capture.close()  # drains: every finished call is on disk
             await relay.limiter.aclose()  # settlements under way, before the writer closes
@@ -359,6 +373,7 @@ def create_app(
     app.state.envelope_keys = envelope_keys
     app.state.client_keys = client_keys
     app.state.relay = relay
+    app.state.engines = engines
     app.state.credential_state = credential_state
     app.state.replication = replication
     app.state.observability = observability

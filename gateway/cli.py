@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
             serve.add_argument(flag, dest=name, choices=["none", "vllm", "llamacpp"], help=help_text)
         elif name == "routing":
             serve.add_argument(flag, dest=name, choices=["cache-aware", "round-robin"], help=help_text)
+        elif name == "engine_api":
+            serve.add_argument(flag, dest=name, choices=["none", "vllm"], help=help_text)
         elif name == "log_level":
             serve.add_argument(flag, dest=name, choices=["debug", "info", "warning", "error"], help=help_text)
         elif name in ("upstream_url", "api_key", "public_url", "allow_upstream_host", "cors_allow_origin"):

@@ -49,7 +49,9 @@ overloaded         503     capacity_exceeded, upstream_unavailable, upstream_cap
                            store_unavailable (a stored response cannot be read now),
                            recording_unavailable (no record could be kept: refused),
                            key_store_unavailable (a managed key with limits could
-                           not reserve in time: refused, fail closed)
+                           not reserve in time: refused, fail closed),
+                           engine_paused (held in the gateway while the engines were
+                           paused for a weight update, past --engine-pause-max)
 internal           500     internal_error
 (no status)        499     client_disconnected (audit only: the client went away)
 =================  ======  ==========================================================
@@ -105,6 +107,7 @@ class ErrorCode(StrEnum):
     SERVER_SHUTTING_DOWN = "server_shutting_down"
     INTERNAL_ERROR = "internal_error"
     CLIENT_DISCONNECTED = "client_disconnected"
+    ENGINE_PAUSED = "engine_paused"
 
 
 class GatewayError(Exception):

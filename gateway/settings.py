@@ -80,6 +80,12 @@ class Settings(BaseSettings):
     rollout_header: str = "x-rollout-id"
     capture_tokens: Literal["none", "vllm", "llamacpp"] = "none"
     token_in: Literal["none", "vllm", "llamacpp"] = "none"
+    engine_api: Literal["none", "vllm"] = Field(
+        "none", description="the --upstream-url upstreams' engine control API (vllm: the dev RL API, for weight sync)"
+    )
+    engine_pause_max: float = Field(
+        600.0, gt=0, description="seconds a generation call may wait in the gateway while the engines are paused"
+    )
     capture_strict: bool = False
     stream_mode: StreamMode = StreamMode.COMPATIBLE
     max_collect_bytes: int = Field(8 * 1024 * 1024, ge=0, description="0 = unlimited")
@@ -325,6 +331,11 @@ CLI_FIELDS: dict[str, str] = {
     "token_in": "token-in continuation for the --upstream-url upstreams: vllm or llamacpp sends a rollout call that"
     " extends the previous one as token ids (its exact prompt + completion, then the new messages rendered"
     " by the engine) to the engine's completion endpoint; implies --capture-tokens of the same engine for them",
+    "engine_api": "engine control API of the --upstream-url upstreams: vllm (the dev RL API at the server root:"
+    " /pause, /resume, /is_paused, /weight_info, /update_weight_version) lets the admin API pause them for a weight"
+    " update while the gateway holds new calls (docs/weight-sync.md), or none; per upstream: engine_api",
+    "engine_pause_max": "seconds a generation call waits in the gateway while the engines are paused (admin"
+    " /admin/api/engines/pause) before it fails with engine_paused",
     "capture_strict": "a call record that cannot be made durable fails the call with the protocol's error"
     " (default: the answer is released, the rollout marked incomplete)",
     "stream_mode": "compatible (aggregate, validate, replay) or realtime (relay as it arrives)",

@@ -20,6 +20,7 @@ from gateway.admin.audit_api import audit_routes
 from gateway.admin.auth import auth_routes, guarded_check
 from gateway.admin.capture_api import capture_routes
 from gateway.admin.credentials_api import credential_routes
+from gateway.admin.engines_api import engine_routes
 from gateway.admin.envelope_keys_api import envelope_key_routes
 from gateway.admin.keys_api import key_routes
 from gateway.admin.rollouts_api import rollout_routes
@@ -58,7 +59,7 @@ class AdminGuard:
 def admin_routes() -> list[BaseRoute]:
     """Every admin route (other admin modules add theirs here)."""
     return [*audit_routes(), *credential_routes(), *capture_routes(), *rollout_routes(), *settings_routes(),
-            *status_routes(), *envelope_key_routes(), *key_routes()]
+            *status_routes(), *envelope_key_routes(), *key_routes(), *engine_routes()]
 
 
 def admin_mount() -> Mount:

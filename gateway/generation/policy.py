@@ -29,6 +29,7 @@ class StreamPolicy:
     attempt_timeout: float = 1800.0  # one upstream attempt in all (gateway.upstream.bounds)
     max_empty_events: int = 1000  # consecutive upstream events that carry nothing
     pool_timeout: float = 10.0  # waiting for a free upstream connection
+    engine_pause_max: float = 600.0  # waiting in the gateway while the engines are paused (gateway/engines/)
 
     @classmethod
     def snapshot(cls, settings: Settings) -> StreamPolicy:
@@ -49,6 +50,7 @@ class StreamPolicy:
             attempt_timeout=settings.attempt_timeout,
             max_empty_events=settings.max_empty_events,
             pool_timeout=settings.upstream_pool_timeout,
+            engine_pause_max=settings.engine_pause_max,
         )
 
     def reasoning_tags_for(self, model: str) -> Start | None:

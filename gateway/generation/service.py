@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from starlette.requests import ClientDisconnect, HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.engines.fleet import EngineFleet
 from gateway.errors import ErrorCode, GatewayError
 from gateway.generation.body_parsing import BodyBudget, parse_request
 from gateway.generation.outcome import RequestOutcome, internal_error
@@ -74,6 +75,9 @@ class GenerationService:
         #: managed client keys (gateway/keys/): who may ask, and their reservations
         self.keys: KeyRegistry | None = None
         self.limiter: KeyLimiter | None = None
+        #: weight sync (gateway/engines/; set at start-up): new calls to engines wait in its
+        #: hold while they are paused, aborted chat answers are continued
+        self.engines: EngineFleet | None = None
 
     def tenant(self, request: HTTPConnection) -> Tenant:
         """The tenant of a request whose client key was checked."""
@@ -187,7 +191,7 @@ class GenerationService:
             # a room may name its own run: the relayed routes' RelayedCall (gateway/generation/passthrough.py)
             run_type = getattr(room, "run_type", GenerationRun)
             attempts = UpstreamAttempts(self.pool, self.upstream, policy, session, record.trace_context, token_in,
-                                        upstream_headers)
+                                        upstream_headers, self.engines)
             run = run_type(room, parsed, policy, record, attempts)
         except Exception as exc:
             err = internal_error(exc, record.request_id, "encoder")

@@ -382,6 +382,20 @@ class Metrics:
             p + "upstream_pool_timeouts", "Requests that found no free upstream connection in --upstream-pool-timeout",
             registry=r,
         )
+        # weight sync (gateway/engines/): engines paused through the admin API, calls held meanwhile
+        self.engine_paused = Gauge(
+            p + "engine_paused", "1 while an engine is paused for a weight update (through the admin API)",
+            ["upstream"], registry=r, multiprocess_mode="livemax",
+        )
+        self.engine_held_calls = Gauge(
+            p + "engine_held_calls", "Generation calls waiting in the gateway while the engines are paused",
+            registry=r, multiprocess_mode="livesum",
+        )
+        self.continuations = Counter(
+            p + "continuations", "Chat answers an engine ended with finish_reason abort, continued with the"
+            " partial answer as a prefill", ["reason"], registry=r,
+        )
+        self.continuations.labels("abort")
         self.build_info = Gauge(
             p + "build_info", "Always 1: the gateway's version and Python", ["version", "python"],
             registry=r, multiprocess_mode="livemax",
@@ -433,6 +447,8 @@ class Metrics:
             upstream = credential.upstream
             self.upstreams.add_known([upstream.name])
             self.models.add_known([*(upstream.models or ()), *upstream.model_map])
+            if upstream.engine_api is not None:
+                self.engine_paused.labels(upstream.name)
         self._declare()
 
     def declare_keys(self, keys: Iterable[Any]) -> None:

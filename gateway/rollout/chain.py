@@ -13,7 +13,8 @@ and is ``exact`` (nothing to extend).
 A *segment* of the trajectory is a maximal chain of calls each extending the previous
 exactly: its ``tokens`` are the last call's prompt + completion, ``mask`` is 1 on every
 token some call of the chain sampled, ``logprobs`` the sampled logprobs there (``None``
-where the mask is 0). A call that extends a call inside another segment (a fork) starts a
+where the mask is 0), ``weight_versions`` each call's versions with ``from_token`` as a
+position in ``tokens`` (its prompt's length + the call's own ``from_token``). A call that extends a call inside another segment (a fork) starts a
 new segment holding that chain's calls up to the one it extends.
 
 Reused by token-in continuation (issue #27): :meth:`RolloutChain.previous` answers the
@@ -52,6 +53,7 @@ class _Call:
     prompt: list[int]
     completion: list[int]
     logprobs: list[float | None]
+    versions: list[dict[str, Any]] = field(default_factory=list)  # the record's weight_versions
 
     @property
     def sequence(self) -> list[int]:
@@ -64,7 +66,8 @@ def _tokens_of(record: dict[str, Any]) -> _Call | None:
         return None
     completion = list(tokens["completion_ids"])
     logprobs = list(tokens.get("completion_logprobs") or [None] * len(completion))
-    return _Call(str(record["call_id"]), list(tokens["prompt_ids"]), completion, logprobs)
+    versions = [v for v in record.get("weight_versions") or [] if isinstance(v, dict)]
+    return _Call(str(record["call_id"]), list(tokens["prompt_ids"]), completion, logprobs, versions)
 
 
 @dataclass
@@ -147,7 +150,10 @@ class RolloutChain:
                     logprobs[start + k] = lp
                 for k in range(len(call.logprobs), len(call.completion)):
                     mask[start + k] = 1
-            out.append({"call_ids": [c.call_id for c in calls], "tokens": tokens, "mask": mask, "logprobs": logprobs})
+            versions = [{"call_id": c.call_id, "version": v.get("version"),
+                         "from_token": len(c.prompt) + int(v.get("from_token") or 0)} for c in calls for v in c.versions]
+            out.append({"call_ids": [c.call_id for c in calls], "tokens": tokens, "mask": mask, "logprobs": logprobs,
+                        "weight_versions": versions})
         return out
 
 

@@ -72,6 +72,8 @@ def call_record(
         "tokens": tokens,
         "token_source": source or "none",
         "token_in": _token_in(run),
+        # the weight versions that sampled the answer, per completion-token range (gateway/engines/versions.py)
+        "weight_versions": attempt.get("weight_versions") if attempt else None,
     }
 
 

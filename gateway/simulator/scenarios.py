@@ -247,7 +247,7 @@ def _images(content: Any) -> int:
     return sum(1 for p in content if isinstance(p, dict) and p.get("type") == "image_url") if isinstance(content, list) else 0
 
 
-def _usage(body: Mapping[str, Any], deltas: list[Delta]) -> dict[str, Any]:
+def usage_of(body: Mapping[str, Any], deltas: list[Delta]) -> dict[str, Any]:
     """Deterministic token counts: characters // 4 + 1, and :data:`IMAGE_PROMPT_TOKENS` an image."""
     messages = chat_messages(body)
     prompt = sum(len(text_of(m.get("content"))) for m in messages) // 4 + 1
@@ -295,9 +295,9 @@ def _frames(reply: Reply, ctx: Ctx) -> list[Frame]:
     if where is not None:
         _place_usage(chunks, reply, ctx, where)
     elif ctx.opts.usage == "last":
-        chunks[-1]["usage"] = _usage(ctx.body, reply.deltas)
+        chunks[-1]["usage"] = usage_of(ctx.body, reply.deltas)
     elif ctx.opts.usage == "separate" and _wants_usage(ctx.body):
-        chunks.append({"choices": [], "usage": _usage(ctx.body, reply.deltas)})
+        chunks.append({"choices": [], "usage": usage_of(ctx.body, reply.deltas)})
     if reply.done and ctx.opts.done:
         chunks.append({"_op": "done"})
     return chunks
@@ -305,7 +305,7 @@ def _frames(reply: Reply, ctx: Ctx) -> list[Frame]:
 
 def _place_usage(chunks: list[Frame], reply: Reply, ctx: Ctx, where: str) -> None:
     """Usage where some servers put it (always sent, as they do)."""
-    usage = _usage(ctx.body, reply.deltas)
+    usage = usage_of(ctx.body, reply.deltas)
     if where == "choice":
         chunks[-1]["choices"][0]["usage"] = usage
     elif where == "x_groq":

@@ -26,7 +26,10 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway.simulator import completions as sim_completions
+from gateway.simulator import engine_control
+from gateway.simulator import prefill as sim_prefill
 from gateway.simulator import token_in as sim_token_in
+from gateway.simulator.engine_control import EngineControl, StreamGate
 from gateway.simulator.reply import (  # noqa: F401  (re-exported for tests and tools)
     DEFAULT_TOOLS,
     GREETING,
@@ -117,8 +120,10 @@ def _sse_bytes(frame: Frame, stamp: Stamp) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-async def _sse(plan: Plan, stamp: Stamp, stats: Stats | None = None) -> AsyncGenerator[bytes, None]:
-    """Yield one SSE event per frame, honouring delays so each frame is flushed separately."""
+async def _sse(plan: Plan, stamp: Stamp, stats: Stats | None = None,
+               gate: StreamGate | None = None) -> AsyncGenerator[bytes, None]:
+    """Yield one SSE event per frame, honouring delays so each frame is flushed separately;
+    with a ``gate``, under the engine's pause state (engine_control)."""
     if plan.options.first_chunk_delay > 0:
         await asyncio.sleep(plan.options.first_chunk_delay)
     pause_at = int(len(plan.frames) * plan.options.pause_at) if 0 < plan.options.pause_at < 1 else -1
@@ -132,6 +137,10 @@ async def _sse(plan: Plan, stamp: Stamp, stats: Stats | None = None) -> AsyncGen
             await asyncio.sleep(float(frame.get("seconds", 0)))
         elif op == "drop":
             raise SimulatedDrop("simulated connection drop")
+        elif gate is not None and not await gate.allows(frame):
+            for end in gate.abort_frames():
+                yield _sse_bytes(end, stamp)
+            return
         else:
             yield _sse_bytes(frame, stamp)
             if stats is not None and isinstance(frame.get("usage"), dict):
@@ -182,6 +191,10 @@ class ClosingStreamingResponse(StreamingResponse):
 
 def _sim(request: Request) -> SimState:
     return request.app.state.sim  # type: ignore[no-any-return]
+
+
+def _engine(request: Request) -> EngineControl:
+    return request.app.state.engine  # type: ignore[no-any-return]
 
 
 async def _json_body(request: Request) -> Any:
@@ -242,6 +255,12 @@ async def chat_completions(request: Request) -> Response:
                           request.headers.get("authorization", ""))
     except ValueError as exc:
         return _bad_request(str(exc))
+    refused = sim_prefill.refusal(body)
+    if refused is not None:
+        return _bad_request(refused)
+    prefill = sim_prefill.prefill_of(body)
+    if prefill is not None and plan.status == 200:
+        plan = dataclasses.replace(plan, frames=sim_prefill.continued(plan.frames, prefill))
     if plan.options.ttfb > 0:
         await asyncio.sleep(plan.options.ttfb)
     if plan.status != 200:
@@ -250,10 +269,16 @@ async def chat_completions(request: Request) -> Response:
         media_type, content = plan.raw
         return Response(content, media_type=media_type, headers=plan.headers)
     stamp = Stamp(model, plan.options.unstable_id)
+    engine, request_id = _engine(request), request.headers.get("x-request-id") or stamp.base_id
     if not stream:
-        return await _non_stream(plan, stamp, _sim(request).stats)
+        ticket = await engine.admit(request_id)  # waits while paused; no mid-answer freeze or abort
+        try:
+            return await _non_stream(plan, stamp, _sim(request).stats)
+        finally:
+            engine.release(ticket)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **plan.headers}
-    body_iter = _tracked(_sim(request).stats, _sse(plan, stamp, _sim(request).stats))
+    body_iter = _tracked(_sim(request).stats, engine_control.gated(
+        engine, request_id, body, lambda gate: _sse(plan, stamp, _sim(request).stats, gate)))
     return ClosingStreamingResponse(body_iter, media_type="text/event-stream", headers=headers)
 
 
@@ -365,6 +390,8 @@ async def text_completions(request: Request) -> Response:
     if isinstance(body, Response):
         return body
     answer_id, created = "cmpl-sim" + uuid.uuid4().hex[:12], int(time.time())
+    engine = _engine(request)
+    engine.release(await engine.admit(answer_id))  # waits while paused (no mid-answer freeze here)
     if sim_token_in.is_token_in(body) and body.get("stream") is True:  # vLLM token-in (a rollout continuation)
         return _completion_stream(sim_token_in.completion_chunks(body, answer_id, created))
     if body.get("stream") is not True:
@@ -409,8 +436,10 @@ def create_simulator_app() -> Starlette:
         Route("/_sim/stats", stats, methods=["GET"]),
         Route("/_sim/fault", fault, methods=["POST", "DELETE"]),
         Route("/healthz", healthz, methods=["GET"]),
+        *engine_control.ROUTES,
     ])
     app.state.sim = SimState()
+    app.state.engine = EngineControl()
     _quiet_deliberate_drops()
     return app
 

@@ -14,15 +14,18 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from gateway.errors import GatewayError
+from gateway.engines.continuation import continuing
+from gateway.engines.fleet import EngineFleet
+from gateway.engines.versions import VersionTrail
+from gateway.errors import ErrorCode, GatewayError
 from gateway.generation.offload import BODIES, OffloadFull
 from gateway.generation.policy import StreamPolicy
 from gateway.rollout.tokens import with_token_fields
 from gateway.upstream.client import ANSWERED, Send, UpstreamClient, UpstreamItem
-from gateway.upstream.pool import UpstreamPool
+from gateway.upstream.pool import Lease, UpstreamPool
 from gateway.upstream.routing import prefix_chain
 from gateway.upstream.token_in import TokenIn
 
@@ -39,7 +42,7 @@ class UpstreamAttempts:
     def __init__(
         self, pool: UpstreamPool, client: UpstreamClient, policy: StreamPolicy, session: str | None = None,
         trace_context: str | None = None, token_in: TokenIn | None = None,
-        upstream_headers: dict[str, str] | None = None,
+        upstream_headers: dict[str, str] | None = None, engines: EngineFleet | None = None,
     ) -> None:
         self.pool = pool
         self.client = client
@@ -55,6 +58,9 @@ class UpstreamAttempts:
         #: a rollout call's token-in continuation (gateway/upstream/token_in.py): its chat
         #: attempts go through it (token ids to an engine that has token_in, else chat)
         self.token_in = token_in
+        #: weight sync (gateway/engines/): while the engines are paused, calls to them wait in
+        #: its hold; a chat answer an engine aborts is continued
+        self.engines = engines
 
     async def stream(self, body: dict[str, Any], send: Send | None = None) -> AsyncIterator[UpstreamItem]:
         """Yield ANSWERED, then the chunks (and DONE) of one answer; raise GatewayError
@@ -62,6 +68,7 @@ class UpstreamAttempts:
         the request of one attempt (default: a chat completion; the relayed routes pass
         the client's ``stream_path``/``json_path``)."""
         chat = send is None
+        plain_chat = chat and self.token_in is None  # continued after an abort, versions tracked
         send = send or (self.token_in.send if self.token_in is not None else self.client.stream_chat)
         pool = self.pool
         model = str(body.get("model", ""))
@@ -71,8 +78,10 @@ class UpstreamAttempts:
         prefix = await _prefix_of(body) if pool.router.uses_prefix and len(pool.credentials) > 1 else ()
         for _ in range(1 + self.policy.failover_max):
             try:
-                lease = pool.acquire(model, tried, self.session, prefix)
+                lease = await self._acquire(model, tried, prefix)
             except GatewayError as err:
+                if err.code == ErrorCode.ENGINE_PAUSED:
+                    raise
                 # after a failed attempt, the client hears what the upstream said, unless
                 # every credential now cools down: then when to come back
                 raise (last_error if last_error is not None and err.kind != "rate_limit" else err) from None
@@ -88,6 +97,9 @@ class UpstreamAttempts:
                 "started_at": time.time(),  # wall clock, for the trace's attempt span
             }
             self.log.append(attempt)
+            trail = self.engines.track(credential) if self.engines is not None and plain_chat else None
+            if trail is not None:  # the answer's weight versions per token range (gateway/engines/versions.py)
+                attempt["weight_versions"] = trail.versions
             headers = dict(self.upstream_headers) if self.upstream_headers else None
             if self.trace_context:  # the attempt's span id, told to the upstream (vLLM, SGLang trace it)
                 version, trace_id, _, flags = self.trace_context.split("-")
@@ -97,7 +109,8 @@ class UpstreamAttempts:
             answered = False
             try:
                 # closed here, at once, when this generator is (not whenever it is collected)
-                async with contextlib.aclosing(send(credential, upstream_body, self.policy, headers)) as items:  # type: ignore[type-var]
+                attempt_send = self._chat(trail) if plain_chat else send
+                async with contextlib.aclosing(attempt_send(credential, upstream_body, self.policy, headers)) as items:  # type: ignore[type-var]
                     async for item in items:
                         if item is ANSWERED:
                             answered = True
@@ -114,8 +127,27 @@ class UpstreamAttempts:
                 last_error = err
             finally:
                 lease.release()
+                if trail is not None:
+                    self.engines.untrack(trail)  # type: ignore[union-attr]
                 attempt["duration_ms"] = round((time.monotonic() - started) * 1000, 1)
         raise self._after_failover(model, tried, last_error)
+
+    def _chat(self, trail: VersionTrail | None) -> Send:
+        """A chat attempt; with weight sync, its aborts continued (gateway/engines/continuation.py)."""
+        if self.engines is None:
+            return self.client.stream_chat
+        return continuing(self.client.stream_chat, self.engines.accepting, self.engines.on_continued, trail)
+
+    async def _acquire(self, model: str, tried: set[str], prefix: Sequence[int] = ()) -> Lease:
+        """A credential for the next attempt; while its engine is paused, the call waits in
+        the hold (no lease held meanwhile), then picks again."""
+        while True:
+            lease = self.pool.acquire(model, tried, self.session, prefix)
+            upstream = lease.credential.upstream
+            if self.engines is None or not self.engines.hold.holds(upstream.engine_api):
+                return lease
+            lease.release()
+            await self.engines.hold.wait(upstream.name, self.policy.engine_pause_max)
 
     def _after_failover(self, model: str, tried: set[str], last_error: GatewayError | None) -> GatewayError:
         """Failover is used up: when every credential now cools down, say when to retry."""

@@ -91,6 +91,7 @@ def _upstreams_from_toml(path: Path, allowed_hosts: list[str]) -> list[Credentia
             model_map=dict(entry.model_map),
             capture_tokens=entry.capture_tokens or entry.token_in,
             token_in=entry.token_in,
+            engine_api=None if entry.engine_api in (None, "none") else entry.engine_api,
         )
         for key, label in _entry_keys(path, i, entry):
             credentials.append(Credential(upstream, key, label=label))
@@ -130,7 +131,8 @@ def build_pool(settings: Settings, state: CredentialState | None, simulator_url:
     for i, url in enumerate(settings.upstream_url):
         token_in = None if settings.token_in == "none" else settings.token_in
         upstream = Upstream(name=f"upstream{i}" if len(settings.upstream_url) > 1 else "upstream", base_url=url,
-                            capture_tokens=token_in, token_in=token_in)
+                            capture_tokens=token_in, token_in=token_in,
+                            engine_api=None if settings.engine_api == "none" else settings.engine_api)
         credentials += [Credential(upstream, key, label=label) for key, label in keys]
     if settings.config:
         credentials += _upstreams_from_toml(settings.config, settings.allow_upstream_host)

@@ -48,6 +48,9 @@ class UpstreamEntry(BaseModel):
         None, description="token-in continuation of rollout calls through this engine (docs/capture.md);"
         " implies capture_tokens of the same engine unless set"
     )
+    engine_api: Literal["vllm", "none"] | None = Field(
+        None, description="this engine's control API for weight sync (docs/weight-sync.md; default: --engine-api)"
+    )
 
     @field_validator("base_url")
     @classmethod

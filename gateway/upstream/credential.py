@@ -32,6 +32,7 @@ class Upstream:
     model_map: dict[str, str] = field(default_factory=dict)  # client model -> upstream model
     capture_tokens: str | None = None  # this upstream's token source (None: --capture-tokens)
     token_in: str | None = None  # "vllm" | "llamacpp": rollout continuations sent as token ids
+    engine_api: str | None = None  # "vllm": paused and resumed for weight updates (gateway/engines/)
 
     def allows(self, model: str) -> bool:
         """Every model when no allow-list is set; else the list and the renamed names."""

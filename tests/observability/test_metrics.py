@@ -56,6 +56,8 @@ FAMILIES = {
     "codebuddy2api_replicas_live": "gauge",
     "codebuddy2api_max_concurrent_share": "gauge",
     "codebuddy2api_cost": "counter",
+    "codebuddy2api_engine_held_calls": "gauge",
+    "codebuddy2api_continuations": "counter",
     "process_resident_memory_bytes": "gauge",
     "process_cpu_seconds": "counter",
 }

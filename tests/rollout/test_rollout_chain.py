@@ -32,6 +32,7 @@ def test_an_append_only_chain_is_one_segment_with_the_sampled_tokens_masked() ->
         "call_ids": ["a", "b", "c"], "tokens": [1, 2, 3, 4, 5, 6, 7, 8, 9],
         "mask": [0, 0, 1, 1, 0, 1, 0, 1, 1],
         "logprobs": [None, None, -0.5, -1.5, None, -0.5, None, -0.5, -1.5],
+        "weight_versions": [],
     }
 
 

@@ -68,7 +68,7 @@ def expected_segment(bodies: list[dict[str, Any]]) -> dict[str, Any]:
         assert tokens[: len(p) + len(c)] == p + c  # each call extends the one before, token for token
         for k, lp in enumerate(lps):
             mask[len(p) + k], logprobs[len(p) + k] = 1, lp
-    return {"tokens": tokens, "mask": mask, "logprobs": logprobs}
+    return {"tokens": tokens, "mask": mask, "logprobs": logprobs, "weight_versions": []}
 
 
 class Seen:
@@ -300,7 +300,8 @@ def test_an_edited_history_starts_a_new_segment_where_it_diverges(rollout_gatewa
     assert [s["call_ids"] for s in segments] == [[c["call_id"] for c in calls[:3]], [calls[3]["call_id"]]]
     p3, c3, l3 = expected_tokens(bodies[3])
     assert segments[1] == {"call_ids": [calls[3]["call_id"]], "tokens": p3 + c3,
-                           "mask": [0] * len(p3) + [1] * len(c3), "logprobs": [None] * len(p3) + l3}
+                           "mask": [0] * len(p3) + [1] * len(c3), "logprobs": [None] * len(p3) + l3,
+                           "weight_versions": []}
 
 
 def test_ids_that_drift_are_diverged_where_the_answer_begins(rollout_gateways: dict[str, Gateway], simulator: Simulator) -> None:
