@@ -15,6 +15,7 @@ from gateway.admin.audit_api import BadParam, _bad, _number, _time
 from gateway.admin.common import admin_error
 from gateway.rollout import store as rollout_store
 from gateway.rollout.ids import VALID
+from gateway.rollout.labels import BadLabel, check_group, load_labels
 from gateway.rollout.recorder import RolloutRecorder
 
 #: Seconds an admin write (freeze, delete) may wait on the store.
@@ -42,10 +43,15 @@ async def list_rollouts(request: Request) -> Response:
     try:
         since = _time(request, "since")
         limit = _number(request, "limit", 1000, 1, 10_000)
+        group = request.query_params.get("group")
+        if group is not None:
+            check_group(group, "group")
     except BadParam as err:
         return _bad(err)
+    except BadLabel as err:
+        return _bad(BadParam(err.param, str(err)))
     db = _recorder(request).db
-    rows = await db.arun(lambda conn: rollout_store.list_rollouts(conn, since, limit))
+    rows = await db.arun(lambda conn: rollout_store.list_rollouts(conn, since, limit, group))
     return JSONResponse({"rollouts": rows})
 
 
@@ -54,7 +60,9 @@ async def _snapshot(request: Request, rollout_id: str) -> dict[str, Any] | None:
     if read is None:
         return None
     records, marks = read
-    return await asyncio.to_thread(rollout_store.snapshot, records, marks, rollout_id)
+    labels = await _recorder(request).db.arun(lambda conn: load_labels(conn, rollout_id))
+    snap = await asyncio.to_thread(rollout_store.snapshot, records, marks, rollout_id)
+    return {**snap, **labels}
 
 
 async def get_rollout(request: Request) -> Response:

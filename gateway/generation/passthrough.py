@@ -207,6 +207,7 @@ class RelayedCall:
         self.committed = False
         self.terminated = False  # the last frame was released: nothing follows
         self.rollout_id: str | None = None
+        self.rollout_group: str | None = None
         self.completion = None  # no chat answer (the service's JSON path passes collect()'s dict)
         self._aborted: GatewayError | None = None
         self._task: asyncio.Task[Any] | None = None

@@ -58,6 +58,7 @@ def call_record(
     return {
         "call_id": record.request_id,
         "rollout_id": run.rollout_id,
+        "group_id": run.rollout_group,
         "started_at": record.started_at,
         "ended_at": record.ended_at or time.time(),
         "protocol": record.protocol,

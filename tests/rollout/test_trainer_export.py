@@ -133,3 +133,94 @@ def test_the_cli_export_reads_a_postgresql_store(server_loop: ServerLoop, simula
     assert out.returncode == 0, out.stderr
     [record] = [json.loads(line) for line in out.stdout.splitlines()]
     assert record == read_back(gateway, rollout)["calls"][0] and record["outcome"] == "success"
+
+
+# -- 2. rewards and groups ------------------------------------------------------------------
+
+
+def post(gateway: Gateway, rollout: str, part: str, body: Any) -> httpx.Response:
+    return httpx.post(f"{gateway.url}/admin/api/rollouts/{rollout}/{part}", json=body, headers=gateway.admin, timeout=10)
+
+
+def listed(gateway: Gateway, **params: str) -> dict[str, dict[str, Any]]:
+    response = httpx.get(gateway.url + "/admin/api/rollouts", params=params, headers=gateway.admin, timeout=10)
+    assert response.status_code == 200, response.text
+    return {r["rollout_id"]: r for r in response.json()["rollouts"]}
+
+
+def test_rewards_and_groups_round_trip(trainer_gateway: Gateway, simulator: Simulator) -> None:
+    gateway, group = trainer_gateway, "grpo.step7:" + secrets.token_hex(3)
+    rollout, other = new_rollout("rew"), new_rollout("rew")
+    edited_rollout(gateway, rollout, {"x-rollout-group": group})
+    client_for(gateway, other).chat.completions.create(model="text", messages=[{"role": "user", "content": "hi"}])
+    snap = read_back(gateway, rollout)
+    assert snap["group_id"] == group and snap["reward"] is None and snap["call_rewards"] == {}
+    assert [c["group_id"] for c in snap["calls"]] == [group] * 3
+    assert read_back(gateway, other)["group_id"] is None
+    assert set(listed(gateway, group=group)) == {rollout}
+    # the rollout's reward: posted twice (a retry) it is one reward; a new value replaces it
+    first = post(gateway, rollout, "reward", {"reward": 1, "details": {"tests_passed": 3}})
+    assert first.status_code == 200, first.text
+    assert first.json() | {"at": 0} == {"rollout_id": rollout, "call_id": None, "reward": 1.0,
+                                        "details": {"tests_passed": 3}, "at": 0}
+    assert post(gateway, rollout, "reward", {"reward": 1, "details": {"tests_passed": 3}}).status_code == 200
+    assert read_back(gateway, rollout)["reward"] | {"at": 0} == {"reward": 1.0, "details": {"tests_passed": 3}, "at": 0}
+    assert post(gateway, rollout, "reward", {"reward": 0.25}).status_code == 200
+    call_ids = [c["call_id"] for c in snap["calls"]]
+    assert post(gateway, rollout, "reward", {"reward": -0.5, "call_id": call_ids[1]}).status_code == 200
+    assert post(gateway, rollout, "reward", {"reward": -1.5, "call_id": call_ids[1], "details": {"why": "x"}}).status_code == 200
+    snap = read_back(gateway, rollout)
+    assert (snap["reward"]["reward"], snap["reward"]["details"]) == (0.25, None)
+    assert {k: (v["reward"], v["details"]) for k, v in snap["call_rewards"].items()} == {call_ids[1]: (-1.5, {"why": "x"})}
+    assert gateway.app.state.db.execute("SELECT COUNT(*) FROM rollout_rewards WHERE rollout_id = ?", (rollout,)) == [(2,)]
+    entry = listed(gateway, group=group)[rollout]
+    assert (entry["group_id"], entry["reward"], entry["calls"]) == (group, 0.25, 3)
+    # the admin API moves a rollout into a group
+    moved = post(gateway, other, "group", {"group_id": group})
+    assert moved.status_code == 200 and moved.json() == {"rollout_id": other, "group_id": group}
+    assert set(listed(gateway, group=group)) == {rollout, other}
+    # deleting a frozen rollout deletes its labels too
+    assert post(gateway, other, "freeze", {}).status_code == 200
+    assert httpx.request("DELETE", f"{gateway.url}/admin/api/rollouts/{other}", json={}, headers=gateway.admin).status_code == 204
+    assert set(listed(gateway, group=group)) == {rollout}
+    assert gateway.app.state.db.execute("SELECT COUNT(*) FROM rollout_groups WHERE rollout_id = ?", (other,)) == [(0,)]
+
+
+@pytest.mark.parametrize("body,status,code,param", [
+    ({"reward": True}, 400, "invalid_parameter", "reward"),
+    ({"reward": "1"}, 400, "invalid_parameter", "reward"),
+    ({}, 400, "invalid_parameter", "reward"),
+    ({"reward": 1, "details": [1]}, 400, "invalid_parameter", "details"),
+    ({"reward": 1, "call_id": 7}, 400, "invalid_parameter", "call_id"),
+    ({"reward": 1, "score": 2}, 400, "invalid_parameter", "score"),
+    ({"reward": 1, "call_id": "req_nope"}, 404, "call_not_found", "call_id"),
+    ([1], 400, "invalid_json", None),
+])
+def test_a_bad_reward_is_refused_with_the_field(trainer_gateway: Gateway, body: Any, status: int, code: str, param: str | None) -> None:
+    gateway, rollout = trainer_gateway, new_rollout("bad")
+    client_for(gateway, rollout).chat.completions.create(model="text", messages=[{"role": "user", "content": "hi"}])
+    response = post(gateway, rollout, "reward", body)
+    assert response.status_code == status, response.text
+    assert (response.json()["error"]["code"], response.json()["error"].get("param")) == (code, param)
+    assert read_back(gateway, rollout)["reward"] is None and read_back(gateway, rollout)["call_rewards"] == {}
+
+
+def test_labels_need_a_rollout_and_valid_values(trainer_gateway: Gateway, simulator: Simulator) -> None:
+    gateway = trainer_gateway
+    missing = post(gateway, "no-such-rollout", "reward", {"reward": 1})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "rollout_not_found"
+    rollout = new_rollout("grp")
+    client_for(gateway, rollout).chat.completions.create(model="text", messages=[{"role": "user", "content": "hi"}])
+    nan = httpx.post(f"{gateway.url}/admin/api/rollouts/{rollout}/reward", content=b'{"reward": NaN}',
+                     headers={**gateway.admin, "content-type": "application/json"})
+    assert nan.status_code == 400 and nan.json()["error"]["param"] == "reward"
+    bad_group = post(gateway, rollout, "group", {"group_id": "has space"})
+    assert bad_group.status_code == 400 and bad_group.json()["error"]["param"] == "group_id"
+    assert httpx.get(gateway.url + "/admin/api/rollouts", params={"group": "a/b"}, headers=gateway.admin).status_code == 400
+    # a bad group header on a call: the route's 400 before anything goes upstream
+    before = len(simulator.requests())
+    with pytest.raises(openai.BadRequestError) as refused:
+        client_for(gateway, new_rollout("grp"), {"x-rollout-group": "no/slash"}).chat.completions.create(
+            model="text", messages=[{"role": "user", "content": "hi"}])
+    assert refused.value.code == "invalid_rollout_group" and refused.value.param == "x-rollout-group"
+    assert len(simulator.requests()) == before
