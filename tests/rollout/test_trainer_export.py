@@ -123,16 +123,26 @@ def test_the_cli_export_reads_an_existing_store_and_never_creates_one(trainer_ga
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
-def test_the_cli_export_reads_a_postgresql_store(server_loop: ServerLoop, simulator: Simulator, postgres_schema: str,
-                                                 tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+def test_the_exports_read_a_postgresql_store(server_loop: ServerLoop, simulator: Simulator, postgres_schema: str,
+                                             tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
     gateway = start_gateway(server_loop, simulator, tmp_path_factory, capture_tokens="vllm", api_key=[CLIENT_KEY],
                             database_url=postgres_schema)
-    rollout = new_rollout("pg")
-    client_for(gateway, rollout).chat.completions.create(model="text", messages=[{"role": "user", "content": "hi"}])
-    out = export_cli(tmp_path, "--rollout", rollout, "--database-url", postgres_schema)
+    rollouts = [new_rollout("pg") for _ in range(3)]
+    for rollout in rollouts:
+        client_for(gateway, rollout, {"x-rollout-group": "pg-group"}).chat.completions.create(
+            model="text", messages=[{"role": "user", "content": "hi"}])
+    out = export_cli(tmp_path, "--rollout", rollouts[0], "--database-url", postgres_schema)
     assert out.returncode == 0, out.stderr
     [record] = [json.loads(line) for line in out.stdout.splitlines()]
-    assert record == read_back(gateway, rollout)["calls"][0] and record["outcome"] == "success"
+    assert record == read_back(gateway, rollouts[0])["calls"][0] and record["outcome"] == "success"
+    # the bulk export's page query on PostgreSQL: group, frozen, cursor, a reward in the shape
+    assert post(gateway, rollouts[1], "reward", {"reward": 2}).status_code == 200
+    assert post(gateway, rollouts[1], "freeze", {}).status_code == 200
+    lines = bulk(gateway, group="pg-group", shape="verifiers")
+    assert [line["rollout_id"] for line in lines] == [rollouts[0], rollouts[2], rollouts[1]]
+    assert [line["reward"] for line in lines] == [None, None, 2.0]
+    assert lines[0]["completion_ids"] == record["tokens"]["completion_ids"]
+    assert [line["rollout_id"] for line in bulk(gateway, group="pg-group", cursor=lines[0]["cursor"], frozen="false")] == [rollouts[2]]
 
 
 # -- 2. rewards and groups ------------------------------------------------------------------
@@ -224,3 +234,123 @@ def test_labels_need_a_rollout_and_valid_values(trainer_gateway: Gateway, simula
             model="text", messages=[{"role": "user", "content": "hi"}])
     assert refused.value.code == "invalid_rollout_group" and refused.value.param == "x-rollout-group"
     assert len(simulator.requests()) == before
+
+
+# -- 3. the bulk export in each trainer's shape ---------------------------------------------
+
+
+def bulk(gateway: Gateway, **params: str) -> list[dict[str, Any]]:
+    with httpx.stream("GET", gateway.url + "/admin/api/rollouts/export", params=params, headers=gateway.admin,
+                      timeout=30) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"] == "application/x-ndjson"
+        return [json.loads(line) for line in response.iter_lines() if line]
+
+
+def expected_segments(bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """From the simulator's own tokens: calls 0 and 1 form one chain, call 2 (an edited
+    history) its own. Prompt = the first call's prompt; completion = the rest; mask 1 on
+    sampled tokens; logprobs 0.0 elsewhere."""
+    (p0, c0, l0), (p1, c1, l1), (p2, c2, l2) = (expected_tokens(b) for b in bodies)
+    assert (p1 + c1)[: len(p0) + len(c0)] == p0 + c0  # call 1 extends call 0 token for token
+    assert (p2 + c2)[: len(p1)] != p1  # call 2's history was edited
+    completion = (p1 + c1)[len(p0):]
+    mask = [1] * len(c0) + [0] * (len(p1) - len(p0) - len(c0)) + [1] * len(c1)
+    logprobs = l0 + [0.0] * (len(p1) - len(p0) - len(c0)) + l1
+    return [{"prompt": p0, "completion": completion, "mask": mask, "logprobs": logprobs, "calls": [(p0, c0, l0), (p1, c1, l1)]},
+            {"prompt": p2, "completion": c2, "mask": [1] * len(c2), "logprobs": l2, "calls": [(p2, c2, l2)]}]
+
+
+@pytest.fixture(scope="module")
+def scored_rollout(trainer_gateway: Gateway) -> dict[str, Any]:
+    """A 3-call rollout with an edit (two segments), in a group of its own, with a reward
+    of its own and one on its second call."""
+    gateway, rollout, group = trainer_gateway, new_rollout("shape"), "shapes-" + secrets.token_hex(4)
+    bodies = edited_rollout(gateway, rollout, {"x-rollout-group": group})
+    call_ids = [c["call_id"] for c in read_back(gateway, rollout)["calls"]]
+    assert post(gateway, rollout, "reward", {"reward": 0.75, "details": {"judge": "unit tests"}}).status_code == 200
+    assert post(gateway, rollout, "reward", {"reward": -1, "call_id": call_ids[1]}).status_code == 200
+    return {"rollout": rollout, "group": group, "bodies": bodies, "call_ids": call_ids}
+
+
+def test_the_native_shape_is_the_read_back_with_segments_and_rewards(trainer_gateway: Gateway, scored_rollout: dict[str, Any]) -> None:
+    gateway, rollout = trainer_gateway, scored_rollout["rollout"]
+    [line] = bulk(gateway, group=scored_rollout["group"])  # native is the default shape
+    snap, trajectory = read_back(gateway, rollout), read_back(gateway, rollout, "/trajectory")
+    assert line["calls"] == snap["calls"] and line["segments"] == trajectory["segments"]
+    assert (line["rollout_id"], line["group_id"], line["complete"], line["frozen"]) == (rollout, scored_rollout["group"], True, False)
+    assert line["reward"] == snap["reward"] and line["reward"]["reward"] == 0.75
+    assert {k: v["reward"] for k, v in line["call_rewards"].items()} == {scored_rollout["call_ids"][1]: -1.0}
+    assert [s["call_ids"] for s in line["segments"]] == [scored_rollout["call_ids"][:2], scored_rollout["call_ids"][2:]]
+    assert line["updated_at"] == pytest.approx(snap["calls"][-1]["ended_at"])
+
+
+def test_the_nemo_gym_shape_has_a_token_entry_per_call(trainer_gateway: Gateway, scored_rollout: dict[str, Any]) -> None:
+    lines = bulk(trainer_gateway, group=scored_rollout["group"], shape="nemo-gym")
+    expected, ids = expected_segments(scored_rollout["bodies"]), scored_rollout["call_ids"]
+    assert [(line["segment"], line["segments"], line["call_ids"]) for line in lines] == [(0, 2, ids[:2]), (1, 2, ids[2:])]
+    for line, segment in zip(lines, expected):
+        assert line["output"] == [{"call_id": c, "prompt_token_ids": p, "generation_token_ids": g, "generation_log_probs": lp}
+                                  for c, (p, g, lp) in zip(line["call_ids"], segment["calls"])]
+        assert line["reward"] == 0.75 and line["rollout_id"] == scored_rollout["rollout"]
+        # what NeMo RL checks when it merges the turns of one sample: each prompt starts with all that was seen
+        seen: list[int] = []
+        for entry in line["output"]:
+            assert entry["prompt_token_ids"][: len(seen)] == seen
+            seen = entry["prompt_token_ids"] + entry["generation_token_ids"]
+    assert lines[0]["call_rewards"] == {ids[1]: -1.0} and lines[1]["call_rewards"] == {}
+
+
+@pytest.mark.parametrize("shape,names", [
+    ("trl", ("prompt_ids", "completion_ids", "logprobs", "env_mask", "env_reward")),
+    ("verifiers", ("prompt_ids", "completion_ids", "completion_logprobs", "completion_mask", "reward")),
+])
+def test_the_flat_shapes_have_masked_completions(trainer_gateway: Gateway, scored_rollout: dict[str, Any], shape: str,
+                                                 names: tuple[str, str, str, str, str]) -> None:
+    lines = bulk(trainer_gateway, group=scored_rollout["group"], shape=shape)
+    prompt, completion, logprobs, mask, reward = names
+    expected = expected_segments(scored_rollout["bodies"])
+    assert len(lines) == 2
+    for line, segment in zip(lines, expected):
+        assert line[prompt] == segment["prompt"] and line[completion] == segment["completion"]
+        assert line[mask] == segment["mask"] and line[logprobs] == segment["logprobs"]
+        assert len(line[completion]) == len(line[mask]) == len(line[logprobs])
+        assert line[reward] == 0.75 and line["group_id"] == scored_rollout["group"]
+    assert 0 in lines[0][mask]  # the tool results between the two turns are the environment's
+
+
+def test_the_bulk_export_filters_pages_and_resumes(trainer_gateway: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.rollout import bulk_export
+
+    gateway, group = trainer_gateway, "page-" + secrets.token_hex(4)
+    rollouts = [new_rollout(f"page{n}") for n in range(5)]
+    for rollout in rollouts:
+        client_for(gateway, rollout, {"x-rollout-group": group}).chat.completions.create(
+            model="text", messages=[{"role": "user", "content": "hi"}])
+    monkeypatch.setattr(bulk_export, "PAGE_ROLLOUTS", 2)  # three pages
+    lines = bulk(gateway, group=group)
+    assert [line["rollout_id"] for line in lines] == rollouts  # oldest update first
+    updated = [line["updated_at"] for line in lines]
+    assert updated == sorted(updated)
+    resumed = bulk(gateway, group=group, cursor=lines[1]["cursor"])
+    assert [line["rollout_id"] for line in resumed] == rollouts[2:]
+    assert bulk(gateway, group=group, cursor=lines[4]["cursor"]) == []
+    window = bulk(gateway, group=group, since=repr(updated[1]), until=repr(updated[3]))
+    assert [line["rollout_id"] for line in window] == rollouts[1:3]
+    for rollout in rollouts[:2]:
+        assert post(gateway, rollout, "freeze", {}).status_code == 200
+    assert [line["rollout_id"] for line in bulk(gateway, group=group, frozen="false")] == rollouts[2:]
+    frozen = bulk(gateway, group=group, frozen="true")
+    assert [line["rollout_id"] for line in frozen] == rollouts[:2] and all(line["frozen"] for line in frozen)
+    # a rollout changed after its export (frozen) comes again after the cursor
+    again = bulk(gateway, group=group, cursor=lines[4]["cursor"])
+    assert [line["rollout_id"] for line in again] == rollouts[:2]
+
+
+@pytest.mark.parametrize("params,param", [
+    ({"shape": "openrlhf"}, "shape"), ({"format": "parquet"}, "format"), ({"frozen": "maybe"}, "frozen"),
+    ({"group": "a b"}, "group"), ({"cursor": "not-a-cursor"}, "cursor"), ({"since": "yesterday"}, "since"),
+])
+def test_bad_bulk_export_parameters_are_a_400(trainer_gateway: Gateway, params: dict[str, str], param: str) -> None:
+    response = httpx.get(trainer_gateway.url + "/admin/api/rollouts/export", params=params, headers=trainer_gateway.admin)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
