@@ -17,8 +17,8 @@ loads:
 The prompt of a segment is its first call's prompt; the completion is everything after it
 (the sampled tokens, and the tool results and user turns in between, masked 0). Every line
 carries ``rollout_id``, ``group_id``, ``complete`` and the ``cursor`` that resumes the
-export after its rollout; segment lines also ``segment`` / ``segments`` (a rollout is
-whole once the line with ``segment == segments - 1`` has arrived) and ``call_ids``.
+export after its rollout; segment lines also ``segment`` / ``segment_count`` (a rollout
+is whole once the line with ``segment == segment_count - 1`` has arrived) and ``call_ids``.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def rollout_lines(
     lines = []
     for n, segment in enumerate(segments):
         ids = segment["call_ids"]
-        line: dict[str, Any] = {**common, "segment": n, "segments": len(segments), "call_ids": ids}
+        line: dict[str, Any] = {**common, "segment": n, "segment_count": len(segments), "call_ids": ids}
         line["call_rewards"] = {c: call_rewards[c]["reward"] for c in ids if c in call_rewards}
         if shape == "nemo-gym":
             line.update(output=[_token_entry(by_id[c]) for c in ids], reward=reward)

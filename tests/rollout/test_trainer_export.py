@@ -288,7 +288,7 @@ def test_the_native_shape_is_the_read_back_with_segments_and_rewards(trainer_gat
 def test_the_nemo_gym_shape_has_a_token_entry_per_call(trainer_gateway: Gateway, scored_rollout: dict[str, Any]) -> None:
     lines = bulk(trainer_gateway, group=scored_rollout["group"], shape="nemo-gym")
     expected, ids = expected_segments(scored_rollout["bodies"]), scored_rollout["call_ids"]
-    assert [(line["segment"], line["segments"], line["call_ids"]) for line in lines] == [(0, 2, ids[:2]), (1, 2, ids[2:])]
+    assert [(line["segment"], line["segment_count"], line["call_ids"]) for line in lines] == [(0, 2, ids[:2]), (1, 2, ids[2:])]
     for line, segment in zip(lines, expected):
         assert line["output"] == [{"call_id": c, "prompt_token_ids": p, "generation_token_ids": g, "generation_log_probs": lp}
                                   for c, (p, g, lp) in zip(line["call_ids"], segment["calls"])]
