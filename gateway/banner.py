@@ -54,6 +54,32 @@ def _client_auth(settings: Settings) -> str:
     return "no client key (loopback bind only)"
 
 
+def capture_facts(settings: Settings, upstreams: list[Upstream]) -> dict[str, Any] | None:
+    """Whether rollout calls are recorded (the recorder's own rule,
+    gateway/rollout/recorder.py) and where their token ids come from; None when off."""
+    token_sources = {u.name: u.capture_tokens or settings.capture_tokens for u in upstreams
+                     if (u.capture_tokens or settings.capture_tokens) != "none"}
+    token_in = {u.name: u.token_in for u in upstreams if u.token_in}
+    on = bool(settings.capture_dir) or settings.capture_tokens != "none" or settings.token_in != "none" or bool(token_in)
+    if not on:
+        return None
+    return {"token_sources": token_sources, "token_in": token_in, "strict": settings.capture_strict,
+            "files": str(settings.capture_dir) if settings.capture_dir else None}
+
+
+def _capture_row(capture: dict[str, Any]) -> str:
+    sources = capture["token_sources"]
+    tokens = ", ".join(f"{name} {source}" for name, source in sources.items()) if sources else "none (no token ids)"
+    parts = [f"ON: rollout calls recorded in the store; token ids from {tokens}"]
+    if capture["token_in"]:
+        parts.append("token-in " + ", ".join(f"{n} {e}" for n, e in capture["token_in"].items()))
+    if capture["files"]:
+        parts.append(f"files in {capture['files']}")
+    if capture["strict"]:
+        parts.append("strict")
+    return "; ".join(parts)
+
+
 #: The login URL's file in the data dir (0600; replaced at every start).
 LOGIN_FILE = "admin-login-url"
 #: How much of a generated token the banner shows (to tell runs apart, not to log in).
@@ -140,6 +166,7 @@ def startup_facts(
         "admin_auth": _admin_auth(settings, admin_login_url),
         "workers": settings.workers,
         "capture_dir": str(settings.capture_dir) if settings.capture_dir else None,
+        "capture": capture_facts(settings, unique),
         "hints": hints,
         "loopback": is_loopback(settings.host),
     }
@@ -195,8 +222,8 @@ def render_text(facts: dict[str, Any], login_url: str | None = None) -> str:
     ]
     if facts["workers"] > 1:
         rows.append(("workers", str(facts["workers"])))
-    if facts["capture_dir"]:
-        rows.append(("capture", facts["capture_dir"]))
+    if facts.get("capture"):
+        rows.append(("capture", _capture_row(facts["capture"])))
     rows += [("hint", hint) for hint in facts["hints"]]
     width = max(len(label) for label, _ in rows)
     lines = [f"codebuddy2api {facts['version']}"] + [f"  {label.ljust(width)}  {value}" for label, value in rows]
