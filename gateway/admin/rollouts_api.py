@@ -91,6 +91,17 @@ async def freeze(request: Request) -> Response:
     recorder = _recorder(request)
     if await recorder.read(rollout_id) is None:
         return _missing(rollout_id)
+    failed = await write_frozen(request, rollout_id)
+    if failed is not None:
+        return failed
+    await _settle(recorder)
+    snap = await _snapshot(request, rollout_id)
+    return JSONResponse(snap)
+
+
+async def write_frozen(request: Request, rollout_id: str) -> JSONResponse | None:
+    """The ``frozen`` mark in the store (None), or the 503 to answer."""
+    recorder = _recorder(request)
     row = rollout_store.mark_row(rollout_id, "frozen", time.time(), "frozen by " + str(
         request.scope.get("state", {}).get("admin_actor") or "admin"), "")
     try:
@@ -98,9 +109,7 @@ async def freeze(request: Request) -> Response:
             await asyncio.to_thread(recorder.db.run_tx, lambda conn: _upsert_mark(conn, row))
     except (TimeoutError, *recorder.db.errors):
         return admin_error(503, "store_unavailable", "the store did not take the freeze; try again")
-    await _settle(recorder)
-    snap = await _snapshot(request, rollout_id)
-    return JSONResponse(snap)
+    return None
 
 
 def _upsert_mark(conn: Any, row: tuple[Any, ...]) -> None:

@@ -48,6 +48,16 @@ def frozen_error(rollout_id: str) -> GatewayError:
                         f"rollout {rollout_id!r} is frozen: it takes no more calls", param="rollout_id", status=409)
 
 
+def aborted_error(rollout_id: str) -> GatewayError:
+    """What a call gets when its rollout is aborted (``POST .../abort``); its record says
+    ``cancelled`` with this code."""
+    return GatewayError("invalid_request", ABORTED, f"rollout {rollout_id!r} was aborted",
+                        param="rollout_id", status=409)
+
+
+ABORTED = "rollout_aborted"
+
+
 class RolloutRecorder:
     """One per app. ``pool`` returns the current upstream pool (llama.cpp look-ups go to
     the credential that answered)."""
@@ -188,6 +198,8 @@ class RolloutRecorder:
         or cut after its terminal) is recorded now, in the background."""
         if run.rollout_id is None or not self.enabled:
             return
+        if error_code == ABORTED:  # ended by the trainer: a cancelled call, not an engine failure
+            outcome = "cancelled"
         if self._committed.pop(run.record.request_id, None) == outcome:
             return
         source = self.token_source(run)
