@@ -4,7 +4,8 @@ many rollouts per second it streams (untraced) and the peak Python memory (trace
 every thread) of a second pass, for N = 200 and 1,000: constant memory means the peak does not
 grow with N (it holds one page of ids and one rollout's records).
 
-``python bench/rollout_export.py [--shape native|nemo-gym|trl|verifiers]`` prints one JSON object.
+``python bench/rollout_export.py [--shape native|nemo-gym|trl|verifiers]`` prints one JSON
+object; ``bench/run.py`` (``make bench``) adds it to its results as ``rollout_export``.
 """
 
 from __future__ import annotations
@@ -89,11 +90,16 @@ def measure(rollouts: int, shape: str) -> dict[str, Any]:
             "peak_traced_mib": round(peak / 2**20, 2)}
 
 
+def run_all(shapes: tuple[str, ...] = ("native", "nemo-gym", "trl", "verifiers")) -> dict[str, Any]:
+    """Every shape at 200 and 1,000 rollouts (``bench/run.py`` adds it as ``rollout_export``)."""
+    return {shape: [measure(n, shape) for n in (200, 1000)] for shape in shapes}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", default="verifiers")
+    parser.add_argument("--shape", default=None, help="one shape [default: all four]")
     args = parser.parse_args()
-    print(json.dumps({"shape": args.shape, "runs": [measure(n, args.shape) for n in (200, 1000)]}))
+    print(json.dumps(run_all((args.shape,) if args.shape else ("native", "nemo-gym", "trl", "verifiers"))))
 
 
 if __name__ == "__main__":

@@ -73,10 +73,13 @@ def test_abort_ends_the_rollouts_calls_records_them_cancelled_and_freezes(gatewa
     # the clients: an in-stream error event, and a 409 in the OpenAI shape
     assert isinstance(outcomes["stream"], openai.APIError) and "aborted" in str(outcomes["stream"])
     assert isinstance(outcomes["json"], openai.ConflictError) and outcomes["json"].code == "rollout_aborted"
-    # every call keeps its one audit record
+    # every call keeps its one audit record (written by the audit queue, a moment later)
     for call_id in snap["aborted"]:
-        audit = httpx.get(f"{gateway.url}/admin/api/audit/{call_id}", headers=gateway.admin).json()
-        assert audit["error_code"] == "rollout_aborted"
+        def audited(call_id: str = call_id) -> httpx.Response:
+            return httpx.get(f"{gateway.url}/admin/api/audit/{call_id}", headers=gateway.admin)
+
+        wait_for(lambda: audited().status_code == 200, timeout=10)
+        assert (audited().json()["outcome"], audited().json()["error_code"]) == ("error", "rollout_aborted")
     # frozen: the next call of the rollout is refused; another rollout is untouched
     with pytest.raises(openai.ConflictError) as refused:
         agent.chat.completions.create(model="text", messages=[{"role": "user", "content": "c"}])
