@@ -29,7 +29,7 @@ from typing import Any, Literal, TypedDict
 
 import httpx
 
-__all__ = ["Rollouts", "RolloutsError", "Segment", "Snapshot", "Trajectory", "RewardAnswer", "Shape"]
+__all__ = ["AbortAnswer", "Rollouts", "RolloutsError", "RewardAnswer", "Segment", "Shape", "Snapshot", "Trajectory"]
 
 Shape = Literal["native", "nemo-gym", "trl", "verifiers"]
 _VALID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -66,6 +66,10 @@ class Snapshot(TypedDict):
     group_id: str | None
     reward: RewardView | None
     call_rewards: dict[str, RewardView]
+
+
+class AbortAnswer(Snapshot):
+    aborted: list[str]
 
 
 class RewardAnswer(TypedDict):
@@ -160,6 +164,11 @@ class Rollouts:
     def freeze(self, rollout_id: str) -> Snapshot:
         """Later calls of the rollout are refused (409); the final snapshot."""
         return self._json("POST", f"/rollouts/{_check(rollout_id)}/freeze", {})  # type: ignore[no-any-return]
+
+    def abort(self, rollout_id: str) -> AbortAnswer:
+        """Freeze the rollout and end its calls running in that gateway (they get
+        ``rollout_aborted`` and are recorded ``cancelled``); the snapshot and their ids."""
+        return self._json("POST", f"/rollouts/{_check(rollout_id)}/abort", {})  # type: ignore[no-any-return]
 
     def delete(self, rollout_id: str) -> None:
         """Only a frozen rollout (else RolloutsError ``rollout_not_frozen``)."""

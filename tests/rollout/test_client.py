@@ -88,6 +88,10 @@ def test_the_anthropic_base_url_and_the_errors(gateway: Gateway) -> None:
         with pytest.raises(RolloutsError) as early:
             rollouts.delete(rollout)
         assert (early.value.status, early.value.code) == (409, "rollout_not_frozen")
+        aborted = rollouts.abort(rollout)  # nothing running: it freezes, and says so
+        assert aborted["aborted"] == [] and aborted["frozen"] is True and aborted["calls"][0]["call_id"] == call["call_id"]
+        with pytest.raises(anthropic.ConflictError):
+            claude.messages.create(model="text", max_tokens=64, messages=[{"role": "user", "content": "again"}])
         with pytest.raises(RolloutsError) as bad:
             rollouts.reward(rollout, 1.0, call_id="req_not_of_this_rollout")
         assert (bad.value.status, bad.value.code) == (404, "call_not_found")
