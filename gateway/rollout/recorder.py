@@ -48,14 +48,15 @@ def frozen_error(rollout_id: str) -> GatewayError:
                         f"rollout {rollout_id!r} is frozen: it takes no more calls", param="rollout_id", status=409)
 
 
+#: The error code of a call ended by ``POST /admin/api/rollouts/{id}/abort``.
+ABORTED = "rollout_aborted"
+
+
 def aborted_error(rollout_id: str) -> GatewayError:
     """What a call gets when its rollout is aborted (``POST .../abort``); its record says
     ``cancelled`` with this code."""
     return GatewayError("invalid_request", ABORTED, f"rollout {rollout_id!r} was aborted",
                         param="rollout_id", status=409)
-
-
-ABORTED = "rollout_aborted"
 
 
 class RolloutRecorder:
