@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from gateway.simulator.scenarios import assemble_completion, build_plan
-from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway
+from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway, wait_for
 
 CLIENT_KEY = "ck-trainer-export-key-0123456789"
 CALLS = 'CALL get_weather {"city": "Paris"} then CALL get_time {"timezone": "Europe/Paris"}'
@@ -354,3 +354,17 @@ def test_the_bulk_export_filters_pages_and_resumes(trainer_gateway: Gateway, mon
 def test_bad_bulk_export_parameters_are_a_400(trainer_gateway: Gateway, params: dict[str, str], param: str) -> None:
     response = httpx.get(trainer_gateway.url + "/admin/api/rollouts/export", params=params, headers=trainer_gateway.admin)
     assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_a_rollout_without_token_ids_has_no_segment_lines(trainer_gateway: Gateway) -> None:
+    gateway, group = trainer_gateway, "noids-" + secrets.token_hex(4)
+    rollout = new_rollout("noids")
+    with pytest.raises(openai.APIError):  # the upstream fails mid-stream: a partial answer, no token set
+        with client_for(gateway, rollout, {"x-rollout-group": group}).chat.completions.stream(
+                model="error_frame", messages=[{"role": "user", "content": "hi"}]) as stream:
+            stream.get_final_completion()
+    wait_for(lambda: len(bulk(gateway, group=group)) == 1)  # a failed call's record and group: written as it ends
+    [native] = bulk(gateway, group=group)
+    assert native["segments"] == [] and native["calls"][0]["tokens"] is None and native["calls"][0]["outcome"] == "error"
+    for shape in ("nemo-gym", "trl", "verifiers"):
+        assert bulk(gateway, group=group, shape=shape) == []
