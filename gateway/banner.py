@@ -23,6 +23,7 @@ import orjson
 
 from gateway import __version__
 from gateway.admin.auth import is_loopback
+from gateway.rollout.facts import capture_facts
 from gateway.settings import Settings, base_url_hint
 from gateway.upstream.credential import Upstream
 
@@ -52,19 +53,6 @@ def _client_auth(settings: Settings) -> str:
     if settings.allow_open:
         return "OPEN: no client key, any address (--allow-open)"
     return "no client key (loopback bind only)"
-
-
-def capture_facts(settings: Settings, upstreams: list[Upstream]) -> dict[str, Any] | None:
-    """Whether rollout calls are recorded (the recorder's own rule,
-    gateway/rollout/recorder.py) and where their token ids come from; None when off."""
-    token_sources = {u.name: u.capture_tokens or settings.capture_tokens for u in upstreams
-                     if (u.capture_tokens or settings.capture_tokens) != "none"}
-    token_in = {u.name: u.token_in for u in upstreams if u.token_in}
-    on = bool(settings.capture_dir) or settings.capture_tokens != "none" or settings.token_in != "none" or bool(token_in)
-    if not on:
-        return None
-    return {"token_sources": token_sources, "token_in": token_in, "strict": settings.capture_strict,
-            "files": str(settings.capture_dir) if settings.capture_dir else None}
 
 
 def _capture_row(capture: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from gateway.rollout.facts import capture_facts
 from gateway.routes import readiness
 
 MAX_WINDOW = 90 * 86400.0
@@ -67,6 +68,7 @@ async def status(request: Request) -> Response:
         "credentials_usable": sum(1 for c in credentials if not c["disabled"] and not c["cooldowns"]),
         "store": app.state.observability.durable.status(),  # writable? what waits in the spill journal
         "not_ready": readiness.reasons(app.state),
+        "capture": capture_facts(current, [c.upstream for c in relay.pool.credentials]),  # rollout capture: on?
     })
 
 

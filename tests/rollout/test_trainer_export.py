@@ -368,3 +368,13 @@ def test_a_rollout_without_token_ids_has_no_segment_lines(trainer_gateway: Gatew
     assert native["segments"] == [] and native["calls"][0]["tokens"] is None and native["calls"][0]["outcome"] == "error"
     for shape in ("nemo-gym", "trl", "verifiers"):
         assert bulk(gateway, group=group, shape=shape) == []
+
+
+def test_the_status_api_says_capture_is_on_with_its_token_source(trainer_gateway: Gateway, gateways: dict[str, Gateway]) -> None:
+    def capture(gateway: Gateway) -> Any:
+        response = httpx.get(gateway.url + "/admin/api/status", headers=gateway.admin)
+        assert response.status_code == 200
+        return response.json()["capture"]
+
+    assert capture(trainer_gateway) == {"token_sources": {"upstream": "vllm"}, "token_in": {}, "strict": False, "files": None}
+    assert capture(gateways["compatible"]) is None  # no capture setting: the WebUI says nothing
