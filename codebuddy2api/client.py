@@ -135,7 +135,7 @@ class Rollouts:
         _raise_for(response)
         return response.json() if response.status_code != 204 else None
 
-    def list(self, since: float | None = None, group: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+    def list_rollouts(self, since: float | None = None, group: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
         """Rollouts updated at or after ``since`` (of ``group``), most recent first."""
         return self._json("GET", "/rollouts", since=since, group=group, limit=limit)["rollouts"]  # type: ignore[no-any-return]
 

@@ -60,7 +60,7 @@ def test_the_client_drives_a_whole_rollout(gateway: Gateway) -> None:
         assert frozen["frozen"] and frozen["reward"] is not None and frozen["reward"]["reward"] == 0.5
         with pytest.raises(openai.ConflictError):
             agent.chat.completions.create(model="text", messages=messages)  # type: ignore[arg-type]
-        assert [r["rollout_id"] for r in rollouts.list(group=group)] == [rollout]
+        assert [r["rollout_id"] for r in rollouts.list_rollouts(group=group)] == [rollout]
 
         [sample] = list(rollouts.export(group=group, frozen=True, shape="verifiers"))
         first_prompt = calls[0]["tokens"]["prompt_ids"]
