@@ -64,7 +64,10 @@ class ExportQuery:
 
 def page(conn: Any, query: ExportQuery, after: Cursor | None, limit: int | None = None) -> list[Cursor]:
     """Blocking: the next ``limit`` (a page) rollouts after ``after`` as (updated_at, rollout_id)."""
-    where, having, params, tail = [], [], [], []
+    where: list[str] = []
+    having: list[str] = []
+    params: list[Any] = []
+    tail: list[Any] = []
     if query.group is not None:
         where.append("u.rollout_id IN (SELECT rollout_id FROM rollout_groups WHERE group_id = ?)")
         params.append(query.group)
