@@ -555,6 +555,10 @@ def main() -> int:
 
             print("managed key check (issue #28)", flush=True)
             res["key_check"] = key_check()
+            from rollout_export import run_all as rollout_export
+
+            print("bulk rollout export (issue #37)", flush=True)
+            res["rollout_export"] = rollout_export()
         res["meta"]["duration_s"] = round(time.monotonic() - started, 1)
         res["meta"]["quick"] = args.quick
         logs = {name: s.log_path.read_text()[-3000:] for name, s in bench.servers.items() if s.log_path.exists()}

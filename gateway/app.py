@@ -50,6 +50,7 @@ from gateway.protocols.responses.room import ResponsesRoom
 from gateway.protocols.responses.websocket import websocket_endpoint as responses_websocket
 from gateway.protocols.responses.websocket_slots import ConnectionSlots
 from gateway.redact import SECRETS, RedactingSend
+from gateway.rollout import labels as rollout_labels
 from gateway.rollout import store as rollout_store
 from gateway.rollout.capture_files import CaptureWriter
 from gateway.rollout.ids import RolloutPaths
@@ -198,6 +199,7 @@ def create_app(
         lambda action: observability.metrics.unrecordable_requests.labels(action).inc(),
     )
     observability.durable.statements.update(rollout_store.STATEMENTS)  # replayed like the audit
+    observability.durable.statements.update(rollout_labels.STATEMENTS)
     relay.rollouts = RolloutRecorder(db, observability.durable, live, lambda: relay.pool)
     metrics = observability.metrics
     engine_control = EngineControl()  # its HTTP client opens with the lifespan

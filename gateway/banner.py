@@ -26,6 +26,7 @@ from gateway import __version__
 from gateway.admin.auth import is_loopback
 from gateway.keys.model import ManagedKey
 from gateway.keys.posture import ClientAuth
+from gateway.rollout.facts import capture_facts
 from gateway.settings import Settings, base_url_hint
 from gateway.upstream.credential import Upstream
 
@@ -53,6 +54,19 @@ def client_auth(settings: Settings, managed_keys: Iterable[ManagedKey] = ()) -> 
     """Who may call /v1: the static keys, and the managed keys (any ever created locks
     /v1, loopback included)."""
     return ClientAuth.of(len(settings.api_key or ()), managed_keys, settings.allow_open, time.time())
+
+
+def _capture_row(capture: dict[str, Any]) -> str:
+    sources = capture["token_sources"]
+    tokens = ", ".join(f"{name} {source}" for name, source in sources.items()) if sources else "none (no token ids)"
+    parts = [f"ON: rollout calls recorded in the store; token ids from {tokens}"]
+    if capture["token_in"]:
+        parts.append("token-in " + ", ".join(f"{n} {e}" for n, e in capture["token_in"].items()))
+    if capture["files"]:
+        parts.append(f"files in {capture['files']}")
+    if capture["strict"]:
+        parts.append("strict")
+    return "; ".join(parts)
 
 
 #: The login URL's file in the data dir (0600; replaced at every start).
@@ -145,6 +159,7 @@ def startup_facts(
         "admin_auth": _admin_auth(settings, admin_login_url),
         "workers": settings.workers,
         "capture_dir": str(settings.capture_dir) if settings.capture_dir else None,
+        "capture": capture_facts(settings, unique),
         "hints": hints,
         "loopback": is_loopback(settings.host),
     }
@@ -200,8 +215,8 @@ def render_text(facts: dict[str, Any], login_url: str | None = None) -> str:
     ]
     if facts["workers"] > 1:
         rows.append(("workers", str(facts["workers"])))
-    if facts["capture_dir"]:
-        rows.append(("capture", facts["capture_dir"]))
+    if facts.get("capture"):
+        rows.append(("capture", _capture_row(facts["capture"])))
     rows += [("hint", hint) for hint in facts["hints"]]
     width = max(len(label) for label, _ in rows)
     lines = [f"codebuddy2api {facts['version']}"] + [f"  {label.ljust(width)}  {value}" for label, value in rows]

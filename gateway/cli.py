@@ -82,9 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     capture_commands = capture.add_subparsers(dest="capture_command", required=True, parser_class=_OneLineParser)
     export = capture_commands.add_parser("export", help="one rollout's records, in order, as JSONL")
     export.add_argument("--rollout", required=True, help="the rollout id (the x-rollout-id header)")
-    export.add_argument("--capture-dir", help="capture directory (default: CODEBUDDY2API_CAPTURE_DIR)")
-    export.add_argument("--store", action="store_true",
-                        help="read the call records from the store (the default without a capture directory)")
+    export.add_argument("--capture-dir", help="read the JSONL capture files of this directory instead of the store")
+    export.add_argument("--data-dir", default=None, help="the gateway's data directory (its SQLite store) [default: the settings']")
+    export.add_argument("--database-url", default=None, help="the PostgreSQL URL the gateways share (instead of --data-dir)")
+    export.add_argument("--store", action="store_true", help="read the store (the default; kept for older scripts)")
     saved = commands.add_parser("settings", help="inspect or change saved settings offline (gateway stopped or not)")
     saved_commands = saved.add_subparsers(dest="settings_command", required=True, parser_class=_OneLineParser)
     for name, help_text in (("show", "print the saved values (secrets redacted) and the revision"),
@@ -115,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "settings":
         return saved_settings_command(args)
     if args.command == "capture":
-        return export_capture(args.rollout, args.capture_dir, args.store)
+        from gateway.rollout.export_cli import export_capture
+
+        return export_capture(args.rollout, args.capture_dir, args.data_dir, args.database_url)
     if args.command == "simulate":
         from gateway.simulator.server import run_simulator
 
@@ -254,34 +257,6 @@ def saved_settings_command(args: argparse.Namespace) -> int:
     finally:
         saved.close()
         db.close()
-
-
-def export_capture(rollout: str, capture_dir: str | None, from_store: bool = False) -> int:
-    from pathlib import Path
-
-    import orjson
-
-    from gateway.rollout.capture_files import export_rollout
-
-    settings = load_settings()[0]
-    directory = capture_dir or settings.capture_dir
-    if from_store or not directory:
-        from gateway.rollout.store import export_records
-        from gateway.store.db import open_database
-
-        db = open_database(settings.database_url, settings.data_dir)
-        try:
-            for record in export_records(db, rollout):
-                sys.stdout.buffer.write(orjson.dumps(record) + b"\n")
-        finally:
-            db.close()
-        return 0
-    if not directory or not Path(directory).is_dir():
-        print("codebuddy2api: error: --capture-dir names no capture directory", file=sys.stderr)
-        return 2
-    for record in export_rollout(Path(directory), rollout):
-        sys.stdout.buffer.write(orjson.dumps(record) + b"\n")
-    return 0
 
 
 def unusable_directory(path: Path, flag: str) -> str | None:

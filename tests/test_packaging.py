@@ -36,7 +36,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src = tmp_path_factory.mktemp("src")
     for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(REPO / name, src / name)
-    for name in ("gateway", "webui"):
+    for name in ("gateway", "codebuddy2api", "webui"):
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
@@ -63,6 +63,9 @@ def test_wheel_installed_in_a_fresh_venv_serves_the_webui(wheel: Path, tmp_path:
     work.mkdir()
     where = subprocess.check_output([str(python), "-c", "import gateway.app as a; print(a.__file__); print(a.WEBUI_DIR)"], cwd=work, text=True).split()
     assert where[0].startswith(str(venv)) and where[1] == str(Path(where[0]).parent / "webui")
+    client = subprocess.check_output([str(python), "-c", "from codebuddy2api import client; print(client.__file__); "
+                                      "print(client.Rollouts('http://gw', 't').base_url_for('r1'))"], cwd=work, text=True).split()
+    assert client[0].startswith(str(venv)) and client[1] == "http://gw/rollouts/r1/v1"  # the trainer's client ships too
     port = free_port()
     proc = subprocess.Popen(
         [str(venv / "bin" / "codebuddy2api"), "serve", "--simulator", "--port", str(port), "--data-dir", str(work / "data")],

@@ -400,3 +400,20 @@ def test_credentials_added_in_the_webui_count_as_an_upstream(tmp_path: Path) -> 
     banner = next(json.loads(line) for line in stderr.splitlines() if '"startup"' in line)
     assert banner["simulator"] is False
     assert [u["host"] for u in banner["upstreams"]] == ["gpu-9.internal:8000"] and "sk-added" not in stderr
+
+
+def test_banner_says_capture_is_on_with_its_token_source(tmp_path: Path) -> None:
+    off = startup_facts(Settings(upstream_url=["http://h:1/v1"]), [Upstream("upstream", "http://h:1/v1")], None, webui=False)
+    assert off["capture"] is None and "capture" not in render_text(off)
+    settings = Settings(upstream_url=["http://h:1/v1"], capture_tokens="vllm", capture_dir=tmp_path / "cap", capture_strict=True)
+    upstreams = [Upstream("upstream", "http://h:1/v1"),
+                 Upstream("llama", "http://l:2/v1", capture_tokens="llamacpp", token_in="llamacpp")]
+    facts = startup_facts(settings, upstreams, None, webui=False)
+    assert facts["capture"] == {"token_sources": {"upstream": "vllm", "llama": "llamacpp"}, "token_in": {"llama": "llamacpp"},
+                                "strict": True, "files": str(tmp_path / "cap")}
+    [row] = [line for line in render_text(facts).splitlines() if line.strip().startswith("capture")]
+    assert row.split(None, 1)[1] == (f"ON: rollout calls recorded in the store; token ids from upstream vllm, llama llamacpp; "
+                                     f"token-in llama llamacpp; files in {tmp_path / 'cap'}; strict")
+    # token-in alone (a --config table) turns recording on, as the recorder does
+    only_token_in = startup_facts(Settings(), [Upstream("gpu", "http://g:1/v1", capture_tokens="vllm", token_in="vllm")], None, webui=False)
+    assert only_token_in["capture"] == {"token_sources": {"gpu": "vllm"}, "token_in": {"gpu": "vllm"}, "strict": False, "files": None}

@@ -23,6 +23,9 @@ from gateway.admin.credentials_api import credential_routes
 from gateway.admin.engines_api import engine_routes
 from gateway.admin.envelope_keys_api import envelope_key_routes
 from gateway.admin.keys_api import key_routes
+from gateway.admin.rollout_abort_api import rollout_abort_routes
+from gateway.admin.rollout_export_api import rollout_export_routes
+from gateway.admin.rollout_labels_api import rollout_label_routes
 from gateway.admin.rollouts_api import rollout_routes
 from gateway.admin.settings_api import settings_routes
 from gateway.admin.status_api import status_routes
@@ -58,8 +61,9 @@ class AdminGuard:
 
 def admin_routes() -> list[BaseRoute]:
     """Every admin route (other admin modules add theirs here)."""
-    return [*audit_routes(), *credential_routes(), *capture_routes(), *rollout_routes(), *settings_routes(),
-            *status_routes(), *envelope_key_routes(), *key_routes(), *engine_routes()]
+    return [*audit_routes(), *credential_routes(), *capture_routes(), *rollout_export_routes(), *rollout_routes(),
+            *rollout_label_routes(), *rollout_abort_routes(), *settings_routes(), *status_routes(),
+            *envelope_key_routes(), *key_routes(), *engine_routes()]
 
 
 def admin_mount() -> Mount:

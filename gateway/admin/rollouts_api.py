@@ -16,6 +16,7 @@ from gateway.admin.common import admin_error
 from gateway.rollout import owners
 from gateway.rollout import store as rollout_store
 from gateway.rollout.ids import VALID
+from gateway.rollout.labels import BadLabel, check_group, load_labels
 from gateway.rollout.recorder import RolloutRecorder
 
 #: Seconds an admin write (freeze, delete) may wait on the store.
@@ -43,11 +44,16 @@ async def list_rollouts(request: Request) -> Response:
     try:
         since = _time(request, "since")
         limit = _number(request, "limit", 1000, 1, 10_000)
+        group = request.query_params.get("group")
+        if group is not None:
+            check_group(group, "group")
     except BadParam as err:
         return _bad(err)
+    except BadLabel as err:
+        return _bad(BadParam(err.param, str(err)))
     db = _recorder(request).db
     def read(conn: Any) -> list[dict[str, Any]]:
-        found = rollout_store.list_rollouts(conn, since, limit)
+        found = rollout_store.list_rollouts(conn, since, limit, group)
         held = owners.owners(conn)
         return [{**r, **owners.shown(held.get(r["rollout_id"]))} for r in found]
 
@@ -59,9 +65,10 @@ async def _snapshot(request: Request, rollout_id: str) -> dict[str, Any] | None:
     if read is None:
         return None
     records, marks = read
+    labels = await _recorder(request).db.arun(lambda conn: load_labels(conn, rollout_id))
     snap = await asyncio.to_thread(rollout_store.snapshot, records, marks, rollout_id)
     owner = await _recorder(request).db.arun(lambda conn: owners.owner_of(conn, rollout_id))
-    return {**snap, **owners.shown(owner)}
+    return {**snap, **labels, **owners.shown(owner)}
 
 
 async def get_rollout(request: Request) -> Response:
@@ -90,6 +97,17 @@ async def freeze(request: Request) -> Response:
     recorder = _recorder(request)
     if await recorder.read(rollout_id) is None:
         return _missing(rollout_id)
+    failed = await write_frozen(request, rollout_id)
+    if failed is not None:
+        return failed
+    await _settle(recorder)
+    snap = await _snapshot(request, rollout_id)
+    return JSONResponse(snap)
+
+
+async def write_frozen(request: Request, rollout_id: str) -> JSONResponse | None:
+    """The ``frozen`` mark in the store (None), or the 503 to answer."""
+    recorder = _recorder(request)
     row = rollout_store.mark_row(rollout_id, "frozen", time.time(), "frozen by " + str(
         request.scope.get("state", {}).get("admin_actor") or "admin"), "")
     try:
@@ -97,9 +115,7 @@ async def freeze(request: Request) -> Response:
             await recorder.db.acall(recorder.db.run_tx, lambda conn: _upsert_mark(conn, row))
     except (TimeoutError, *recorder.db.errors):
         return admin_error(503, "store_unavailable", "the store did not take the freeze; try again")
-    await _settle(recorder)
-    snap = await _snapshot(request, rollout_id)
-    return JSONResponse(snap)
+    return None
 
 
 def _upsert_mark(conn: Any, row: tuple[Any, ...]) -> None:

@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.banner import client_auth
+from gateway.rollout.facts import capture_facts
 from gateway.routes import readiness
 from gateway.store.replicas import standalone_status
 
@@ -74,6 +75,7 @@ async def status(request: Request) -> Response:
         # whether /v1 needs a key (any managed key ever created: yes, loopback included)
         "client_auth": client_auth(current, relay.keys.keys() if relay.keys is not None else ()).public(),
         "replica": _replica(app, current.max_concurrent, relay.in_flight),
+        "capture": capture_facts(current, [c.upstream for c in relay.pool.credentials]),  # rollout capture: on?
     })
 
 

@@ -207,6 +207,7 @@ class RelayedCall:
         self.committed = False
         self.terminated = False  # the last frame was released: nothing follows
         self.rollout_id: str | None = None
+        self.rollout_group: str | None = None
         self.completion = None  # no chat answer (the service's JSON path passes collect()'s dict)
         self._aborted: GatewayError | None = None
         self._task: asyncio.Task[Any] | None = None
@@ -319,8 +320,13 @@ class RelayedCall:
         return sse(dumps(self._relabel(chunk)))
 
     def _relabel(self, answer: dict[str, Any]) -> dict[str, Any]:
-        """The gateway's id and the client's model name on the upstream's answer."""
-        out = dict(answer, model=self.parsed.model)
+        """The gateway's id and the client's model name on the upstream's answer; an
+        engine's MoE routing (``routed_experts``) is for training records, never a client."""
+        out = {k: v for k, v in answer.items() if k != "routed_experts"}
+        out["model"] = self.parsed.model
+        if isinstance(out.get("choices"), list):
+            out["choices"] = [{k: v for k, v in c.items() if k != "routed_experts"} if isinstance(c, dict) else c
+                              for c in out["choices"]]
         if "id" in answer or self.room.name == "completions":
             out["id"] = self.response_id
         return out

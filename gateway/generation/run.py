@@ -94,6 +94,7 @@ class Run(Protocol):
     committed: bool  # the opening frames went out: an error now goes in-stream
     terminated: bool  # the terminal frame was released: the answer is whole, nothing follows
     rollout_id: str | None
+    rollout_group: str | None
 
     def stream(self) -> AsyncIterator[bytes | GatewayError]: ...
 
@@ -127,6 +128,7 @@ class GenerationRun:
         self.completion: Completion | None = None
         self.error: GatewayError | None = None
         self.rollout_id: str | None = None
+        self.rollout_group: str | None = None  # the x-rollout-group header of a rollout call
         #: awaited once the answer is whole, before its terminal (or JSON body) is released:
         #: the rollout call record's commit (gateway/rollout/recorder.py)
         self.before_release: Callable[[GenerationRun], Awaitable[None]] | None = None

@@ -34,7 +34,7 @@ from gateway.protocols.base import ParsedRequest, ProtocolRoom
 from gateway.protocols.envelope import PROCESS_KEYRING, Keyring, Tenant
 from gateway.rollout.capture_files import CaptureWriter
 from gateway.rollout.chain import continuation
-from gateway.rollout.ids import rollout_of
+from gateway.rollout.ids import rollout_group_of, rollout_of
 from gateway.rollout.tokens import with_token_fields
 from gateway.upstream.attempts import UpstreamAttempts
 from gateway.upstream.client import UpstreamClient
@@ -143,6 +143,7 @@ class GenerationService:
             record.streamed = parsed.stream
             parsed = await room.resolve(parsed)
             rollout = rollout_of(request.scope, request.headers, settings.rollout_header)
+            group = rollout_group_of(request.headers) if rollout is not None else None
             chat_room = getattr(room, "run_type", None) is None  # the relayed routes have no chat answer to record
             recording = chat_room and rollout is not None and self.rollouts is not None and self.rollouts.enabled
             token_in = None
@@ -197,7 +198,7 @@ class GenerationService:
             err = internal_error(exc, record.request_id, "encoder")
             outcome.failed(err)
             return error_response(room, err, headers)
-        run.rollout_id = rollout
+        run.rollout_id, run.rollout_group = rollout, group
         request.scope[ATTEMPTS_SCOPE_KEY] = run.attempts  # the x-codebuddy2api-upstream header (app.SimulatorHeader)
         if recording:
             run.before_release = self.rollouts.commit  # type: ignore[union-attr]

@@ -37,6 +37,21 @@ def check_rollout_id(value: str) -> str:
     return value
 
 
+#: The request header that puts a rollout call's rollout in a group (GRPO: one prompt's rollouts).
+GROUP_HEADER = "x-rollout-group"
+
+
+def rollout_group_of(headers: Any) -> str | None:
+    """The group a rollout call names (:data:`GROUP_HEADER`), checked like a rollout id."""
+    value = headers.get(GROUP_HEADER)
+    if value is None:
+        return None
+    if not VALID.fullmatch(value):
+        raise GatewayError("invalid_request", "invalid_rollout_group",
+                           f"{GROUP_HEADER} must be 1-128 characters of A-Z a-z 0-9 . _ : -", param=GROUP_HEADER)
+    return str(value)
+
+
 def rollout_of(scope: Scope, headers: Any, header_name: str) -> str | None:
     """The request's rollout: its ``/rollouts/{id}`` path, else the rollout header (both
     checked; an invalid one is a GatewayError)."""

@@ -29,6 +29,7 @@ from gateway.live_settings import LiveSettings
 from gateway.redact import SECRETS
 from gateway.rollout import owners
 from gateway.rollout import store as rollout_store
+from gateway.rollout.labels import group_row
 from gateway.rollout.records import answered_upstream, call_record
 from gateway.rollout.tokens import llamacpp_prompt_ids
 from gateway.store.db import Store
@@ -49,6 +50,17 @@ HISTORY_TIMEOUT = 2.0
 def frozen_error(rollout_id: str) -> GatewayError:
     return GatewayError("invalid_request", "rollout_frozen",
                         f"rollout {rollout_id!r} is frozen: it takes no more calls", param="rollout_id", status=409)
+
+
+#: The error code of a call ended by ``POST /admin/api/rollouts/{id}/abort``.
+ABORTED = "rollout_aborted"
+
+
+def aborted_error(rollout_id: str) -> GatewayError:
+    """What a call gets when its rollout is aborted (``POST .../abort``); its record says
+    ``cancelled`` with this code."""
+    return GatewayError("invalid_request", ABORTED, f"rollout {rollout_id!r} was aborted",
+                        param="rollout_id", status=409)
 
 
 class RolloutRecorder:
@@ -147,7 +159,7 @@ class RolloutRecorder:
         def build() -> dict[str, Any]:
             return {**call_record(run, "success", None, source, prompt_ids), "ended_at": ended_at}
 
-        reason = await self._write(run.rollout_id, build)
+        reason, _ = await asyncio.gather(self._write(run.rollout_id, build), self._group(run))
         self._committed[run.record.request_id] = "success"
         if reason is not None and self.live.current.capture_strict:
             raise GatewayError("overloaded", "capture_failed",
@@ -205,10 +217,27 @@ class RolloutRecorder:
         or cut after its terminal) is recorded now, in the background."""
         if run.rollout_id is None or not self.enabled:
             return
+        if error_code == ABORTED:  # ended by the trainer: a cancelled call, not an engine failure
+            outcome = "cancelled"
         if self._committed.pop(run.record.request_id, None) == outcome:
             return
         source = self.token_source(run)
         self._background(self._write(run.rollout_id, lambda: call_record(run, outcome, error_code, source)))
+        self._background(self._group(run))
+
+    async def _group(self, run: Any) -> None:
+        """The group a call named (``x-rollout-group``), stored with each such call (an
+        upsert: the latest named wins); a write that fails is logged, the record stands."""
+        group = run.rollout_group
+        if group is None:
+            return
+        try:
+            async with asyncio.timeout(self.durable.write_timeout + SPILL_BOUND):
+                result = await self.durable.write("rollout_group", [group_row(run.rollout_id, group, time.time())])
+        except TimeoutError:
+            result = "timeout"
+        if result not in ("stored", "spilled"):
+            log.error("rollout_group_not_stored", rollout=run.rollout_id, group=group, result=result)
 
     def _background(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

@@ -40,6 +40,7 @@ def call_record(
     completion: Completion | None = run.completion if run.error is None else None
     answer: dict[str, Any] | None
     tokens = None
+    experts = None
     if completion is not None:
         answer = {
             "text": completion.text, "reasoning": completion.reasoning,
@@ -47,6 +48,7 @@ def call_record(
             "finish_reason": completion.finish_reason, "usage": _usage(completion),
         }
         tokens = tokens_from(completion.token_data, source, prompt_ids)
+        experts = completion.token_data.routed_experts if completion.token_data is not None else None
     else:
         acc = run.answer.acc
         answer = None if acc is None else {
@@ -58,6 +60,7 @@ def call_record(
     return {
         "call_id": record.request_id,
         "rollout_id": run.rollout_id,
+        "group_id": run.rollout_group,
         "started_at": record.started_at,
         "ended_at": record.ended_at or time.time(),
         "protocol": record.protocol,
@@ -70,6 +73,7 @@ def call_record(
         "upstream_request": bodies[-1] if bodies else run.upstream_body,
         "answer": answer,
         "tokens": tokens,
+        "routed_experts": experts,
         "token_source": source or "none",
         "token_in": _token_in(run),
         # the weight versions that sampled the answer, per completion-token range (gateway/engines/versions.py)

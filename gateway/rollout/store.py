@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from gateway.rollout.chain import chain_of
+from gateway.rollout.labels import all_labels, delete_labels
 from gateway.store.db import Store, upsert
 
 CALL_UPSERT = upsert("rollout_calls", ("call_id", "rollout_id", "started_at", "ended_at", "record"), "call_id")
@@ -82,8 +83,9 @@ def trajectory(records: list[dict[str, Any]], rollout_id: str) -> dict[str, Any]
     return {"rollout_id": rollout_id, "segments": chain_of(ordered).segments()}
 
 
-def list_rollouts(conn: Any, since: float | None, limit: int) -> list[dict[str, Any]]:
-    """Rollouts updated at or after ``since``, most recent first."""
+def list_rollouts(conn: Any, since: float | None, limit: int, group: str | None = None) -> list[dict[str, Any]]:
+    """Rollouts updated at or after ``since`` (of ``group`` when given), most recent first,
+    each with its group and its own reward."""
     calls = conn.execute(
         "SELECT rollout_id, COUNT(*), MAX(ended_at) FROM rollout_calls GROUP BY rollout_id"
     ).fetchall()
@@ -100,7 +102,11 @@ def list_rollouts(conn: Any, since: float | None, limit: int) -> list[dict[str, 
             entry["complete"] = False
         elif kind == "frozen":
             entry["frozen"] = True
-    listed = [e for e in out.values() if since is None or e["updated_at"] >= since]
+    labels = all_labels(conn)
+    for rollout_id, entry in out.items():
+        entry.update(labels.get(rollout_id) or {"group_id": None, "reward": None})
+    listed = [e for e in out.values() if (since is None or e["updated_at"] >= since)
+              and (group is None or e["group_id"] == group)]
     listed.sort(key=lambda e: (-e["updated_at"], e["rollout_id"]))
     return listed[:limit]
 
@@ -108,6 +114,7 @@ def list_rollouts(conn: Any, since: float | None, limit: int) -> list[dict[str, 
 def delete_rollout(conn: Any, rollout_id: str) -> None:
     conn.execute("DELETE FROM rollout_calls WHERE rollout_id = ?", (rollout_id,))
     conn.execute("DELETE FROM rollout_marks WHERE rollout_id = ?", (rollout_id,))
+    delete_labels(conn, rollout_id)
 
 
 def export_records(db: Store, rollout_id: str) -> list[dict[str, Any]]:

@@ -19,6 +19,8 @@ import hashlib
 import struct
 from typing import Any
 
+from gateway.simulator.tokens import routed_experts
+
 COMPLETION_MODEL_ERROR = "server_error"
 
 
@@ -69,6 +71,8 @@ def completion_choices(body: dict[str, Any]) -> list[dict[str, Any]]:
                 "index": len(choices), "text": head + "".join(words) + tail, "finish_reason": finish,
                 "logprobs": _logprobs(words, len(head), top) if body.get("logprobs") is not None else None,
             }
+            if body.get("return_routed_experts") is True:  # SGLang's MoE routing, per choice
+                choice["routed_experts"] = routed_experts([ord(ch) for ch in prompt + "".join(words)])
             choice["_words"] = words
             choices.append(choice)
     return choices
@@ -103,7 +107,10 @@ def completion_chunks(body: dict[str, Any], answer_id: str, created: int) -> lis
             chunks.append({**frame, "choices": [{"index": c["index"], "text": word, "finish_reason": None, "logprobs": lp}]})
         if body.get("suffix"):
             chunks.append({**frame, "choices": [{"index": c["index"], "text": str(body["suffix"]), "finish_reason": None, "logprobs": None}]})
-        chunks.append({**frame, "choices": [{"index": c["index"], "text": "", "finish_reason": c["finish_reason"], "logprobs": None}]})
+        finish = {"index": c["index"], "text": "", "finish_reason": c["finish_reason"], "logprobs": None}
+        if "routed_experts" in c:
+            finish["routed_experts"] = c["routed_experts"]
+        chunks.append({**frame, "choices": [finish]})
     if (body.get("stream_options") or {}).get("include_usage"):
         chunks.append({**frame, "choices": [], "usage": _usage(body, choices)})
     return chunks

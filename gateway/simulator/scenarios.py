@@ -426,6 +426,7 @@ def assemble_completion(frames: Iterable[Frame], model: str) -> dict[str, Any]:
     logprobs: list[dict[str, Any]] = []
     token_ids: list[int] | None = None
     prompt_token_ids = None
+    experts = None
     for chunk in chunks:
         usage = chunk.get("usage") or usage
         prompt_token_ids = chunk.get("prompt_token_ids", prompt_token_ids)
@@ -433,6 +434,7 @@ def assemble_completion(frames: Iterable[Frame], model: str) -> dict[str, Any]:
             logprobs += (choice.get("logprobs") or {}).get("content") or []
             if "token_ids" in choice:
                 token_ids = (token_ids or []) + list(choice["token_ids"])
+            experts = choice.get("routed_experts", experts)
             delta = choice.get("delta") or {}
             for key, bucket in parts.items():
                 if isinstance(delta.get(key), str):
@@ -457,6 +459,8 @@ def assemble_completion(frames: Iterable[Frame], model: str) -> dict[str, Any]:
     }
     if token_ids is not None:
         result["choices"][0]["token_ids"] = token_ids
+    if experts is not None:
+        result["choices"][0]["routed_experts"] = experts
     if prompt_token_ids is not None:
         result["prompt_token_ids"] = prompt_token_ids
     if usage:

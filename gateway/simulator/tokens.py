@@ -16,7 +16,9 @@ where the assistant's answer begins.
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -111,12 +113,29 @@ def logprob(token: int, position: int) -> float:
     return -round(((token * 31 + position) % 97 + 1) / 100, 4)
 
 
+#: MoE routing the simulator reports: layers, experts chosen per token per layer, experts.
+EXPERT_LAYERS, EXPERT_TOP_K, EXPERTS = 2, 2, 64
+
+
+def routed_experts(ids: list[int]) -> str:
+    """SGLang's / vLLM's MoE routing for ``ids`` (prompt then completion): base64 of an
+    int32 array [tokens, layers, top_k], little-endian; deterministic per token id."""
+    values = [(tid * 7 + layer * 3 + k) % EXPERTS for tid in ids for layer in range(EXPERT_LAYERS)
+              for k in range(EXPERT_TOP_K)]
+    return base64.b64encode(struct.pack(f"<{len(values)}i", *values)).decode()
+
+
 def add_token_data(chunks: list[Frame], deltas: list[Mapping[str, Any]], body: Mapping[str, Any]) -> None:
     """What vLLM adds to each streamed chunk when asked: ``logprobs.content`` (one entry
     per sampled token), ``choices[].token_ids`` and, on the first chunk, the top-level
-    ``prompt_token_ids``."""
+    ``prompt_token_ids``; with ``return_routed_experts`` (SGLang's request field) the
+    last chunk's choice carries ``routed_experts`` for the prompt and every sampled token."""
     want_ids = body.get("return_token_ids") is True
     want_logprobs = body.get("logprobs") is True
+    if body.get("return_routed_experts") is True and chunks:
+        drift = "tokens=drift" in str(body.get("model") or "").replace(" ", "")
+        sampled_ids = [tid for delta in deltas for tid, _ in sampled(_piece(delta), drift)]
+        chunks[-1]["choices"][0]["routed_experts"] = routed_experts(prompt_ids(body) + sampled_ids)
     if not (want_ids or want_logprobs):
         return
     drift = "tokens=drift" in str(body.get("model") or "").replace(" ", "")

@@ -220,3 +220,18 @@ def open_database(database_url: Any, data_dir: Path, migrate: bool = True) -> St
     if url:
         raise ValueError("database URL must start with postgresql:// or sqlite:///")
     return Database(Path(data_dir) / SQLITE_FILENAME, migrate=migrate)
+
+
+class StoreMissing(LookupError):
+    """There is no store where the settings point (a read-only tool must not create one)."""
+
+
+def open_existing_database(database_url: Any, data_dir: Path) -> Store:
+    """The configured store as it is: never created, never migrated (offline readers such
+    as ``capture export``). A SQLite file that does not exist is :class:`StoreMissing`."""
+    url = database_url.get_secret_value() if hasattr(database_url, "get_secret_value") else database_url
+    if not url or url.startswith("sqlite:///"):
+        path = Path(url[len("sqlite:///"):]) if url else Path(data_dir) / SQLITE_FILENAME
+        if not path.is_file():
+            raise StoreMissing(f"no store at {path} (give --data-dir or --database-url)")
+    return open_database(url, data_dir, migrate=False)

@@ -250,6 +250,29 @@ MIGRATIONS: list[Migration] = [
         ALTER TABLE credentials ADD COLUMN label TEXT;
         """,
     ),
+    (
+        14,
+        # a trainer's labels on rollouts (gateway/rollout/labels.py): rewards, one per rollout
+        # (call_id '') and one per call, upserted by (rollout, call); the group of a rollout
+        # (GRPO groups the rollouts of one prompt).
+        """
+        CREATE TABLE rollout_rewards (
+            reward_id TEXT PRIMARY KEY,
+            rollout_id TEXT NOT NULL,
+            call_id TEXT NOT NULL,
+            reward REAL NOT NULL,
+            details TEXT,
+            at REAL NOT NULL
+        );
+        CREATE INDEX rollout_rewards_rollout ON rollout_rewards (rollout_id);
+        CREATE TABLE rollout_groups (
+            rollout_id TEXT PRIMARY KEY,
+            group_id TEXT NOT NULL,
+            at REAL NOT NULL
+        );
+        CREATE INDEX rollout_groups_group ON rollout_groups (group_id);
+        """,
+    ),
 ]
 
 _PG_TYPES = ((re.compile(r"\bREAL\b"), "DOUBLE PRECISION"), (re.compile(r"\bINTEGER\b"), "BIGINT"))

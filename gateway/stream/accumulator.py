@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gateway.errors import GatewayError
-from gateway.stream.events import Completion, FinishReason, Segment, TokenData, ToolCall, Usage
+from gateway.stream.events import Completion, FinishReason, Segment, TokenData, ToolCall, Usage, routed_experts_of
 from gateway.stream.think_tags import Start, ThinkTagSplitter
 from gateway.stream.signatures import Seal
 from gateway.stream.tool_calls import ToolArgs, ToolCallMerger, ToolIdentified, ToolSlot, object_or_empty, parse_arguments
@@ -138,7 +138,8 @@ class ChatSSEAccumulator:
             if not isinstance(choice, dict) or (choice.get("index") or 0) != 0:
                 continue  # n > 1 is refused at the door; ignore strays
             self._take_usage(choice.get("usage"))
-            if choice.get("logprobs") or choice.get("token_ids") is not None or chunk.get("prompt_token_ids") is not None:
+            if (choice.get("logprobs") or choice.get("token_ids") is not None or chunk.get("prompt_token_ids") is not None
+                    or routed_experts_of(chunk, choice) is not None):
                 if self.token_data is None:
                     self.token_data = TokenData()
                 self.token_data.absorb(chunk, choice)

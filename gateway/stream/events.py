@@ -110,6 +110,10 @@ class TokenData:
     logprobs: list[dict[str, Any]] = field(default_factory=list)  # logprobs.content[] entries
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    #: MoE routing replay (vLLM ``--enable-return-routed-experts``, SGLang
+    #: ``return_routed_experts``): the experts each token used, as the engine encoded them
+    #: (base64 of an int32 array [tokens, layers, top_k]); for the record, never the client
+    routed_experts: Any = None
 
     def absorb(self, chunk: dict[str, Any], choice: dict[str, Any]) -> None:
         content = (choice.get("logprobs") or {}).get("content")
@@ -121,9 +125,19 @@ class TokenData:
         prompt = chunk.get("prompt_token_ids")
         if prompt is not None:
             self.prompt_token_ids = list(prompt)
+        experts = routed_experts_of(chunk, choice)
+        if experts is not None:  # the engine sends it once (the last chunk, or the JSON answer)
+            self.routed_experts = experts
 
     def as_dict(self) -> dict[str, Any]:
-        return {"logprobs": self.logprobs, "token_ids": self.token_ids, "prompt_token_ids": self.prompt_token_ids}
+        return {"logprobs": self.logprobs, "token_ids": self.token_ids, "prompt_token_ids": self.prompt_token_ids,
+                "routed_experts": self.routed_experts}
+
+
+def routed_experts_of(chunk: dict[str, Any], choice: dict[str, Any]) -> Any:
+    """An engine's ``routed_experts``, on the choice (vLLM, SGLang) or the chunk."""
+    value = choice.get("routed_experts")
+    return value if value is not None else chunk.get("routed_experts")
 
 
 @dataclass(frozen=True, slots=True)

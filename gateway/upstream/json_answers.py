@@ -72,12 +72,13 @@ def completion_as_chunks(answer: dict[str, Any]) -> list[dict[str, Any]]:
             delta["function_call"] = message["function_call"]
         out: dict[str, Any] = {"index": choice.get("index", 0), "delta": delta,
                                "finish_reason": choice.get("finish_reason")}
-        for key in ("logprobs", "token_ids"):
+        for key in ("logprobs", "token_ids", "routed_experts"):
             if choice.get(key) is not None:
                 out[key] = choice[key]
         chunk: dict[str, Any] = {"choices": [out]}
-        if answer.get("prompt_token_ids") is not None:
-            chunk["prompt_token_ids"] = answer["prompt_token_ids"]
+        for key in ("prompt_token_ids", "routed_experts"):
+            if answer.get(key) is not None:
+                chunk[key] = answer[key]
         chunks.append(chunk)
     if answer.get("usage"):
         chunks.append({"choices": [], "usage": answer["usage"]})

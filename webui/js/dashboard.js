@@ -46,6 +46,12 @@ function setStat(id, value, text, sub) {
   if (sub !== undefined) el.querySelector(".stat-sub").textContent = sub;
 }
 
+/** Rollout capture (GET /admin/api/status `capture`): on, and where token ids come from. */
+function captureText(capture) {
+  const sources = Object.entries(capture.token_sources).map(([name, source]) => `${name} ${source}`);
+  return `ON, token ids from ${sources.length ? sources.join(", ") : "none"}`;
+}
+
 function lastMinuteRate(times, counts, now, bucket) {
   let n = 0;
   let from = now;
@@ -208,7 +214,8 @@ export function mount(main) {
       "Stream mode ", h("strong#dash-mode", null, st.stream_mode),
       " · settings revision ", h("strong", null, String(st.revision)),
       " · credentials usable ", h("strong", null, `${st.credentials_usable} / ${st.credentials.length}`),
-      " · audit queue ", h("strong", null, String(st.audit_queue_depth)));
+      " · audit queue ", h("strong", null, String(st.audit_queue_depth)),
+      st.capture ? [" · capture ", h("strong#dash-capture", null, captureText(st.capture))] : null);
     updated.textContent = `${span} · ${ts.bucket}s buckets · updated ${new Date(now * 1000).toLocaleTimeString()}`;
 
     chartRps.update([times, ...PROTOCOLS.map((p) => rate(series(ts.by_protocol, p, "requests")))], null, xRange);

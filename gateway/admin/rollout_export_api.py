@@ -1,0 +1,61 @@
+"""``GET /admin/api/rollouts/export``: every rollout that matches, streamed as JSONL in the
+shape a trainer loads (docs/capture.md "Bulk export"; :mod:`gateway.rollout.bulk_export`)."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+
+from gateway.admin.audit_api import BadParam, _bad, _time
+from gateway.admin.common import admin_error
+from gateway.admin.rollouts_api import _recorder
+from gateway.rollout.bulk_export import BulkExport, ExportQuery, decode_cursor
+from gateway.rollout.labels import BadLabel, check_group
+from gateway.rollout.shapes import SHAPES
+
+_BOOLEAN = {"true": True, "1": True, "false": False, "0": False}
+
+
+def _query(request: Request) -> ExportQuery:
+    params = request.query_params
+    shape = params.get("shape") or "native"
+    if shape not in SHAPES:
+        raise BadParam("shape", f"shape must be one of {', '.join(SHAPES)}")
+    if (params.get("format") or "jsonl") != "jsonl":
+        raise BadParam("format", "format must be jsonl")
+    frozen_text = params.get("frozen")
+    if frozen_text not in (None, "") and frozen_text not in _BOOLEAN:
+        raise BadParam("frozen", "frozen must be true or false")
+    group = params.get("group") or None
+    if group is not None:
+        try:
+            check_group(group, "group")
+        except BadLabel as err:
+            raise BadParam("group", str(err)) from None
+    cursor_text = params.get("cursor") or None
+    try:
+        cursor = decode_cursor(cursor_text) if cursor_text else None
+    except ValueError as err:
+        raise BadParam("cursor", f"cursor: {err}") from None
+    return ExportQuery(shape=shape, since=_time(request, "since"), until=_time(request, "until"), group=group,
+                       frozen=_BOOLEAN.get(frozen_text or ""), cursor=cursor)
+
+
+async def export(request: Request) -> Response:
+    try:
+        query = _query(request)
+    except BadParam as err:
+        return _bad(err)
+    recorder = _recorder(request)
+    bulk = BulkExport(recorder, query)
+    try:
+        await bulk.first_page()
+    except (TimeoutError, *recorder.db.errors):
+        return admin_error(503, "store_unavailable", "the store did not answer; try again")
+    return StreamingResponse(bulk.lines(), media_type="application/x-ndjson")
+
+
+def rollout_export_routes() -> list[BaseRoute]:
+    """Mounted before ``/rollouts/{rollout_id}`` (which would take ``export`` as an id)."""
+    return [Route("/rollouts/export", export, methods=["GET"])]
