@@ -25,7 +25,7 @@ from gateway.generation.offload import BODIES, OffloadFull
 from gateway.generation.policy import StreamPolicy
 from gateway.rollout.tokens import with_token_fields
 from gateway.upstream.client import ANSWERED, Send, UpstreamClient, UpstreamItem
-from gateway.upstream.pool import Lease, UpstreamPool
+from gateway.upstream.pool import Lease, UpstreamPool, engine_of
 from gateway.upstream.routing import prefix_chain
 from gateway.upstream.token_in import TokenIn
 
@@ -117,7 +117,7 @@ class UpstreamAttempts:
                             attempt["status"] = 200
                         yield item
                 # answered in full: the replica's pace, for the router (gateway/upstream/routing.py)
-                pool.router.observe(credential.id, time.monotonic() - started)
+                pool.router.observe(engine_of(credential), time.monotonic() - started)
                 return
             except GatewayError as err:
                 attempt["status"] = err.upstream_status

@@ -17,6 +17,7 @@ writer (``pool.state.writer``), so the request path never waits on the store.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import time
@@ -30,7 +31,7 @@ from gateway.errors import ErrorCode, GatewayError
 from gateway.store.credentials import AddedCredential
 from gateway.upstream.credential import ANY_MODEL, Credential, Upstream
 from gateway.upstream.pool_state import CredentialStateStore, CredentialStateSync
-from gateway.upstream.routing import RoundRobinRouter, Router
+from gateway.upstream.routing import RoundRobinRouter, Router, engines_of
 from gateway.upstream.urls import check_upstream_url
 
 log = structlog.get_logger("gateway.pool")
@@ -111,6 +112,7 @@ class UpstreamPool:
         self.clock = clock
         #: which usable credential serves a call (gateway.upstream.routing; --routing)
         self.router: Router = router or RoundRobinRouter(clock)
+        self._spread = itertools.count()  # the keys of one engine take turns on a tie
         self._deleted: set[str] = set()  # ids deleted through this process's admin API
         #: stored admin-added ids left out because a configured credential holds their key
         self.superseded: list[str] = []
@@ -174,7 +176,8 @@ class UpstreamPool:
             raise ValueError(credential_id)
         self.credentials[:] = [c for c in self.credentials if c.id != credential_id]
         self._deleted.add(credential_id)
-        self.router.forget(credential_id)
+        if not any(engine_of(c) == engine_of(credential) for c in self.credentials):
+            self.router.forget(engine_of(credential))  # its engine left the pool
         return credential
 
     def _changed(self) -> None:
@@ -209,12 +212,17 @@ class UpstreamPool:
         # (then the upstream is asked again: it may have loaded the model since)
         usable = [c for c in usable if not c.unavailable_for(model, now)] or usable
         healthy = [c for c in usable if c.penalty_until <= now] or usable
-        route = self.router.route(healthy, session, prefix, failover=bool(exclude))
-        chosen = route.replica
+        if self.router.uses_prefix:  # cache-aware: the router picks an engine (its prefix cache), the engine a key
+            engines = engines_of(healthy, engine_of)
+            route = self.router.route(engines, session, prefix, failover=bool(exclude))
+            reason, chosen = route.reason, route.replica.pick(next(self._spread))
+        else:  # round-robin over the credentials, as before routing
+            plain = self.router.route(healthy, session, prefix, failover=bool(exclude))
+            reason, chosen = plain.reason, plain.replica
         chosen.in_flight += 1
         if self.on_lease is not None:
             self.on_lease(chosen, 1)
-        return Lease(chosen, self, route.reason)
+        return Lease(chosen, self, reason)
 
     def _exhausted(self, allowed: list[Credential], model: str, now: float, exclude: set[str]) -> GatewayError:
         enabled = [c for c in allowed if not c.disabled]
@@ -324,3 +332,8 @@ class UpstreamPool:
     @property
     def in_flight(self) -> int:
         return sum(c.in_flight for c in self.credentials)
+
+
+def engine_of(credential: Credential) -> str:
+    """The engine a credential reaches (what routing keeps warm): its upstream's base URL."""
+    return credential.upstream.base_url

@@ -287,6 +287,36 @@ class RoundRobinRouter:
 Router = CacheAwareRouter | RoundRobinRouter
 
 
+class Engine(Generic[R]):
+    """One engine (an upstream base URL) and its usable credentials: what a router routes
+    over. Several keys of one upstream reach the same engine, so they share its prefix
+    cache: affinity is per engine, and within it the calls are spread over the keys (the
+    fewest in flight, ties in turn), so a key's traffic is never skewed by routing."""
+
+    __slots__ = ("id", "credentials")
+
+    def __init__(self, engine_id: str, credentials: list[R]) -> None:
+        self.id = engine_id
+        self.credentials = credentials
+
+    @property
+    def in_flight(self) -> int:
+        return sum(c.in_flight for c in self.credentials)
+
+    def pick(self, turn: int) -> R:
+        least = min(c.in_flight for c in self.credentials)
+        tied = [c for c in self.credentials if c.in_flight == least]
+        return tied[turn % len(tied)]
+
+
+def engines_of(candidates: Sequence[R], engine_id: Callable[[R], str]) -> list[Engine[R]]:
+    """``candidates`` grouped by engine, in their order of first appearance."""
+    grouped: dict[str, list[R]] = {}
+    for c in candidates:
+        grouped.setdefault(engine_id(c), []).append(c)
+    return [Engine(key, members) for key, members in grouped.items()]
+
+
 def build_router(mode: str, clock: Callable[[], float], imbalance_rel: float = 1.5,
                  imbalance_abs: int = 8) -> Router:
     if mode == "round-robin":

@@ -292,3 +292,24 @@ def test_a_long_body_is_hashed_in_a_worker_thread_and_a_busy_pool_routes_without
     full = offload.Offload("full", workers=1, max_pending=0)
     monkeypatch.setattr(attempts, "BODIES", full)
     assert asyncio.run(attempts._prefix_of(long)) == ()  # no worker free: routed by load alone
+
+
+def test_keys_of_one_engine_share_its_affinity_and_take_turns() -> None:
+    """Two keys of one upstream reach one engine (one prefix cache): the router sees one
+    replica, and the engine spreads its calls over its keys (fewest in flight, then in turn)."""
+    from types import SimpleNamespace
+
+    from gateway.upstream.routing import engines_of
+
+    a1, a2 = SimpleNamespace(id="a1", in_flight=0, url="A"), SimpleNamespace(id="a2", in_flight=0, url="A")
+    b1 = SimpleNamespace(id="b1", in_flight=0, url="B")
+    engines = engines_of([a1, b1, a2], lambda c: c.url)
+    assert [(e.id, [c.id for c in e.credentials]) for e in engines] == [("A", ["a1", "a2"]), ("B", ["b1"])]
+    assert engines[0].in_flight == 0
+    assert [engines[0].pick(turn).id for turn in range(4)] == ["a1", "a2", "a1", "a2"]
+    a1.in_flight = 3
+    assert engines[0].in_flight == 3 and engines[0].pick(0).id == "a2"
+    router = CacheAwareRouter(lambda: 0.0)
+    first = router.route(engines, session="s", prefix=(1, 2))
+    again = router.route(engines_of([a1, b1, a2], lambda c: c.url), session="s", prefix=(1, 2))
+    assert again.replica.id == first.replica.id and again.reason == "session"

@@ -158,7 +158,7 @@ def test_a_call_without_a_session_follows_its_prefix(server_loop: ServerLoop, re
             assert [a - b for a, b in zip(served_by(replicas), before)].index(1) == first[topic]
             assert routed(gateway, request_id) == [(f"upstream{first[topic]}", "prefix")]
     pool = gateway.app.state.relay.pool  # each replica's pace was learned from its answers
-    used = {c.id for c in pool.credentials if c.upstream.name in {f"upstream{i}" for i in first.values()}}
+    used = {c.upstream.base_url for c in pool.credentials if c.upstream.name in {f"upstream{i}" for i in first.values()}}
     assert set(pool.router.pace._mean) == used and all(m > 0 for m in pool.router.pace._mean.values())
 
 
