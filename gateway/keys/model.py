@@ -56,6 +56,9 @@ class KeyLimits:
     daily_tokens: int | None = None
     max_output_tokens: int | None = None
     expires_at: float | None = None
+    #: a streamed answer whose client goes away: "cancel" stops the upstream at once (charged
+    #: what arrived), "drain" reads it to its end, unsent, so its usage bills exactly
+    on_disconnect: str = "cancel"
 
     @property
     def counted(self) -> bool:
@@ -105,6 +108,7 @@ class ManagedKey:
             "models": list(limits.models) if limits.models is not None else None,
             "rpm": limits.rpm, "tpm": limits.tpm, "max_concurrent": limits.max_concurrent,
             "daily_tokens": limits.daily_tokens, "max_output_tokens": limits.max_output_tokens,
+            "on_disconnect": limits.on_disconnect,
             "expires_at": rfc3339(limits.expires_at), "created_at": rfc3339(self.created_at),
             "revoked_at": rfc3339(self.revoked_at), "metadata": self.metadata,
         }
@@ -185,8 +189,18 @@ def metadata_of(value: Any) -> dict[str, Any]:
     return value
 
 
+#: What a streamed answer of a key does when its client goes away (``None``: the default).
+DISCONNECT_POLICIES = ("cancel", "drain")
 #: Fields a create or a change may carry.
-KNOWN_FIELDS = frozenset({"name", "models", *LIMIT_FIELDS, "expires_at", "metadata"})
+KNOWN_FIELDS = frozenset({"name", "models", *LIMIT_FIELDS, "expires_at", "metadata", "on_disconnect"})
+
+
+def _on_disconnect(value: Any) -> str:
+    if value is None:
+        return "cancel"
+    if value not in DISCONNECT_POLICIES:
+        raise InvalidField("on_disconnect", "on_disconnect must be \"cancel\" or \"drain\", or null")
+    return str(value)
 
 
 def limits_from(payload: dict[str, Any], base: KeyLimits | None = None) -> KeyLimits:
@@ -200,4 +214,6 @@ def limits_from(payload: dict[str, Any], base: KeyLimits | None = None) -> KeyLi
         values[name] = _limit(payload, name) if name in payload else getattr(current, name)
     values["models"] = _globs(payload["models"]) if "models" in payload else current.models
     values["expires_at"] = _expires(payload["expires_at"]) if "expires_at" in payload else current.expires_at
+    values["on_disconnect"] = (_on_disconnect(payload["on_disconnect"]) if "on_disconnect" in payload
+                               else current.on_disconnect)
     return KeyLimits(**values)
