@@ -44,17 +44,27 @@ class GenerationResponse:
     run's terminal frame was sent; a client that hangs up right after it had it all).
     """
 
-    def __init__(self, run: Run, headers: dict[str, str], on_complete: Callable[[bool], None]) -> None:
+    def __init__(self, run: Run, headers: dict[str, str], on_complete: Callable[[bool], None],
+                 drain: float = 0.0) -> None:
         self.run = run
         self.headers = headers
         self.on_complete = on_complete
+        #: seconds the answer is still read to its end after the client went (a managed key's
+        #: ``on_disconnect: "drain"``: its usage then comes, for exact billing); 0: stop at once
+        self.drain = drain
         self._complete = False
+        self._gone = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         sender = asyncio.create_task(self._send_stream(send))
         listener = asyncio.create_task(_wait_for_disconnect(receive))
         try:
             await asyncio.wait({sender, listener}, return_when=asyncio.FIRST_COMPLETED)
+            if not sender.done() and self.drain > 0:
+                self._gone = True  # nothing more is sent; the upstream is read to its usage
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.drain):
+                        await asyncio.shield(sender)
             if not sender.done():
                 sender.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -86,10 +96,12 @@ class GenerationResponse:
                     record.ttfb_ms = round((time.time() - record.started_at) * 1000, 2)
                     raw_headers = [(k.encode(), v.encode()) for k, v in (SSE_HEADERS | self.headers).items()]
                     await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
-                if out:
+                if out and not self._gone:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                     if self.run.terminated:  # the whole answer is out: a client leaving now left after it
                         self._complete = True
+        if self._gone:  # drained after the client left: its usage is in; the client has not all
+            return
         if started:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         self._complete = True

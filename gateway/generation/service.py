@@ -203,8 +203,9 @@ class GenerationService:
         if recording:
             run.before_release = self.rollouts.commit  # type: ignore[union-attr]
         self.running.add(run)
-        if parsed.stream:
-            return GenerationResponse(run, headers, lambda complete: _stream_outcome(outcome, run, complete))
+        if parsed.stream:  # a key that bills exactly reads the answer to its usage after a hang-up
+            drain = settings.attempt_timeout if key is not None and key.limits.on_disconnect == "drain" else 0.0
+            return GenerationResponse(run, headers, lambda complete: _stream_outcome(outcome, run, complete), drain)
         return await _answer_json(room, run, outcome, headers)
 
     def refuse_unread(

@@ -60,6 +60,9 @@ class KeyLimits:
     #: tokens per ``budget_period`` (a UTC day, ISO week or calendar month: gateway/keys/periods.py)
     budget_tokens: int | None = None
     budget_period: str = "day"
+    #: a streamed answer whose client goes away: "cancel" stops the upstream at once (charged
+    #: what arrived), "drain" reads it to its end, unsent, so its usage bills exactly
+    on_disconnect: str = "cancel"
 
     @property
     def counted(self) -> bool:
@@ -110,6 +113,7 @@ class ManagedKey:
             "rpm": limits.rpm, "tpm": limits.tpm, "max_concurrent": limits.max_concurrent,
             "daily_tokens": limits.daily_tokens, "budget_tokens": limits.budget_tokens,
             "budget_period": limits.budget_period, "max_output_tokens": limits.max_output_tokens,
+            "on_disconnect": limits.on_disconnect,
             "expires_at": rfc3339(limits.expires_at), "created_at": rfc3339(self.created_at),
             "revoked_at": rfc3339(self.revoked_at), "metadata": self.metadata,
         }
@@ -190,13 +194,23 @@ def metadata_of(value: Any) -> dict[str, Any]:
     return value
 
 
+#: What a streamed answer of a key does when its client goes away (``None``: the default).
+DISCONNECT_POLICIES = ("cancel", "drain")
 #: Fields a create or a change may carry.
-KNOWN_FIELDS = frozenset({"name", "models", *LIMIT_FIELDS, "budget_period", "expires_at", "metadata"})
+KNOWN_FIELDS = frozenset({"name", "models", *LIMIT_FIELDS, "budget_period", "expires_at", "metadata", "on_disconnect"})
 
 
 def _period(value: Any) -> str:
     if value not in PERIODS:
         raise InvalidField("budget_period", f"budget_period must be one of {', '.join(PERIODS)}")
+    return str(value)
+
+
+def _on_disconnect(value: Any) -> str:
+    if value is None:
+        return "cancel"
+    if value not in DISCONNECT_POLICIES:
+        raise InvalidField("on_disconnect", "on_disconnect must be \"cancel\" or \"drain\", or null")
     return str(value)
 
 
@@ -212,4 +226,6 @@ def limits_from(payload: dict[str, Any], base: KeyLimits | None = None) -> KeyLi
     values["models"] = _globs(payload["models"]) if "models" in payload else current.models
     values["expires_at"] = _expires(payload["expires_at"]) if "expires_at" in payload else current.expires_at
     values["budget_period"] = _period(payload["budget_period"]) if "budget_period" in payload else current.budget_period
+    values["on_disconnect"] = (_on_disconnect(payload["on_disconnect"]) if "on_disconnect" in payload
+                               else current.on_disconnect)
     return KeyLimits(**values)

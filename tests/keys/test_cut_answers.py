@@ -97,3 +97,32 @@ def test_a_websocket_closed_mid_answer_is_charged_what_was_generated(gw: Gateway
         wait_for(lambda: arrived_chars(gw, key["id"]) == len(text), timeout=20)
         generated = simulator.stats()["last_sent_usage"]
     assert charged(gw, key["id"]) == generated["total_tokens"] > 0
+
+
+def test_a_drain_key_reads_the_answer_to_its_usage_after_the_client_left(gw: Gateway, simulator: Simulator) -> None:
+    """``on_disconnect: "drain"``: the upstream is read to its end, unsent, and the request
+    is charged its final usage exactly (the default ``cancel`` stops it at once)."""
+    key = create_key(gw, name="drain-" + secrets.token_hex(3), daily_tokens=1_000_000, on_disconnect="drain")
+    assert key["on_disconnect"] == "drain" and listed(gw)[key["id"]]["on_disconnect"] == "drain"
+    completed = simulator.stats()["completed"]
+    mark = "cut-" + secrets.token_hex(4)
+    stream = oai(gw, key["key"]).chat.completions.create(
+        model=f"large;size={SIZE};chunk=64;delay=0.01", messages=[{"role": "user", "content": mark}], stream=True)  # type: ignore[arg-type]
+    wait_for(lambda: arrived_chars(gw, key["id"]) > 0, timeout=20)
+    stream.close()  # the client leaves at the start of a 2 s answer
+    total = charged(gw, key["id"])  # settled once the drained answer ended
+    assert simulator.stats()["completed"] == completed + 1  # the upstream ran to its end, not cancelled
+    assert total == simulator.stats()["last_sent_usage"]["total_tokens"] > SIZE // 4
+    [row] = audit_rows(gw, 1, key_id=key["id"])
+    assert row["outcome"] == "cancelled" and row["usage"]["completion_tokens"] == SIZE // 4 + 1
+
+
+def test_on_disconnect_takes_cancel_or_drain(gw: Gateway) -> None:
+    import httpx
+
+    bad = httpx.post(gw.url + "/admin/api/keys", json={"name": "bad-drain", "on_disconnect": "wait"}, headers=gw.admin)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "on_disconnect"
+    key = create_key(gw, name="default-" + secrets.token_hex(3))
+    assert key["on_disconnect"] == "cancel"
+    changed = httpx.patch(f"{gw.url}/admin/api/keys/{key['id']}", json={"on_disconnect": "drain"}, headers=gw.admin)
+    assert changed.status_code == 200 and changed.json()["on_disconnect"] == "drain"
