@@ -33,7 +33,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import SpanKind, Status, StatusCode, get_current_span, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from gateway.observability.metrics import build_version
+from gateway.observability.metric_labels import build_version
 
 if TYPE_CHECKING:
     from gateway.generation.record import RequestRecord

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.app import create_app
 from gateway.cli import CLI_VALUES_ENV, worker_app
 from gateway.observability.logging import configure_logging
-from gateway.observability.metrics import attempt_labels
+from gateway.observability.metric_labels import attempt_labels
 from gateway.settings import Settings
 from tests.conftest import ServerLoop, Simulator, start_gateway
 

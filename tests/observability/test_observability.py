@@ -23,7 +23,8 @@ from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.generation.record import RequestRecord
-from gateway.observability.metrics import DYNAMIC_MODELS, OTHER, BoundedLabel, Metrics
+from gateway.observability.metric_labels import DYNAMIC_MODELS, OTHER, BoundedLabel
+from gateway.observability.metrics import Metrics
 from gateway.observability.tracing import Tracing, traces_url
 from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway, wait_for
 from tests.drivers import DRIVERS
