@@ -33,6 +33,7 @@ import anyio
 import orjson
 
 from gateway.errors import GatewayError
+from gateway.generation.keepalive import KeepaliveTimer
 from gateway.generation.offload import finish_answer
 from gateway.generation.outcome import internal_error
 from gateway.generation.policy import StreamPolicy
@@ -122,7 +123,7 @@ class GenerationRun:
         self.upstream_body = restore_thought_signatures(
             with_engine_extras(parsed.upstream_body, policy.engine_extras), parsed.tenant.open_signature
         )
-        self.answer: RealtimeAnswer | CompatibleAnswer = self._answer_state(parsed.stream)
+        self.answer: RealtimeAnswer | CompatibleAnswer = answer_state(room, parsed, policy, self.upstream_body)
         self.committed = False  # the opening frames went out: errors are in-stream now
         self.terminated = False  # the terminal frame (finish or error) was released: nothing follows
         self.completion: Completion | None = None
@@ -136,23 +137,7 @@ class GenerationRun:
         self._queue: asyncio.Queue[_QueueItem] = asyncio.Queue(maxsize=64)
         self._pump_task: asyncio.Task[None] | None = None
         self._pump_scope = anyio.CancelScope()
-        self._timer: asyncio.TimerHandle | None = None
-        self._loop = asyncio.get_running_loop()
-        self._last_activity = 0.0
-
-    def _answer_state(self, streamed: bool) -> RealtimeAnswer | CompatibleAnswer:
-        p = self.policy
-        answer: RealtimeAnswer | CompatibleAnswer
-        if streamed and p.mode is StreamMode.REALTIME:
-            answer = RealtimeAnswer(p.max_collect_bytes, self.parsed.rules, self.upstream_body, self.room.sequential_blocks)
-        else:
-            repair = RepairPolicy(self.upstream_body, p.tool_repair_attempts)
-            answer = CompatibleAnswer(p.max_collect_bytes, self.parsed.rules, self.upstream_body, repair)
-        answer.reasoning_tags = p.reasoning_tags_for(self.parsed.model)
-        answer.estimate_usage = usage_estimator  # the one rule when the upstream reports none
-        answer.seal_signature = self.parsed.tenant.seal_signature
-        answer.masker = DeltaMasker(SECRETS)  # a secret split across deltas is masked too
-        return answer
+        self._keepalive: KeepaliveTimer | None = None
 
     # -- the two ways to consume a run ------------------------------------------------------
 
@@ -231,7 +216,7 @@ class GenerationRun:
         self._pump_scope = anyio.CancelScope()
         self._pump_task = asyncio.create_task(_pump(self.attempts.stream(body), queue, self._pump_scope))
         if keepalives:
-            self._start_keepalive_timer()
+            self._keepalive = KeepaliveTimer(self.policy.keepalive_interval, self._queue_tick)
         handle = self.answer.handle
         try:
             while True:
@@ -262,7 +247,8 @@ class GenerationRun:
                     if out:  # what was already released goes out before the error
                         yield b"".join(out)
                     raise
-                self._last_activity = self._loop.time()
+                if self._keepalive is not None:
+                    self._keepalive.activity()
                 if out:
                     yield b"".join(out)
                 if ended is not None:
@@ -274,31 +260,19 @@ class GenerationRun:
             await self._stop_reading()
 
     async def _stop_reading(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            self._keepalive = None
         task = self._pump_task
         if task is not None and not task.done():
             self._pump_scope.cancel()  # not task.cancel(): see _pump
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def _start_keepalive_timer(self) -> None:
-        """One timer per request (not one per item): after a quiet keepalive interval, a
-        tick is queued for the loop."""
-        self._loop = asyncio.get_running_loop()
-        self._last_activity = self._loop.time()
-        self._timer = self._loop.call_later(self.policy.keepalive_interval, self._keepalive_due)
-
-    def _keepalive_due(self) -> None:
-        interval = self.policy.keepalive_interval
-        quiet = self._loop.time() - self._last_activity
-        if quiet >= interval * 0.999:
-            if self._queue.empty():
-                self._queue.put_nowait(_TICK)
-            self._last_activity = self._loop.time()
-            quiet = 0.0
-        self._timer = self._loop.call_later(interval - quiet, self._keepalive_due)
+    def _queue_tick(self) -> None:
+        """The keepalive timer fired: a tick for the loop (one is enough while items wait)."""
+        if self._queue.empty():
+            self._queue.put_nowait(_TICK)
 
     # -- framing ----------------------------------------------------------------------------
 
@@ -321,6 +295,22 @@ class GenerationRun:
             if isinstance(event, BlockDelta) and event.text:
                 self.record.ttft_ms = round((time.time() - self.record.started_at) * 1000, 2)
                 return
+
+
+def answer_state(room: ProtocolRoom, parsed: ParsedRequest, policy: StreamPolicy,
+                 upstream_body: dict[str, Any]) -> RealtimeAnswer | CompatibleAnswer:
+    """The pure answer state a request's mode asks for, with the request's rules on it."""
+    answer: RealtimeAnswer | CompatibleAnswer
+    if parsed.stream and policy.mode is StreamMode.REALTIME:
+        answer = RealtimeAnswer(policy.max_collect_bytes, parsed.rules, upstream_body, room.sequential_blocks)
+    else:
+        repair = RepairPolicy(upstream_body, policy.tool_repair_attempts)
+        answer = CompatibleAnswer(policy.max_collect_bytes, parsed.rules, upstream_body, repair)
+    answer.reasoning_tags = policy.reasoning_tags_for(parsed.model)
+    answer.estimate_usage = usage_estimator  # the one rule when the upstream reports none
+    answer.seal_signature = parsed.tenant.seal_signature
+    answer.masker = DeltaMasker(SECRETS)  # a secret split across deltas is masked too
+    return answer
 
 
 def note_run(record: RequestRecord, run: GenerationRun) -> None:
