@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 from gateway.errors import GatewayError
@@ -404,39 +405,14 @@ class ResponsesEncoder:
             out += self._delta(index, content[len(sent) :])  # keep deltas and final in agreement
         text = "".join(self._parts[index])
         item = self.response.items[index]
-        where = {"item_id": item["id"], "output_index": index}
-        if item["type"] == "message" and index in self._refusals:
-            part = content_part(text, True)
-            out += self._event("response.refusal.done", {**where, "content_index": 0, "refusal": text})
-            out += self._event("response.content_part.done", {**where, "content_index": 0, "part": part})
-            final = message_item(item["id"], text, status, refusal=True)
-        elif item["type"] == "message":
+        refusal = index in self._refusals
+        logprobs = None
+        if item["type"] == "message" and not refusal:
             self._take_logprobs(index)  # any that came after the last delta belong to this part
             logprobs = self._part_logprobs.get(index, [])
-            part = content_part(text, False, logprobs)
-            out += self._event(
-                "response.output_text.done",
-                {**where, "content_index": 0, "text": text, "logprobs": logprobs},
-            )
-            out += self._event(
-                "response.content_part.done", {**where, "content_index": 0, "part": part}
-            )
-            final = message_item(item["id"], text, status, logprobs=logprobs)
-        elif item["type"] == "reasoning":
-            part = {"type": "summary_text", "text": text}
-            out += self._event(
-                "response.reasoning_summary_text.done", {**where, "summary_index": 0, "text": text}
-            )
-            out += self._event(
-                "response.reasoning_summary_part.done", {**where, "summary_index": 0, "part": part}
-            )
-            final = reasoning_item(item["id"], text, self.tenant if self.envelope else None)
-        else:
-            out += self._event(
-                "response.function_call_arguments.done", {**where, "arguments": text}
-            )
-            final = {**item, "arguments": text, "status": status}
-        return out + self._finish_item(index, final)
+        done, final = item_done(self._event, item, index, text, status, refusal, logprobs,
+                                self.tenant if self.envelope else None)
+        return out + done + self._finish_item(index, final)
 
     def _finish_item(self, index: int, final: dict[str, Any]) -> bytes:
         if self._open == index:
@@ -464,3 +440,31 @@ class ResponsesEncoder:
             out += self._event("response.custom_tool_call_input.delta", {**where, "delta": rest})
         out += self._event("response.custom_tool_call_input.done", {**where, "input": stream.sent})
         return out + self._finish_item(index, {**item, "input": stream.sent, "status": status})
+
+
+def item_done(
+    event: Callable[[str, dict[str, Any]], bytes], item: dict[str, Any], index: int, text: str, status: str,
+    refusal: bool, logprobs: list[dict[str, Any]] | None, sealed_for: Tenant | None,
+) -> tuple[bytes, dict[str, Any]]:
+    """The done events an output item of each type ends with (its text whole), and the
+    item as it finally reads: a message (or a refusal), a reasoning summary, a function
+    call's arguments. ``sealed_for``: whom a reasoning item's envelope is sealed for."""
+    where = {"item_id": item["id"], "output_index": index}
+    if item["type"] == "message" and refusal:
+        part = content_part(text, True)
+        out = event("response.refusal.done", {**where, "content_index": 0, "refusal": text})
+        out += event("response.content_part.done", {**where, "content_index": 0, "part": part})
+        return out, message_item(item["id"], text, status, refusal=True)
+    if item["type"] == "message":
+        logprobs = logprobs or []
+        part = content_part(text, False, logprobs)
+        out = event("response.output_text.done", {**where, "content_index": 0, "text": text, "logprobs": logprobs})
+        out += event("response.content_part.done", {**where, "content_index": 0, "part": part})
+        return out, message_item(item["id"], text, status, logprobs=logprobs)
+    if item["type"] == "reasoning":
+        part = {"type": "summary_text", "text": text}
+        out = event("response.reasoning_summary_text.done", {**where, "summary_index": 0, "text": text})
+        out += event("response.reasoning_summary_part.done", {**where, "summary_index": 0, "part": part})
+        return out, reasoning_item(item["id"], text, sealed_for)
+    out = event("response.function_call_arguments.done", {**where, "arguments": text})
+    return out, {**item, "arguments": text, "status": status}
