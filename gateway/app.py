@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.admin import admin_mount, auth_routes
 from gateway.admin.auth import AdminAccess, login_base_url
+from gateway.admin.reload_api import reload_on_signal
 from gateway.admin.common import admin_error
 from gateway.admin.sessions import SessionEpoch
 from gateway.admin.throttle import AttemptThrottle
@@ -29,7 +30,7 @@ from gateway.generation.service import ATTEMPTS_SCOPE_KEY, GenerationService
 from gateway.http.admin_surface import AdminSurface
 from gateway.http.body_limit import BodyLimit
 from gateway.http.cross_site import CrossSiteGuard
-from gateway.http.servers import bind_loopback, on_server_exit, start_embedded, stop_embedded
+from gateway.http.servers import bind_loopback, on_hangup, on_server_exit, start_embedded, stop_embedded
 from gateway.http.shutdown import GracefulShutdown
 from gateway.keys.limiter import KeyLimiter
 from gateway.keys.registry import KeyRegistry
@@ -274,10 +275,20 @@ def create_app(
             shutdown.begin()
 
         on_server_exit(begin_shutdown)
+        reloads: set[asyncio.Task[None]] = set()
+
+        def hangup() -> None:  # SIGHUP: re-read --config (gateway/admin/reload_api.py)
+            task = asyncio.get_running_loop().create_task(reload_on_signal(app))
+            reloads.add(task)
+            task.add_done_callback(reloads.discard)
+
+        stop_hangups = on_hangup(hangup)
         app.state.ready = True
         try:
             yield
         finally:
+            if stop_hangups is not None:
+                stop_hangups()
             app.state.ready = False
             await shutdown.aclose()
             await loop_lag.stop()

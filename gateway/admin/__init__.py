@@ -23,6 +23,7 @@ from gateway.admin.envelope_keys_api import envelope_key_routes
 from gateway.admin.keys_api import key_routes
 from gateway.admin.rollouts_api import rollout_routes
 from gateway.admin.settings_api import settings_routes
+from gateway.admin.reload_api import reload_routes
 from gateway.admin.status_api import status_routes
 
 __all__ = ["AdminGuard", "admin_mount", "auth_routes"]
@@ -56,7 +57,7 @@ class AdminGuard:
 def admin_routes() -> list[BaseRoute]:
     """Every admin route (other admin modules add theirs here)."""
     return [*audit_routes(), *credential_routes(), *capture_routes(), *rollout_routes(), *settings_routes(),
-            *status_routes(), *envelope_key_routes(), *key_routes()]
+            *status_routes(), *envelope_key_routes(), *key_routes(), *reload_routes()]
 
 
 def admin_mount() -> Mount:
