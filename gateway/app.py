@@ -308,7 +308,7 @@ def create_app(
             db.close()
             if simulator is not None:
                 await stop_embedded(*simulator)
-            for share in ("admin", "settings", "pool"):
+            for share in ("admin", "settings", "pool", "retired"):
                 SECRETS.drop(f"{owner}:{share}")
 
     def generation(room: ProtocolRoom):  # type: ignore[no-untyped-def]
@@ -365,6 +365,9 @@ def create_app(
     app.state.db = db
     app.state.envelope_keys = envelope_keys
     app.state.client_keys = client_keys
+    app.state.secrets_owner = owner  # its shares of gateway.redact.SECRETS (a reload adds "retired")
+    app.state.reload_lock = asyncio.Lock()  # one --config reload at a time (gateway/admin/reload_api.py)
+    app.state.retired_keys = set()  # keys of credentials a reload took out: still masked
     app.state.relay = relay
     app.state.credential_state = credential_state
     app.state.replication = replication

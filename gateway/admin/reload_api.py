@@ -40,8 +40,7 @@ async def reload_config(app: Any) -> dict[str, Any]:
     settings = app.state.live.current
     if not settings.config and not settings.upstream_url:
         raise NothingToReload("no --config or --upstream-url to re-read")
-    lock: asyncio.Lock = app.state.__dict__.setdefault("reload_lock", asyncio.Lock())
-    async with lock:
+    async with app.state.reload_lock:
         state = app.state.credential_state
         fresh, states = await asyncio.to_thread(lambda: (configured_credentials(settings), state.load_versions()))
         pool = app.state.relay.pool
@@ -51,9 +50,9 @@ async def reload_config(app: Any) -> dict[str, Any]:
         added, removed, superseded = pool.replace_configured(fresh)
         for credential_id in superseded:  # the config holds their keys now: one credential each
             await asyncio.to_thread(state.forget_added, credential_id)
-        retired: set[str] = app.state.__dict__.setdefault("retired_keys", set())
+        retired: set[str] = app.state.retired_keys
         retired.update(before[cid].api_key or "" for cid in (*removed, *superseded))
-        SECRETS.set(f"app-{id(app.state.live)}:retired", retired)  # a gone key is still a secret
+        SECRETS.set(f"{app.state.secrets_owner}:retired", retired)  # a gone key is still a secret
         app.state.observability.metrics.declare_configuration(pool)
     log.info("config_reloaded", added=added, removed=removed, superseded=superseded, credentials=len(pool.credentials))
     return {"reloaded_at": time.time(), "added": added, "removed": removed, "superseded": superseded,
