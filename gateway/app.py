@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.admin import admin_mount, auth_routes
 from gateway.admin.auth import AdminAccess, login_base_url
+from gateway.admin.reload_api import reload_on_signal
 from gateway.admin.common import admin_error
 from gateway.admin.sessions import SessionEpoch
 from gateway.admin.throttle import AttemptThrottle
@@ -32,7 +33,7 @@ from gateway.generation.service import ATTEMPTS_SCOPE_KEY, GenerationService
 from gateway.http.admin_surface import AdminSurface
 from gateway.http.body_limit import BodyLimit
 from gateway.http.cross_site import CrossSiteGuard
-from gateway.http.servers import bind_loopback, on_server_exit, start_embedded, stop_embedded
+from gateway.http.servers import bind_loopback, on_hangup, on_server_exit, start_embedded, stop_embedded
 from gateway.http.shutdown import GracefulShutdown
 from gateway.keys import store as key_store
 from gateway.keys.limiter import KeyLimiter
@@ -292,10 +293,20 @@ def create_app(
             shutdown.begin()
 
         on_server_exit(begin_shutdown)
+        reloads: set[asyncio.Task[None]] = set()
+
+        def hangup() -> None:  # SIGHUP: re-read --config (gateway/admin/reload_api.py)
+            task = asyncio.get_running_loop().create_task(reload_on_signal(app))
+            reloads.add(task)
+            task.add_done_callback(reloads.discard)
+
+        stop_hangups = on_hangup(hangup)
         app.state.ready = True
         try:
             yield
         finally:
+            if stop_hangups is not None:
+                stop_hangups()
             app.state.ready = False
             await shutdown.aclose()
             await loop_lag.stop()
@@ -317,7 +328,7 @@ def create_app(
             db.close()
             if simulator is not None:
                 await stop_embedded(*simulator)
-            for share in ("admin", "settings", "pool"):
+            for share in ("admin", "settings", "pool", "retired"):
                 SECRETS.drop(f"{owner}:{share}")
 
     def generation(room: ProtocolRoom):  # type: ignore[no-untyped-def]
@@ -374,6 +385,9 @@ def create_app(
     app.state.db = db
     app.state.envelope_keys = envelope_keys
     app.state.client_keys = client_keys
+    app.state.secrets_owner = owner  # its shares of gateway.redact.SECRETS (a reload adds "retired")
+    app.state.reload_lock = asyncio.Lock()  # one --config reload at a time (gateway/admin/reload_api.py)
+    app.state.retired_keys = set()  # keys of credentials a reload took out: still masked
     app.state.relay = relay
     app.state.engines = engines
     app.state.credential_state = credential_state

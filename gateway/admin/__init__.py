@@ -28,6 +28,7 @@ from gateway.admin.rollout_export_api import rollout_export_routes
 from gateway.admin.rollout_labels_api import rollout_label_routes
 from gateway.admin.rollouts_api import rollout_routes
 from gateway.admin.settings_api import settings_routes
+from gateway.admin.reload_api import reload_routes
 from gateway.admin.status_api import status_routes
 from gateway.admin.store_bound import StoreBound
 
@@ -63,7 +64,7 @@ def admin_routes() -> list[BaseRoute]:
     """Every admin route (other admin modules add theirs here)."""
     return [*audit_routes(), *credential_routes(), *capture_routes(), *rollout_export_routes(), *rollout_routes(),
             *rollout_label_routes(), *rollout_abort_routes(), *settings_routes(), *status_routes(),
-            *envelope_key_routes(), *key_routes(), *engine_routes()]
+            *envelope_key_routes(), *key_routes(), *engine_routes(), *reload_routes()]
 
 
 def admin_mount() -> Mount:

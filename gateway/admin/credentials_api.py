@@ -116,7 +116,7 @@ async def delete_credential(request: Request) -> Response:
         return admin_error(404, "credential_not_found", f"no credential {credential_id!r}", "credential_id")
     if not credential.added_by_admin:
         return admin_error(409, "credential_configured", "this credential comes from --upstream-url/--config; "
-                           "remove it there and restart", "credential_id")
+                           "remove it from --config (or the key file) and reload (POST /admin/api/reload, SIGHUP), or from the flags and restart", "credential_id")
     await request.app.state.db.acall(request.app.state.credential_state.delete_credential, credential_id)
     pool.remove(credential_id)
     return JSONResponse({"deleted": credential_id, "credential": credential.public()})

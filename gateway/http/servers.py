@@ -8,6 +8,7 @@ import contextvars
 import logging
 import signal
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -101,3 +102,20 @@ def on_server_exit(callback: Callable[[], None]) -> bool:
         signal.signal(sig, handler)
         installed = True
     return installed
+
+
+def on_hangup(callback: Callable[[], None]) -> Callable[[], None] | None:
+    """Call ``callback`` on the event loop at each SIGHUP (the reload of ``--config``);
+    returns the function that removes the handler, or None where this process's main
+    thread does not run this loop (an embedded test server) or the platform has no SIGHUP.
+    uvicorn leaves SIGHUP alone in a single process (its ``--workers`` supervisor answers
+    it in the parent by replacing the workers)."""
+    hup = getattr(signal, "SIGHUP", None)
+    if hup is None or threading.current_thread() is not threading.main_thread():
+        return None
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(hup, callback)
+    except (ValueError, RuntimeError, NotImplementedError):
+        return None
+    return lambda: loop.remove_signal_handler(hup)

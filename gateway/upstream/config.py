@@ -121,11 +121,9 @@ def _one_per_key(credentials: list[Credential]) -> list[Credential]:
     return list(kept.values())
 
 
-def build_pool(settings: Settings, state: CredentialState | None, simulator_url: str | None) -> UpstreamPool:
-    """Every credential the gateway may use, with persisted health restored: one per key
-    and base URL, whatever its source. An admin-added credential whose key the
-    configuration now holds too (the key rotated in through the admin API, then written
-    into --config) is left out: ``pool.superseded`` lists those stored ids."""
+def configured_credentials(settings: Settings) -> list[Credential]:
+    """The credentials the flags and the ``--config`` file name (one per key and base URL
+    within an upstream). Reads the key file and the TOML file: a SettingsError names a bad one."""
     credentials: list[Credential] = []
     keys = _keys_from_settings(settings)
     for i, url in enumerate(settings.upstream_url):
@@ -137,7 +135,15 @@ def build_pool(settings: Settings, state: CredentialState | None, simulator_url:
     if settings.config:
         credentials += _upstreams_from_toml(settings.config, settings.allow_upstream_host)
         model_reasoning_tags(settings.config)  # a bad [models] table fails at start-up
-    credentials = _one_per_key(credentials)
+    return _one_per_key(credentials)
+
+
+def build_pool(settings: Settings, state: CredentialState | None, simulator_url: str | None) -> UpstreamPool:
+    """Every credential the gateway may use, with persisted health restored: one per key
+    and base URL, whatever its source. An admin-added credential whose key the
+    configuration now holds too (the key rotated in through the admin API, then written
+    into --config) is left out: ``pool.superseded`` lists those stored ids."""
+    credentials = configured_credentials(settings)
     if not credentials and simulator_url:
         credentials.append(Credential(Upstream("simulator", simulator_url), None))
     superseded: list[str] = []

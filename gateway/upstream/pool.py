@@ -180,6 +180,33 @@ class UpstreamPool:
             self.router.forget(engine_of(credential))  # its engine left the pool
         return credential
 
+    def replace_configured(self, fresh: list[Credential]) -> tuple[list[str], list[str], list[str]]:
+        """A reloaded ``--config``: ``fresh`` (the configured credentials it names) replaces
+        the configured ones. A credential kept (same id) keeps its object and learned state,
+        with the new upstream settings and label; new ones join (their stored state adopted
+        by the caller); gone ones leave (leases held stay valid: an answer in flight ends
+        normally); an admin-added credential whose key is now configured leaves too.
+        Returns (added, removed, superseded) ids. Runs on the event loop."""
+        old = {c.id: c for c in self.credentials if not c.added_by_admin}
+        kept: list[Credential] = []
+        added: list[str] = []
+        for credential in fresh:
+            same = old.get(credential.id)
+            if same is not None:
+                same.upstream, same.label = credential.upstream, credential.label
+                kept.append(same)
+            else:
+                kept.append(credential)
+                added.append(credential.id)
+        ids = {c.id for c in kept}
+        removed = [cid for cid in old if cid not in ids]
+        identities = {c.identity for c in kept}
+        admin = [c for c in self.credentials if c.added_by_admin]
+        superseded = [c.id for c in admin if c.identity in identities]
+        self.credentials[:] = kept + [c for c in admin if c.id not in superseded]
+        self._changed()
+        return added, removed, superseded
+
     def _changed(self) -> None:
         """The set of credentials changed (their keys feed gateway.redact)."""
         if self.on_change is not None:
