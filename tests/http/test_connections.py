@@ -93,32 +93,34 @@ def test_slow_headers_are_closed_at_the_header_timeout(guarded: tuple[Gateway, C
     slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
     started = time.monotonic()
     closed = False
-    for i in range(50):  # 10 s of header lines, were the server to wait for them
+    for i in range(300):  # 60 s of header lines, were the server to wait for them
         time.sleep(0.2)
         try:
             slow.sendall(f"x-slow-{i}: {i}\r\n".encode())
         except (BrokenPipeError, ConnectionResetError):
             closed = True
             break
-    assert closed or _closed_by_server(slow, 1) == b""
-    assert time.monotonic() - started < 5
+    assert closed or _closed_by_server(slow, 30) == b""
+    assert time.monotonic() - started < 30  # long before the lines ran out (a busy machine is slower, #39)
     assert _closed_by_server(silent) == b""  # no answer: closed as an idle keep-alive is
     assert limits.timed_out >= 2
-    wait_for(lambda: limits.open == {})
+    wait_for(lambda: limits.open == {}, 30)
 
 
 def test_headers_in_time_are_answered_and_a_long_answer_is_not_cut(guarded: tuple[Gateway, ConnectionLimits]) -> None:
     """Keep-alive: the timer restarts after each answer; a stream longer than the header
-    timeout is assembled whole by the SDK."""
-    gw, _ = guarded
+    timeout is assembled whole by the SDK. A 3 s header timeout here, not 0.5 s: 1.5 s
+    pauses leave a busy machine (#39) 1.5 s to deliver the next request in time."""
+    gw, limits = guarded
+    limits.configure(header_timeout=3, max_per_ip=4)
     sock = _connect(gw)
     for _ in range(3):
         answer = _healthz(sock)
         assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"status":"ok"}')
-        time.sleep(0.3)  # under the timeout each time, 0.9 s in all
+        time.sleep(1.5)  # under the timeout each time, 4.5 s in all
     sock.close()
     client = openai.OpenAI(base_url=gw.base_url, api_key="unused", _strict_response_validation=True)
-    with client.chat.completions.stream(model="text;first_chunk_delay=1.5", messages=[{"role": "user", "content": "hi"}]) as stream:
+    with client.chat.completions.stream(model="text;first_chunk_delay=4", messages=[{"role": "user", "content": "hi"}]) as stream:
         final = stream.get_final_completion()
     assert final.choices[0].finish_reason == "stop" and len(final.choices[0].message.content or "") > 20
 
@@ -132,7 +134,7 @@ def test_a_pipelined_request_is_not_cut_by_the_timer(guarded: tuple[Gateway, Con
     sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
                  b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
                  + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
-    answer = _closed_by_server(sock, 20)
+    answer = _closed_by_server(sock, 60)
     _, _, rest = answer.partition(b"HTTP/1.1 200 OK\r\n")[2].partition(b"HTTP/1.1 ")
     assert rest.startswith(b"200"), answer[:300]
     completion = json.loads(rest.partition(b"\r\n\r\n")[2])
@@ -144,6 +146,10 @@ def test_connections_per_address_are_capped_and_websockets_count_until_closed(gu
     from websockets.sync.client import connect
 
     gw, limits = guarded
+    # this test is about the cap, not the header timer (the tests above prove that one): a
+    # 0.5 s timer would close the idle sockets below while a busy machine is still answering
+    # the WebSocket (#39), and the count would fall under the cap for a reason of its own
+    limits.configure(header_timeout=60, max_per_ip=4)
     with ExitStack() as held:
         sockets = [_connect(gw) for _ in range(2)]
         for sock in sockets:
@@ -152,7 +158,7 @@ def test_connections_per_address_are_capped_and_websockets_count_until_closed(gu
         ws.send(json.dumps({"type": "response.create", "model": "text", "input": "hi"}))
         while json.loads(ws.recv(timeout=20))["type"] != "response.completed":
             pass
-        wait_for(lambda: limits.open.get("127.0.0.1") == 3)
+        wait_for(lambda: limits.open.get("127.0.0.1") == 3, 60)
         fourth = _connect(gw)
         assert _healthz(fourth).startswith(b"HTTP/1.1 200")  # the 4th fits
         fifth = _connect(gw)
@@ -163,8 +169,8 @@ def test_connections_per_address_are_capped_and_websockets_count_until_closed(gu
         assert limits.refused == 1
         fourth.close()
         ws.close()  # an upgraded socket gives its count back when it really closes
-        wait_for(lambda: limits.open.get("127.0.0.1") == 2)
-    wait_for(lambda: limits.open == {})
+        wait_for(lambda: limits.open.get("127.0.0.1") == 2, 60)
+    wait_for(lambda: limits.open == {}, 60)
     again = _connect(gw)
     assert _healthz(again).startswith(b"HTTP/1.1 200")
     again.close()
@@ -180,8 +186,8 @@ def test_serve_applies_the_header_timeout(tmp_path: Path) -> None:
         sock = socket.create_connection(("127.0.0.1", proc.port), timeout=10)
         sock.sendall(b"GET /healthz HTTP/1.1\r\n")
         started = time.monotonic()
-        assert _closed_by_server(sock) == b""
-        assert 0.5 < time.monotonic() - started < 8
+        assert _closed_by_server(sock, 30) == b""
+        assert 0.5 < time.monotonic() - started < 30  # the timer, not a hang (#39: not a speed)
     finally:
         proc.stop()
 

@@ -69,12 +69,14 @@ def record(request_id: str, key_id: str, total: int) -> RequestRecord:
 def test_a_reservation_nobody_renews_is_reclaimed_by_the_next_one_once_its_lease_runs_out(
     db: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(store, "LEASE", 0.5)
+    # a 2 s lease: the refusal below must come while the lost one still holds it, even on a
+    # busy machine (#39); then a sleep past the lease
+    monkeypatch.setattr(store, "LEASE", 2.0)
     key = make_key(db, max_concurrent=1, daily_tokens=1000)
     assert store.reserve(db, key, "lost", 300) is None  # its process dies: nobody settles it
     refused = store.reserve(db, key, "next", 100)
     assert refused is not None and refused.code == "concurrency_limited"
-    time.sleep(0.6)
+    time.sleep(2.1)
     assert store.reserve(db, key, "next", 100) is None  # the lost one no longer counts as concurrent
     assert state(db, "lost") == (0, 1, 300, 300)  # reclaimed: what it reserved counts as used
     # what a replica of the version before leases counts (mid-way through a rolling upgrade):

@@ -207,6 +207,48 @@ def test_the_sixth_request_in_a_minute_under_rpm_5_is_429_with_retry_after(gw: G
     assert int(in_shape.value.response.headers["retry-after"]) >= 1
 
 
+def refusal_code(exc: openai.APIStatusError | anthropic.APIStatusError) -> str:
+    """The gateway's error code of a refusal, in either SDK's shape (the Anthropic shape
+    carries it as ``code: message``)."""
+    if isinstance(exc, openai.APIStatusError):
+        return exc.body["code"]  # type: ignore[index,no-any-return]
+    return exc.body["error"]["message"].split(":")[0]  # type: ignore[index,no-any-return]
+
+
+#: What a burst on one key may be refused with: its budget, and the store's 2 s reservation
+#: bound failing closed (503 key_store_unavailable: a busy machine, #39), never served past it.
+BURST_REFUSALS = {(429, "budget_exceeded"), (503, "key_store_unavailable")}
+
+
+def burst_refusal(exc: openai.APIStatusError | anthropic.APIStatusError,
+                  allowed: set[tuple[int, str]] = BURST_REFUSALS) -> str:
+    """The refusal's code, asserted to be one of ``allowed`` (status and code)."""
+    code = refusal_code(exc)
+    assert (exc.status_code, code) in allowed, (exc.status_code, exc.body)
+    if code == "budget_exceeded":
+        assert "daily budget" in str(exc)
+    return code
+
+
+def spend_to_refusal(clients: list[Any]) -> int:
+    """After a burst that ended in store refusals alone (a busy machine): one request at a
+    time until the budget refuses, round the given SDK clients; the tokens served meanwhile."""
+    tokens = 0
+    for i in range(50):
+        client = clients[i % len(clients)]
+        try:
+            if isinstance(client, openai.OpenAI):
+                usage = client.chat.completions.create(model="text", messages=MESSAGES, max_tokens=100).usage  # type: ignore[arg-type]
+                tokens += usage.total_tokens  # type: ignore[union-attr]
+            else:
+                message = client.messages.create(model="text", max_tokens=100, messages=MESSAGES)
+                tokens += message.usage.input_tokens + message.usage.output_tokens
+        except (openai.APIStatusError, anthropic.APIStatusError) as exc:
+            if burst_refusal(exc) == "budget_exceeded":
+                return tokens
+    pytest.fail("the daily budget never refused")
+
+
 def test_fifty_concurrent_requests_never_serve_more_than_the_daily_budget(gw: Gateway) -> None:
     key = create_key(gw, name="budget", daily_tokens=1000)
     secret = key["key"]
@@ -228,9 +270,8 @@ def test_fifty_concurrent_requests_never_serve_more_than_the_daily_budget(gw: Ga
                 tokens = message.usage.input_tokens + message.usage.output_tokens
             with lock:
                 served.append(tokens)
-        except (openai.RateLimitError, anthropic.RateLimitError) as exc:
-            code = exc.body["code"] if isinstance(exc, openai.RateLimitError) else "budget_exceeded"  # type: ignore[index]
-            assert "daily budget" in str(exc)
+        except (openai.APIStatusError, anthropic.APIStatusError) as exc:
+            code = burst_refusal(exc)
             with lock:
                 refused.append(code)
 
@@ -238,15 +279,21 @@ def test_fifty_concurrent_requests_never_serve_more_than_the_daily_budget(gw: Ga
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join(120)
+    # every request accounted for: served, or refused by the budget or (fail closed) the store
     assert len(served) + len(refused) == 50
-    assert served and refused and set(refused) == {"budget_exceeded"}
+    assert served and refused and set(refused) <= {code for _, code in BURST_REFUSALS}
     assert sum(served) <= 1000
-    print(f"\nbudget 1000: served {len(served)} requests, {sum(served)} tokens; refused {len(refused)}")
-    wait_for(lambda: listed(gw)[key["id"]]["usage"]["tokens_today"] == sum(served))
-    rows = audit_rows(gw, 50, key_id=key["id"])
+    print(f"\nbudget 1000: served {len(served)} requests, {sum(served)} tokens; refused {refused}")
+    # a late reservation (committed after its 503) is given back: usage is what was served
+    wait_for(lambda: listed(gw)[key["id"]]["usage"]["tokens_today"] == sum(served), 30)
+    rows = audit_rows(gw, 50, 30, key_id=key["id"])
     assert len(rows) == 50  # exactly one record each, refused ones included
-    assert sum(r["outcome"] == "refused" and r["error_code"] == "budget_exceeded" for r in rows) == len(refused)
+    for code in set(refused):
+        assert sum(r["outcome"] == "refused" and r["error_code"] == code for r in rows) == refused.count(code)
+    if "budget_exceeded" not in refused:  # the store refused all the rest: the budget still ends it
+        more = spend_to_refusal([oai(gw, secret), ant(gw, secret)])
+        assert sum(served) + more <= 1000
 
 
 def test_max_concurrent_and_an_unstated_max_tokens_gets_the_keys_cap(gw: Gateway, simulator: Simulator) -> None:
@@ -345,17 +392,17 @@ def test_a_key_with_limits_is_refused_when_the_store_cannot_answer(gw: Gateway) 
     def hold() -> None:
         def stall(conn: Any) -> None:
             locked.set()
-            release.wait(5)
+            release.wait(30)
         db.run(stall)
 
     holder = threading.Thread(target=hold)
     holder.start()
     try:
-        locked.wait(5)
+        assert locked.wait(30)
         started = time.monotonic()
         with pytest.raises(openai.InternalServerError) as refused:
             oai(gw, secret).chat.completions.create(model="text", messages=MESSAGES)  # type: ignore[arg-type]
-        assert time.monotonic() - started < 4.5  # refused before the 5 s lock ends: it did not wait it out
+        assert time.monotonic() - started < 25  # refused before the 30 s lock ends: it did not wait it out
         assert refused.value.status_code == 503 and refused.value.body["code"] == "key_store_unavailable"  # type: ignore[index]
         assert oai(gw, unlimited).chat.completions.create(model="text", messages=MESSAGES).choices  # type: ignore[arg-type]
     finally:
@@ -364,7 +411,7 @@ def test_a_key_with_limits_is_refused_when_the_store_cannot_answer(gw: Gateway) 
         limiter.reserve_timeout = original
     # the late reservation committed after the refusal: given back, nothing stays held
     held = "SELECT COUNT(*), COALESCE(SUM(open), 0) FROM client_key_requests WHERE key_id = ?"
-    wait_for(lambda: db.execute(held, (stalled["id"],))[0] == (1, 0))
+    wait_for(lambda: db.execute(held, (stalled["id"],))[0] == (1, 0), 30)
 
 
 def test_relayed_routes_reserve_too_and_embeddings_get_no_output_cap(gw: Gateway, simulator: Simulator) -> None:

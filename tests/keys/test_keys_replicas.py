@@ -14,7 +14,16 @@ import openai
 import pytest
 
 from tests.conftest import Gateway, ServerLoop, replica_pair, wait_for
-from tests.keys.test_keys import JSON_HEADERS, MESSAGES, create_key, listed, oai
+from tests.keys.test_keys import (
+    BURST_REFUSALS,
+    JSON_HEADERS,
+    MESSAGES,
+    burst_refusal,
+    create_key,
+    listed,
+    oai,
+    spend_to_refusal,
+)
 
 Pair = tuple[Gateway, Gateway]
 
@@ -29,7 +38,7 @@ def pair(server_loop: ServerLoop, postgres_url: str, tmp_path_factory: pytest.Te
 def test_a_key_revoked_on_a_is_refused_by_b_within_two_seconds(pair: Pair) -> None:
     a, b = pair
     key = create_key(a, name="revoked-across")
-    wait_for(lambda: b.app.state.client_keys.get(key["id"]) is not None, 3)  # B learns of it
+    wait_for(lambda: b.app.state.client_keys.get(key["id"]) is not None, 30)  # B learns of it
     assert oai(b, key["key"]).chat.completions.create(model="text", messages=MESSAGES).choices  # type: ignore[arg-type]
     revoked_at = time.monotonic()
     assert httpx.request("DELETE", f"{a.url}/admin/api/keys/{key['id']}", headers={**a.admin, **JSON_HEADERS}).status_code == 204
@@ -51,7 +60,7 @@ def test_a_key_revoked_on_a_is_refused_by_b_within_two_seconds(pair: Pair) -> No
 def test_rpm_10_holds_across_both_replicas(pair: Pair) -> None:
     a, b = pair
     key = create_key(a, name="rpm10", rpm=10)
-    wait_for(lambda: b.app.state.client_keys.get(key["id"]) is not None, 3)
+    wait_for(lambda: b.app.state.client_keys.get(key["id"]) is not None, 30)
     outcomes = []
     for i in range(14):
         gw = (a, b)[i % 2]
@@ -68,7 +77,7 @@ def test_rpm_10_holds_across_both_replicas(pair: Pair) -> None:
 def test_fifty_concurrent_requests_over_both_replicas_hold_the_budget(pair: Pair) -> None:
     a, b = pair
     key = create_key(a, name="budget-across", daily_tokens=1000, max_concurrent=40)
-    wait_for(lambda: b.app.state.client_keys.get(key["id"]) is not None, 3)
+    wait_for(lambda: b.app.state.client_keys.get(key["id"]) is not None, 30)
     served: list[int] = []
     refused: list[str] = []
     lock = threading.Lock()
@@ -89,20 +98,25 @@ def test_fifty_concurrent_requests_over_both_replicas_hold_the_budget(pair: Pair
                 tokens = usage.input_tokens + usage.output_tokens
             with lock:
                 served.append(tokens)
-        except openai.RateLimitError as exc:
+        except (openai.APIStatusError, anthropic.APIStatusError) as exc:
+            code = burst_refusal(exc, allowed)
             with lock:
-                refused.append(exc.body["code"])  # type: ignore[index]
-        except anthropic.RateLimitError as exc:
-            with lock:
-                refused.append(exc.body["error"]["message"].split(":")[0])  # type: ignore[index]
+                refused.append(code)
 
+    # the budget, max_concurrent, and the store's 2 s reservation bound failing closed
+    # (503 key_store_unavailable, a busy machine: #39); never a request served past them
+    allowed = BURST_REFUSALS | {(429, "concurrency_limited")}
     threads = [threading.Thread(target=one, args=(i,)) for i in range(50)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join(120)
     assert len(served) + len(refused) == 50 and served and refused
-    assert set(refused) <= {"budget_exceeded", "concurrency_limited"} and "budget_exceeded" in refused
+    assert set(refused) <= {code for _, code in allowed}
     assert sum(served) <= 1000
-    print(f"\ntwo replicas, budget 1000: served {len(served)} requests, {sum(served)} tokens; refused {len(refused)}")
-    wait_for(lambda: listed(b)[key["id"]]["usage"]["tokens_today"] == sum(served), 5)
+    print(f"\ntwo replicas, budget 1000: served {len(served)} requests, {sum(served)} tokens; refused {refused}")
+    # a late reservation (committed after its 503) is given back: usage is what was served
+    wait_for(lambda: listed(b)[key["id"]]["usage"]["tokens_today"] == sum(served), 30)
+    if "budget_exceeded" not in refused:  # the store refused all the rest: the budget still ends it
+        more = spend_to_refusal([oai(a, key["key"]), oai(b, key["key"])])
+        assert sum(served) + more <= 1000

@@ -143,12 +143,16 @@ def test_realtime_first_text_before_upstream_finishes(gateways: dict[str, Gatewa
 
 def test_compatible_sends_keepalives_while_collecting(keepalive_gateways: dict[str, Gateway]) -> None:
     """A slow upstream: the compatible gateway keeps the client's idle timer alive with
-    SSE comment lines, which the SDK ignores, and the answer still assembles."""
+    SSE comment lines, which the SDK ignores, and the answer still assembles.
+
+    The keepalive interval is 0.5 s; the upstream's first chunk comes after 4 s, room for
+    about eight keepalives, of which at least two (repeated, not a single one) must come
+    before the first text even when a busy machine fires the loop's timers late (#39)."""
     with httpx.stream(
         "POST",
         keepalive_gateways["compatible"].base_url + "/chat/completions",
-        json={"model": "text;first_chunk_delay=1.3", "messages": MESSAGES, "stream": True},
-        timeout=10,
+        json={"model": "text;first_chunk_delay=4", "messages": MESSAGES, "stream": True},
+        timeout=60,
     ) as response:
         raw = b"".join(response.iter_bytes())
     assert response.status_code == 200

@@ -415,21 +415,28 @@ def test_body_bytes_in_flight_past_the_budget_get_a_retryable_503(
 ) -> None:
     """While one request holds 200 KB of the 300 KB budget, a second 200 KB body is refused
     503 ``too_many_request_bytes`` with Retry-After in its route's shape, and audited; once
-    the first is answered the same body is served."""
-    from tests.conftest import start_gateway
+    the first is answered the same body is served.
+
+    The first is known to hold its bytes once the upstream has it (polled, not a guessed
+    sleep); the upstream then waits 10 s before answering, the window in which the other
+    two must be refused even on a busy machine (#39)."""
+    from tests.conftest import start_gateway, wait_for
     from tests.observability.test_audit import audit_rows
 
     gw = start_gateway(server_loop, simulator, tmp_path_factory, max_body_bytes_in_flight=300_000)
     pad = "lorem ipsum " * 17_000  # ~200 KB
-    slow = {"model": "text;ttfb=2", "messages": [{"role": "user", "content": pad}]}
+    slow = {"model": "text;ttfb=10", "messages": [{"role": "user", "content": pad}]}
+    simulator.clear()
     first: list[Any] = [None]
     holder = threading.Thread(target=lambda: first.__setitem__(0, httpx.post(
-        gw.url + "/v1/chat/completions", json=slow, timeout=30)))
+        gw.url + "/v1/chat/completions", json=slow, timeout=60)))
     holder.start()
-    time.sleep(0.5)
+    wait_for(lambda: any(isinstance(r["body"], dict) and r["body"].get("model") == slow["model"]
+                        for r in simulator.requests()), 30)
     chat = httpx.post(gw.url + "/v1/chat/completions", json={**slow, "model": "text"}, timeout=30)
     messages = httpx.post(gw.url + "/v1/messages", timeout=30, json={
         "model": "text", "max_tokens": 8, "messages": [{"role": "user", "content": pad}]})
+    assert holder.is_alive()  # both were asked while the first still held its bytes
     holder.join()
     assert first[0].status_code == 200, first[0].text
     assert chat.status_code == 503 and chat.headers["retry-after"] == "1"
@@ -440,7 +447,7 @@ def test_body_bytes_in_flight_past_the_budget_get_a_retryable_503(
     assert messages.json()["error"]["type"] == "overloaded_error"
     again = httpx.post(gw.url + "/v1/chat/completions", json={**slow, "model": "text"}, timeout=30)
     assert again.status_code == 200, again.text
-    rows = audit_rows(gw, 4)
+    rows = audit_rows(gw, 4, 30)
     assert sorted(r["error_code"] or "" for r in rows) == ["", "", "too_many_request_bytes", "too_many_request_bytes"]
 
 

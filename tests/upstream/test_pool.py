@@ -180,11 +180,14 @@ def test_client_disconnect_closes_the_upstream_promptly(server_loop: ServerLoop,
         for _ in zip(range(5), response.iter_lines()):
             pass
         closed_at = time.monotonic()
-    wait_for(lambda: sim.stats()["cancelled"] > before, timeout=2)
+    # the upstream stream runs 20 s in all (2000 chunks 10 ms apart): cancelled within a
+    # few seconds of the client's close it was the disconnect, not the stream's end, that
+    # closed it (the bounds catch a relay that reads on; a busy machine is merely slower, #39)
+    wait_for(lambda: sim.stats()["cancelled"] > before, timeout=30)
     stats = sim.stats()
     assert stats["cancelled"] == before + 1 and stats["open_streams"] == 0
-    assert stats["last_cancel_at"] - closed_at < 0.1
-    wait_for(lambda: gateway.app.state.relay.in_flight == 0, timeout=2)
+    assert stats["last_cancel_at"] - closed_at < 5
+    wait_for(lambda: gateway.app.state.relay.in_flight == 0, timeout=30)
     assert gateway.app.state.relay.in_flight == 0 and gateway.app.state.relay.pool.in_flight == 0
 
 
@@ -215,7 +218,7 @@ def test_status_counts_in_flight_by_protocol_and_mode(server_loop: ServerLoop, u
         status = httpx.get(gateway.url + "/admin/api/status", headers=gateway.admin).json()
         assert status["in_flight"] == 1
         assert status["in_flight_by_protocol"] == {"messages": 1} and status["in_flight_by_mode"] == {"realtime": 1}
-    wait_for(lambda: gateway.app.state.relay.in_flight == 0, timeout=2)
+    wait_for(lambda: gateway.app.state.relay.in_flight == 0, timeout=30)
     status = httpx.get(gateway.url + "/admin/api/status", headers=gateway.admin).json()
     assert status["in_flight"] == 0 and status["in_flight_by_mode"] == {}
 
