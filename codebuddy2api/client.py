@@ -29,7 +29,7 @@ from typing import Any, Literal, TypedDict
 
 import httpx
 
-__all__ = ["AbortAnswer", "Rollouts", "RolloutsError", "RewardAnswer", "Segment", "Shape", "Snapshot", "Trajectory"]
+__all__ = ["AbortAnswer", "EngineAbort", "RewardAnswer", "Rollouts", "RolloutsError", "Segment", "Shape", "Snapshot", "Trajectory"]
 
 Shape = Literal["native", "nemo-gym", "trl", "verifiers"]
 _VALID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -68,8 +68,17 @@ class Snapshot(TypedDict):
     call_rewards: dict[str, RewardView]
 
 
+class EngineAbort(TypedDict, total=False):
+    """One engine told through ``/abort_requests``: ``error`` when not ``ok``."""
+
+    upstream: str
+    ok: bool
+    error: str
+
+
 class AbortAnswer(Snapshot):
     aborted: list[str]
+    engine_abort: list[EngineAbort]
 
 
 class RewardAnswer(TypedDict):
@@ -167,7 +176,8 @@ class Rollouts:
 
     def abort(self, rollout_id: str) -> AbortAnswer:
         """Freeze the rollout and end its calls running in that gateway (they get
-        ``rollout_aborted`` and are recorded ``cancelled``); the snapshot and their ids."""
+        ``rollout_aborted`` and are recorded ``cancelled``; engines with an engine API get
+        ``/abort_requests``); the snapshot, their ids and ``engine_abort`` (one entry per engine told)."""
         return self._json("POST", f"/rollouts/{_check(rollout_id)}/abort", {})  # type: ignore[no-any-return]
 
     def delete(self, rollout_id: str) -> None:

@@ -2,9 +2,11 @@
 then end its calls running in this gateway with ``rollout_aborted``; their records say
 ``cancelled``. Oversampled GRPO groups are discarded this way at a step boundary.
 
-The engine's own abort (vLLM ``POST /abort_requests`` with the requests' ids) is not sent
-yet: closing the upstream stream is what ends the generation on an engine that notices a
-closed connection (vLLM and llama-server do)."""
+The engines are told too: a call whose current attempt went to an upstream with an engine
+API (``engine_api = "vllm"``) was sent with its own ``X-Request-Id``
+(gateway/upstream/attempts.py); those ids go to that engine's ``POST /abort_requests``
+(one request per engine, bounded), alongside the gateway closing the upstream streams. An
+engine that fails or is late is named in the answer's ``engine_abort``, never a 500."""
 
 from __future__ import annotations
 
@@ -25,10 +27,14 @@ from gateway.admin.rollouts_api import (
     _snapshot,
     write_frozen,
 )
+from gateway.engines.control import Engine, EngineControlError
+from gateway.engines.fleet import engine_of
 from gateway.rollout.recorder import aborted_error
 
 #: Seconds between looks at whether the aborted calls have ended.
 POLL_SECONDS = 0.01
+#: Seconds one engine's ``/abort_requests`` may take.
+ENGINE_ABORT_TIMEOUT = 5.0
 
 
 def _running(request: Request, rollout_id: str) -> list[Any]:
@@ -46,6 +52,33 @@ async def _ended(request: Request, runs: list[Any]) -> None:
         pass  # the snapshot then shows them as they are; the freeze holds
 
 
+def _engine_requests(runs: list[Any], into: dict[tuple[str, str], tuple[Engine, list[str]]]) -> None:
+    """The engine request ids of ``runs`` now (their current attempts at engine-API
+    upstreams), added to ``into`` by engine (its name and root)."""
+    for run in runs:
+        current = getattr(run.attempts, "engine_request", None)
+        if current is None:
+            continue
+        credential, request_id = current
+        engine = engine_of(credential)
+        ids = into.setdefault((engine.name, engine.root), (engine, []))[1]
+        if request_id not in ids:
+            ids.append(request_id)
+
+
+async def _abort_in_engine(request: Request, engine: Engine, request_ids: list[str]) -> dict[str, Any]:
+    """One engine's ``/abort_requests``: ``{upstream, ok, error?}``."""
+    control = request.app.state.engines.control
+    try:
+        async with asyncio.timeout(ENGINE_ABORT_TIMEOUT):
+            await control.abort_requests(engine, request_ids)
+    except TimeoutError:
+        return {"upstream": engine.name, "ok": False, "error": f"no answer within {ENGINE_ABORT_TIMEOUT:g} s"}
+    except EngineControlError as exc:
+        return {"upstream": engine.name, "ok": False, "error": str(exc)}
+    return {"upstream": engine.name, "ok": True}
+
+
 async def abort(request: Request) -> Response:
     rollout_id = _rollout_id(request)
     if rollout_id is None:
@@ -58,16 +91,22 @@ async def abort(request: Request) -> Response:
         return failed
     error = aborted_error(rollout_id)
     aborted: list[Any] = []
+    told: list[asyncio.Task[dict[str, Any]]] = []
     for _ in range(2):  # a call past its frozen check but not yet running when we looked: a second pass
         runs = _running(request, rollout_id)
+        engines: dict[tuple[str, str], tuple[Engine, list[str]]] = {}
+        _engine_requests(runs, engines)  # before the runs end: their attempts forget them then
         for run in runs:
             run.abort(error)
+        told += [asyncio.create_task(_abort_in_engine(request, engine, ids)) for engine, ids in engines.values()]
         aborted += runs
         await _ended(request, runs)
+    engine_abort = list(await asyncio.gather(*told))
     await _settle(recorder)
     snap = await _snapshot(request, rollout_id)
     return JSONResponse({**(snap or {"rollout_id": rollout_id}),
-                         "aborted": sorted({run.record.request_id for run in aborted})})
+                         "aborted": sorted({run.record.request_id for run in aborted}),
+                         "engine_abort": engine_abort})
 
 
 def rollout_abort_routes() -> list[BaseRoute]:

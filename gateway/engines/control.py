@@ -1,6 +1,7 @@
 """The client of one engine's control API: vLLM's dev RL API at the server root (not
 under /v1): ``POST /pause?mode=``, ``POST /resume``, ``GET /is_paused``, ``GET
-/weight_info``, ``POST /update_weight_version`` (PROTOCOLS.md, "Fleets and weight updates").
+/weight_info``, ``POST /update_weight_version`` (PROTOCOLS.md, "Fleets and weight updates"),
+and ``POST /abort_requests`` (a rollout's abort, gateway/admin/rollout_abort_api.py).
 
 Each call is bounded by the caller (``asyncio.timeout`` around it) and by httpx's own
 timeouts; a failure is an ``EngineControlError`` naming the engine and what went wrong.
@@ -58,7 +59,9 @@ class EngineControl:
             await self.http.aclose()
             self.http = None
 
-    async def _call(self, engine: Engine, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+    async def _call(self, engine: Engine, method: str, path: str, *, answer: bool = True,
+                    **kwargs: Any) -> dict[str, Any]:
+        """``answer``: the reply must be a JSON object (else any 200 will do: an empty dict)."""
         if self.http is None:
             raise EngineControlError(f"{method} {path}: the gateway is not serving")
         try:
@@ -67,6 +70,8 @@ class EngineControl:
             raise EngineControlError(f"{method} {path}: {type(exc).__name__}") from None
         if response.status_code != 200:
             raise EngineControlError(f"{method} {path}: HTTP {response.status_code}")
+        if not answer:
+            return {}
         try:
             body = response.json()
         except ValueError:
@@ -93,3 +98,7 @@ class EngineControl:
 
     async def update_weight_version(self, engine: Engine, version: str) -> None:
         await self._call(engine, "POST", "/update_weight_version", json={"weight_version": version})
+
+    async def abort_requests(self, engine: Engine, request_ids: list[str]) -> None:
+        """End these requests (the ``X-Request-Id`` each was sent with) in the engine."""
+        await self._call(engine, "POST", "/abort_requests", json={"request_ids": request_ids}, answer=False)

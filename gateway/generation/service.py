@@ -192,7 +192,7 @@ class GenerationService:
             # a room may name its own run: the relayed routes' RelayedCall (gateway/generation/passthrough.py)
             run_type = getattr(room, "run_type", GenerationRun)
             attempts = UpstreamAttempts(self.pool, self.upstream, policy, session, record.trace_context, token_in,
-                                        upstream_headers, self.engines)
+                                        upstream_headers, self.engines, record.request_id)
             run = run_type(room, parsed, policy, record, attempts)
         except Exception as exc:
             err = internal_error(exc, record.request_id, "encoder")

@@ -59,6 +59,8 @@ class EngineControl:
     in_flight: dict[int, Ticket] = field(default_factory=dict)
     pauses: int = 0
     aborted: int = 0
+    #: every id ``/abort_requests`` was asked to end, in order (in flight or not): for tests
+    abort_requested: list[str] = field(default_factory=list)
     _serials: Any = field(default_factory=itertools.count)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -107,6 +109,7 @@ class EngineControl:
 
     def abort_requests(self, request_ids: list[str]) -> int:
         """End the in-flight requests with these ids; how many there were."""
+        self.abort_requested += request_ids
         wanted = set(request_ids)
         hit = [t for t in self.in_flight.values() if t.request_id in wanted]
         self._abort(hit)
@@ -222,7 +225,8 @@ async def engine_stats(request: Request) -> Response:
     control = _control(request)
     return JSONResponse({"paused_mode": control.paused_mode, "in_flight": len(control.in_flight),
                          "pauses": control.pauses, "aborted": control.aborted,
-                         "weight_version": control.weight_version})
+                         "weight_version": control.weight_version,
+                         "abort_requested": control.abort_requested})
 
 
 ROUTES = [

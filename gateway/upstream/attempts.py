@@ -25,6 +25,7 @@ from gateway.generation.offload import BODIES, OffloadFull
 from gateway.generation.policy import StreamPolicy
 from gateway.rollout.tokens import with_token_fields
 from gateway.upstream.client import ANSWERED, Send, UpstreamClient, UpstreamItem
+from gateway.upstream.credential import Credential
 from gateway.upstream.pool import Lease, UpstreamPool, engine_of
 from gateway.upstream.routing import prefix_chain
 from gateway.upstream.token_in import TokenIn
@@ -43,6 +44,7 @@ class UpstreamAttempts:
         self, pool: UpstreamPool, client: UpstreamClient, policy: StreamPolicy, session: str | None = None,
         trace_context: str | None = None, token_in: TokenIn | None = None,
         upstream_headers: dict[str, str] | None = None, engines: EngineFleet | None = None,
+        request_id: str | None = None,
     ) -> None:
         self.pool = pool
         self.client = client
@@ -61,6 +63,12 @@ class UpstreamAttempts:
         #: weight sync (gateway/engines/): while the engines are paused, calls to them wait in
         #: its hold; a chat answer an engine aborts is continued
         self.engines = engines
+        #: the gateway's request id: a chat attempt at an engine-API upstream is sent with
+        #: ``X-Request-Id: <request_id>-<attempt number>`` (what its ``/abort_requests`` takes)
+        self.request_id = request_id
+        #: the attempt at an engine-API upstream running now: its credential and the
+        #: ``X-Request-Id`` it was sent with (a rollout abort tells that engine; None between attempts)
+        self.engine_request: tuple[Credential, str] | None = None
 
     async def stream(self, body: dict[str, Any], send: Send | None = None) -> AsyncIterator[UpstreamItem]:
         """Yield ANSWERED, then the chunks (and DONE) of one answer; raise GatewayError
@@ -105,6 +113,10 @@ class UpstreamAttempts:
                 version, trace_id, _, flags = self.trace_context.split("-")
                 attempt["span_id"] = secrets.token_hex(8)
                 headers = {**(headers or {}), "traceparent": f"{version}-{trace_id}-{attempt['span_id']}-{flags}"}
+            if chat and credential.upstream.engine_api is not None and self.request_id is not None:
+                engine_request_id = attempt["engine_request_id"] = f"{self.request_id}-{len(self.log)}"
+                headers = {**(headers or {}), "x-request-id": engine_request_id}
+                self.engine_request = (credential, engine_request_id)
             started = time.monotonic()
             answered = False
             try:
@@ -126,6 +138,7 @@ class UpstreamAttempts:
                     raise
                 last_error = err
             finally:
+                self.engine_request = None
                 lease.release()
                 if trail is not None:
                     self.engines.untrack(trail)  # type: ignore[union-attr]

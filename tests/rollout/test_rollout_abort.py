@@ -1,6 +1,8 @@
 """``POST /admin/api/rollouts/{id}/abort`` (docs/capture.md "Abort"): a rollout's calls in
 flight end at once (a streamed one with the in-stream error, a JSON one with a 409), their
-records say ``cancelled``, the rollout is frozen; each call still has its one audit record."""
+records say ``cancelled``, the rollout is frozen; each call still has its one audit record.
+An upstream with an engine API is told through its ``/abort_requests``, with the
+``X-Request-Id`` each call was sent with."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.simulator.server import create_simulator_app
 from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway, wait_for
 
 CLIENT_KEY = "ck-rollout-abort-key-0123456789"
@@ -93,3 +96,82 @@ def test_abort_of_an_unknown_rollout_is_a_404(gateway: Gateway) -> None:
     assert response.status_code == 404 and response.json()["error"]["code"] == "rollout_not_found"
     bad = httpx.post(f"{gateway.url}/admin/api/rollouts/bad%20id/abort", json={}, headers=gateway.admin)
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_rollout_id"
+
+
+
+def stream_in_thread(gateway: Gateway, rollout: str, outcomes: dict[str, Any]) -> threading.Thread:
+    """A streamed rollout call of SLOW in a thread (its outcome in ``outcomes["stream"]``),
+    started and past its first text."""
+    agent = openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rollout}/v1", api_key=CLIENT_KEY, max_retries=0,
+                          _strict_response_validation=True)
+    first_text = threading.Event()
+
+    def streamed() -> None:
+        try:
+            with agent.chat.completions.stream(model=SLOW, messages=[{"role": "user", "content": "a"}]) as stream:
+                for event in stream:
+                    if event.type == "content.delta":
+                        first_text.set()
+            outcomes["stream"] = "finished"
+        except openai.APIError as exc:
+            outcomes["stream"] = exc
+
+    thread = threading.Thread(target=streamed)
+    thread.start()
+    assert first_text.wait(20)
+    return thread
+
+
+def audit_record(gateway: Gateway, call_id: str) -> dict[str, Any]:
+    def audited() -> httpx.Response:
+        return httpx.get(f"{gateway.url}/admin/api/audit/{call_id}", headers=gateway.admin)
+
+    wait_for(lambda: audited().status_code == 200, timeout=10)
+    return audited().json()  # type: ignore[no-any-return]
+
+
+def test_abort_reaches_the_engines_abort_requests_with_the_calls_request_id(
+    server_loop: ServerLoop, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    engine = Simulator(server_loop.serve(create_simulator_app()))  # its own: its abort log is this test's
+    gateway = start_gateway(server_loop, engine, tmp_path_factory, capture_tokens="vllm", api_key=[CLIENT_KEY],
+                            engine_api="vllm")
+    rollout, outcomes = f"engine-abort.{secrets.token_hex(4)}", {}
+    thread = stream_in_thread(gateway, rollout, outcomes)
+    sent = [r for r in engine.requests() if r["path"] == "/v1/chat/completions"]
+    assert len(sent) == 1
+    engine_request_id = sent[0]["headers"]["x-request-id"]
+    response = httpx.post(f"{gateway.url}/admin/api/rollouts/{rollout}/abort", json={}, headers=gateway.admin, timeout=30)
+    thread.join(20)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["engine_abort"] == [{"upstream": "upstream", "ok": True}]
+    assert httpx.get(engine.url + "/_sim/engine").json()["abort_requested"] == [engine_request_id]
+    (call,) = answer["calls"]
+    assert answer["aborted"] == [call["call_id"]] and answer["frozen"] is True
+    assert engine_request_id == f"{call['call_id']}-1"  # the call's id and its attempt's number
+    assert (call["outcome"], call["error_code"]) == ("cancelled", "rollout_aborted")
+    assert isinstance(outcomes["stream"], openai.APIError) and "aborted" in str(outcomes["stream"])
+    # the attempt log names the id the attempt was sent with
+    attempts = audit_record(gateway, call["call_id"])["upstream_attempts"]
+    assert [a.get("engine_request_id") for a in attempts] == [engine_request_id]
+
+
+def test_an_engine_that_fails_its_abort_is_named_in_the_answer_not_a_500(
+    server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    gateway = start_gateway(server_loop, simulator, tmp_path_factory, capture_tokens="vllm", api_key=[CLIENT_KEY],
+                            engine_api="vllm")
+    rollout, outcomes = f"engine-abort-fails.{secrets.token_hex(4)}", {}
+    thread = stream_in_thread(gateway, rollout, outcomes)
+    # the engine's control API now answers 500 (the chat stream already running is untouched)
+    gateway.app.state.engines.control.http = httpx.AsyncClient(
+        transport=httpx.MockTransport(lambda request: httpx.Response(500)))
+    response = httpx.post(f"{gateway.url}/admin/api/rollouts/{rollout}/abort", json={}, headers=gateway.admin, timeout=30)
+    thread.join(20)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["engine_abort"] == [{"upstream": "upstream", "ok": False, "error": "POST /abort_requests: HTTP 500"}]
+    (call,) = answer["calls"]
+    assert (call["outcome"], call["error_code"]) == ("cancelled", "rollout_aborted")
+    assert isinstance(outcomes["stream"], openai.APIError) and "aborted" in str(outcomes["stream"])

@@ -276,3 +276,32 @@ async def test_a_head_that_never_comes_fails_over_and_puts_the_hung_credential_l
     assert await collect(attempts) == [ANSWERED, CHUNK, DONE]
     assert [(a["status"], a.get("error")) for a in attempts.log] == [(None, "upstream_timeout"), (200, None)]
     assert pool.credentials[0].penalty_until == now[0] + HUNG_PENALTY
+
+
+async def test_chat_attempts_at_an_engine_api_upstream_carry_their_own_x_request_id() -> None:
+    """Each attempt at an upstream with an engine API is sent with ``X-Request-Id:
+    <request id>-<attempt number>`` (what the engine's /abort_requests takes), logged as
+    ``engine_request_id`` and held as ``engine_request`` while it runs; other upstreams get none."""
+    ok = httpx.Response(200, content=sse_body(CHUNK), headers={"content-type": "text/event-stream"})
+    seen: list[str | None] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("x-request-id"))
+        return ok if request.headers["authorization"] == "Bearer k2" else httpx.Response(500, json={"error": "busy"})
+
+    client = UpstreamClient(http=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    engine = Upstream("e", "http://engine.test/v1", engine_api="vllm")
+    pool = UpstreamPool([Credential(engine, "k1"), Credential(engine, "k2")], clock=lambda: 1000.0)
+    attempts = UpstreamAttempts(pool, client, policy(), request_id="req_abc")
+    running: list[Any] = []
+    async for _ in attempts.stream(BODY):
+        running.append(attempts.engine_request)
+    assert seen == ["req_abc-1", "req_abc-2"]
+    assert [a["engine_request_id"] for a in attempts.log] == ["req_abc-1", "req_abc-2"]
+    assert {(c.api_key, rid) for c, rid in running} == {("k2", "req_abc-2")} and attempts.engine_request is None
+
+    seen.clear()
+    plain_pool = UpstreamPool([Credential(Upstream("u", "http://upstream.test/v1"), "k2")], clock=lambda: 1000.0)
+    plain = UpstreamAttempts(plain_pool, client, policy(), request_id="req_abc")
+    assert await collect(plain) == [ANSWERED, CHUNK, DONE]
+    assert seen == [None] and "engine_request_id" not in plain.log[0]
