@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +41,9 @@ log = structlog.get_logger("gateway.rollout")
 SPILL_BOUND = 2.0
 #: Seconds the frozen check may take (a store that does not answer: the call goes on).
 FROZEN_CHECK_TIMEOUT = 1.0
-#: Seconds the ownership claim may take (then 503: fail closed).
+#: Rollout owners remembered per process (the claim's fallback in a store outage).
+KNOWN_OWNERS = 100_000
+#: Seconds the ownership claim may take (then memory, else 503: fail closed).
 CLAIM_TIMEOUT = 2.0
 #: Seconds reading a rollout's earlier calls for token-in may take.
 HISTORY_TIMEOUT = 2.0
@@ -76,6 +78,12 @@ class RolloutRecorder:
         self._incomplete: dict[str, list[str]] = defaultdict(list)
         #: records the store did not take yet (in the spill journal): rollout -> call id -> record
         self._spilled: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
+        #: rollout -> its owner, as claimed through this process (the claim's fallback
+        #: while the store does not answer; bounded, least recently claimed go first)
+        self._owners: OrderedDict[str, str] = OrderedDict()
+        #: rollout -> its owner, as claimed through this process (the claim's fallback
+        #: while the store does not answer; bounded, least recently claimed go first)
+        self._owners: OrderedDict[str, str] = OrderedDict()
         self._committed: dict[str, str] = {}  # call id -> outcome written before release
         self._tasks: set[asyncio.Task[Any]] = set()
         self._http: httpx.AsyncClient | None = None
@@ -110,17 +118,29 @@ class RolloutRecorder:
 
     async def claim(self, rollout_id: str, owner: str) -> None:
         """The rollout id for this client identity, or its refusal (403 another key's,
-        410 deleted lately; gateway/rollout/owners.py). Fails closed: a store that cannot
-        answer in time is a 503, never a call written into a rollout nobody checked."""
+        410 deleted lately; gateway/rollout/owners.py). A store that cannot answer in time:
+        a rollout this process saw claimed goes on for its owner (an owner never changes, so
+        memory is enough: rollout calls keep flowing through a store outage), anything else
+        is a 503, never a call written into a rollout nobody checked."""
         try:
             async with asyncio.timeout(CLAIM_TIMEOUT):
-                refusal = await asyncio.to_thread(owners.claim, self.db, rollout_id, owner, time.time())
+                refusal = await self.db.acall(owners.claim, self.db, rollout_id, owner, time.time())
         except (TimeoutError, *self.db.errors) as exc:
-            log.warning("rollout_claim_failed", rollout=rollout_id, error=type(exc).__name__)
+            known = self._owners.get(rollout_id)
+            log.warning("rollout_claim_failed", rollout=rollout_id, error=type(exc).__name__,
+                        from_memory=known is not None)
+            if known == owner:  # claimed through this process: an owner never changes
+                return
+            if known is not None:
+                raise owners.forbidden(rollout_id) from None
             raise GatewayError("overloaded", "store_unavailable",
                                "the store cannot say whose rollout this is now; try again", retry_after=1) from None
         if refusal is not None:
             raise refusal
+        self._owners[rollout_id] = owner
+        self._owners.move_to_end(rollout_id)
+        if len(self._owners) > KNOWN_OWNERS:
+            self._owners.popitem(last=False)
 
     async def refuse_frozen(self, rollout_id: str) -> None:
         """A GatewayError (409 ``rollout_frozen``) for a frozen rollout."""
@@ -275,5 +295,6 @@ class RolloutRecorder:
         return list(by_id.values()), marks
 
     def forget(self, rollout_id: str) -> None:
+        self._owners.pop(rollout_id, None)
         self._spilled.pop(rollout_id, None)
         self._incomplete.pop(rollout_id, None)

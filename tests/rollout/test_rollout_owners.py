@@ -107,3 +107,38 @@ def test_claims_on_the_store_first_wins_and_the_grace_ends(tmp_path: Any) -> Non
         assert db.run(lambda conn: owners.owner_of(conn, "r1")) == "key:b"
     finally:
         db.close()
+
+
+async def test_a_claim_in_a_store_outage_falls_back_to_what_this_process_claimed() -> None:
+    """The owner of a rollout never changes: one this process saw claimed goes on for its
+    owner while the store does not answer (rollout calls flow through an outage); another
+    identity is still refused; a rollout never seen is a 503 (fail closed)."""
+    import types
+
+    from gateway.errors import GatewayError
+    from gateway.rollout.recorder import RolloutRecorder
+
+    class FlakyStore:
+        errors: tuple[type[BaseException], ...] = (ConnectionError,)
+        down = False
+
+        async def acall(self, fn: Any, *args: Any) -> Any:
+            if self.down:
+                raise ConnectionError("store is down")
+            return None  # the claim is granted
+
+    store = FlakyStore()
+    rec = RolloutRecorder(store, None, types.SimpleNamespace(current=None), lambda: None)  # type: ignore[arg-type]
+    await rec.claim("r1", "key:a")
+    store.down = True
+    await rec.claim("r1", "key:a")  # from memory
+    with pytest.raises(GatewayError) as other:
+        await rec.claim("r1", "key:b")
+    assert (other.value.status, other.value.code) == (403, "rollout_forbidden")
+    with pytest.raises(GatewayError) as unseen:
+        await rec.claim("r2", "key:a")
+    assert (unseen.value.status, unseen.value.code) == (503, "store_unavailable")
+    rec.forget("r1")  # deleted through this process: memory no longer vouches for it
+    with pytest.raises(GatewayError) as forgotten:
+        await rec.claim("r1", "key:a")
+    assert forgotten.value.code == "store_unavailable"
