@@ -234,7 +234,7 @@ class UpstreamPool:
             and (not self.max_in_flight or c.in_flight < self.max_in_flight)
         ]
         if not usable:
-            raise self._exhausted(allowed, model, now, exclude)
+            raise nothing_usable(allowed, model, now, exclude)
         # passed over for a model its upstream said it lacks, unless nothing else is left
         # (then the upstream is asked again: it may have loaded the model since)
         usable = [c for c in usable if not c.unavailable_for(model, now)] or usable
@@ -250,23 +250,6 @@ class UpstreamPool:
         if self.on_lease is not None:
             self.on_lease(chosen, 1)
         return Lease(chosen, self, reason)
-
-    def _exhausted(self, allowed: list[Credential], model: str, now: float, exclude: set[str]) -> GatewayError:
-        enabled = [c for c in allowed if not c.disabled]
-        if not enabled:
-            return GatewayError("overloaded", "no_upstream_available", "every upstream credential is disabled")
-        cooling = [c.cooling_until(model, now) for c in enabled]
-        if all(cooling):
-            # the whole seconds left, rounded up: a client told to come back then finds the
-            # cooldown over (a later request is told less: the clock moved, the end did not)
-            wait = max(1, math.ceil(min(cooling) - now))
-            return GatewayError(
-                "rate_limit", "upstream_rate_limited",
-                f"every upstream credential is cooling down; retry in {wait} s", retry_after=wait,
-            )
-        if all(c.id in exclude or u for c, u in zip(enabled, cooling)):
-            return GatewayError("upstream", "failover_exhausted", "every usable upstream credential was tried")
-        return GatewayError("overloaded", "upstream_capacity", "every upstream credential is busy", retry_after=1)
 
     # -- learning ----------------------------------------------------------------------
 
@@ -324,32 +307,6 @@ class UpstreamPool:
 
     # -- probing (gateway.upstream.prober) -----------------------------------------------
 
-    def probe_due(self, now: float, first_wait: float) -> list[Credential]:
-        """Credentials an upstream 401/403 disabled whose next probe is due (an admin's
-        disable is never probed away)."""
-        due = []
-        for credential in self.credentials:
-            if not credential.disabled or credential.disabled_by != "upstream":
-                continue
-            if credential.next_probe_at is None:
-                credential.next_probe_at = (credential.disabled_at or now) + first_wait
-            if credential.next_probe_at <= now:
-                due.append(credential)
-        return due
-
-    def probe_result(self, credential: Credential, ok: bool, result: str, next_wait: float) -> None:
-        """Learn from a probe: re-enable on success, else probe again in ``next_wait`` s."""
-        now = self.clock()
-        credential.last_probe_at, credential.last_probe_result = now, result
-        if not (credential.disabled and credential.disabled_by == "upstream"):
-            return  # an admin acted meanwhile
-        if ok:
-            log.info("credential_recovered", credential=credential.id, out_for_s=round(now - (credential.disabled_at or now), 1))
-            self.enable(credential.id)
-            return
-        credential.probe_failures += 1
-        credential.next_probe_at = now + next_wait
-
     def reset_cooldowns(self, credential_id: str) -> Credential:
         credential = self.get(credential_id)
         credential.cooldowns.clear()
@@ -364,3 +321,22 @@ class UpstreamPool:
 def engine_of(credential: Credential) -> str:
     """The engine a credential reaches (what routing keeps warm): its upstream's base URL."""
     return credential.upstream.base_url
+
+
+def nothing_usable(allowed: list[Credential], model: str, now: float, exclude: set[str]) -> GatewayError:
+    """Why no credential allowed for ``model`` is usable now, as the error the client sees."""
+    enabled = [c for c in allowed if not c.disabled]
+    if not enabled:
+        return GatewayError("overloaded", "no_upstream_available", "every upstream credential is disabled")
+    cooling = [c.cooling_until(model, now) for c in enabled]
+    if all(cooling):
+        # the whole seconds left, rounded up: a client told to come back then finds the
+        # cooldown over (a later request is told less: the clock moved, the end did not)
+        wait = max(1, math.ceil(min(cooling) - now))
+        return GatewayError(
+            "rate_limit", "upstream_rate_limited",
+            f"every upstream credential is cooling down; retry in {wait} s", retry_after=wait,
+        )
+    if all(c.id in exclude or u for c, u in zip(enabled, cooling)):
+        return GatewayError("upstream", "failover_exhausted", "every usable upstream credential was tried")
+    return GatewayError("overloaded", "upstream_capacity", "every upstream credential is busy", retry_after=1)

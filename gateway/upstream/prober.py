@@ -64,7 +64,7 @@ class CredentialProber:
         while True:
             await asyncio.sleep(tick)
             pool = self.pool()
-            due = [c for c in pool.probe_due(pool.clock(), self.first_wait) if c.id not in self._probing]
+            due = [c for c in probes_due(pool.credentials, pool.clock(), self.first_wait) if c.id not in self._probing]
             if due:
                 await asyncio.gather(*(self.probe(pool, c) for c in due))
 
@@ -80,4 +80,32 @@ class CredentialProber:
         wait = backoff(self.first_wait, credential.probe_failures + 1, self.max_wait)
         if not ok:
             log.info("credential_probe_failed", credential=credential.id, result=result, next_in_s=wait)
-        pool.probe_result(credential, ok, result, wait)
+        learn_from_probe(pool, credential, ok, result, wait)
+
+
+def probes_due(credentials: list[Credential], now: float, first_wait: float) -> list[Credential]:
+    """Credentials an upstream 401/403 disabled whose next probe is due (an admin's
+    disable is never probed away)."""
+    due = []
+    for credential in credentials:
+        if not credential.disabled or credential.disabled_by != "upstream":
+            continue
+        if credential.next_probe_at is None:
+            credential.next_probe_at = (credential.disabled_at or now) + first_wait
+        if credential.next_probe_at <= now:
+            due.append(credential)
+    return due
+
+
+def learn_from_probe(pool: UpstreamPool, credential: Credential, ok: bool, result: str, next_wait: float) -> None:
+    """Learn from a probe: re-enable on success, else probe again in ``next_wait`` s."""
+    now = pool.clock()
+    credential.last_probe_at, credential.last_probe_result = now, result
+    if not (credential.disabled and credential.disabled_by == "upstream"):
+        return  # an admin acted meanwhile
+    if ok:
+        log.info("credential_recovered", credential=credential.id, out_for_s=round(now - (credential.disabled_at or now), 1))
+        pool.enable(credential.id)
+        return
+    credential.probe_failures += 1
+    credential.next_probe_at = now + next_wait
