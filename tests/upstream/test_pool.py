@@ -166,8 +166,10 @@ def test_capacity_refusal_and_release_under_100_concurrent(server_loop: ServerLo
     statuses = asyncio.run(burst())
     assert set(statuses) == {200, 503}
     assert 10 <= statuses.count(200) < 100
-    assert gateway.app.state.relay.in_flight == 0
-    assert gateway.app.state.relay.pool.in_flight == 0
+    # a slot is freed when its request's one report runs, just after the client has the
+    # last byte: on a busy machine a few are still on their way (a leak would never clear)
+    wait_for(lambda: gateway.app.state.relay.in_flight == 0 and gateway.app.state.relay.pool.in_flight == 0,
+             timeout=30)
     assert stream_text(gateway)  # capacity is back
 
 
