@@ -243,6 +243,7 @@ class KeyLimiter:
             except Exception as exc:  # the reservation is settled to what the usage said
                 log.warning("client_key_charge_failed", request_id=head[0], error=f"{type(exc).__name__}: {exc}")
         await self._record(kind, (*head, used))
+
     async def _record(self, kind: str, row: tuple[Any, ...]) -> None:
         """Store the settlement, else journal it (replayed when the store is back)."""
         try:
