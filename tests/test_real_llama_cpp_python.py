@@ -188,11 +188,13 @@ def test_raw_quirks(lcp_url: str) -> None:
 
 def test_raw_stream_cut_by_a_second_request(lcp_url: str) -> None:
     """A request waiting for the model (even ``GET /v1/models``) makes the server end the
-    running stream at once: ``data: [DONE]`` with no finish_reason ever sent, then the
-    connection drops without the chunked body's end."""
+    running stream at once: ``data: [DONE]`` with no finish_reason ever sent. How the
+    connection then ends depends on the server's sse-starlette/uvicorn versions (its
+    ``[server]`` extra is unpinned): older ones drop it without the chunked body's end, newer
+    ones end the body cleanly. Either way the stream carries no finish_reason."""
     interrupt = threading.Thread(target=lambda: httpx.get(lcp_url + "/models", timeout=600))
     chunks: list[Any] = []
-    with pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"):
+    try:
         with httpx.stream("POST", lcp_url + "/chat/completions", timeout=600,
                           json={"model": "smollm2", "stream": True, "messages": STORY, "max_tokens": 400,
                                 "temperature": 0}) as response:
@@ -202,6 +204,8 @@ def test_raw_stream_cut_by_a_second_request(lcp_url: str) -> None:
                     chunks.append(data if data == "[DONE]" else json.loads(data))
                     if len(chunks) == 3:
                         interrupt.start()
+    except httpx.RemoteProtocolError as dropped:
+        assert "incomplete chunked read" in str(dropped)
     interrupt.join(600)
     assert chunks[-1] == "[DONE]"
     assert 3 <= len(chunks) < 400
