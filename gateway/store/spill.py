@@ -19,10 +19,8 @@ journal is cleared only after the whole of it is in the store.
 Nothing here waits on a slow store while holding what a spill needs: a store write that
 has not answered within ``write_timeout`` (0.5 s) spills; journal appends run on their own
 thread (never queued behind blocked store calls in asyncio's shared executor), store
-writes on theirs; the replay reads the journal under its lock but writes to the store
-without it, so appends go on while a replay is stuck on the store. Spilled responses are
-indexed (id -> the line's place in the journal), so ``previous_response_id`` finds one that
-has not reached the store yet, also after a restart.
+writes on theirs. The replay and the index of spilled rows live in
+:mod:`gateway.store.replay`, the bounded store calls in :mod:`gateway.store.store_calls`.
 """
 
 from __future__ import annotations
@@ -39,31 +37,22 @@ from typing import Any, TypeVar
 import orjson
 import structlog
 
+from gateway.store.store_calls import (
+    STORE_READ_TIMEOUT,
+    STORE_WRITE_TIMEOUT,
+    BoundedReads,
+    BoundedWrites,
+    StoreUnavailable,
+)
 from gateway.store.db import Store
 from gateway.store.journal import MAX_JOURNALS, SPILL_PATTERN, SpillFull, SpillJournal
+from gateway.store.replay import JournalReplay, SpillIndex, Statement, apply_rows, probe_write
 
 __all__ = ["MAX_JOURNALS", "SPILL_PATTERN", "DurableWriter", "SpillFull", "SpillJournal", "StoreUnavailable"]
 
 log = structlog.get_logger("gateway.spill")
 T = TypeVar("T")
-#: What applies one kind of row: an upsert's SQL, or a callable (connection, rows).
-Statement = str | Callable[[Any, Sequence[Sequence[Any]]], None]
 
-#: Rows per transaction when replaying the journal into the store.
-REPLAY_BATCH = 500
-#: Seconds a store write may take before its rows are spilled instead (a stalled
-#: PostgreSQL, a write-locked SQLite file). The write may still land later: the replay's
-#: upsert makes that harmless. Short: the end of a Responses answer waits on it.
-STORE_WRITE_TIMEOUT = 0.5
-#: ... and the most a write may wait behind others while the store does make progress.
-STORE_WRITE_MAX = 5.0
-#: Seconds a store read on the request path (``previous_response_id``) may take before it
-#: is answered 503 ``store_unavailable``.
-STORE_READ_TIMEOUT = 2.0
-#: Store reads in flight at once (their own threads); past it a read fails at once.
-STORE_READERS = 4
-#: Passes one replay makes to catch up with rows spilled while it ran.
-REPLAY_PASSES = 8
 #: During an outage every write spills: one WARNING line per this many seconds (with what
 #: was spilled since the last one), not one per write -- at a few hundred requests a second
 #: the log would otherwise flood the very disk that may be the one filling up.
@@ -97,17 +86,14 @@ class SpillTally:
             return due
 
 
-class StoreUnavailable(Exception):
-    """A store read on the request path failed or did not answer in time."""
-
-
 class DurableWriter:
     """Store first, spill journal second, lost last (see the module docstring).
 
     ``statements`` maps a row kind ("audit", "response") to its upsert SQL; a row is the
     tuple of that statement's parameters (JSON-serializable), its first value the row's
     id. A statement may instead be a callable ``(connection, rows)`` that applies a batch
-    in the transaction it is handed (it must be idempotent per row id, like an upsert). ``indexed`` kinds are kept findable by id while spilled (:meth:`spilled_row`).
+    in the transaction it is handed (it must be idempotent per row id, like an upsert).
+    ``indexed`` kinds are kept findable by id while spilled (:meth:`spilled_row`).
     ``on_spilled``/``on_lost``/``on_replayed`` receive (kind, count) for metrics.
     """
 
@@ -132,8 +118,6 @@ class DurableWriter:
         self.statements = statements
         self.retry_interval = retry_interval
         self.write_timeout = write_timeout
-        self.read_timeout = read_timeout
-        self.indexed = indexed
         self.on_spilled = on_spilled or no_report
         self.on_lost = on_lost or no_report
         self.on_replayed = on_replayed or no_report
@@ -147,18 +131,13 @@ class DurableWriter:
         self.replayed = 0
         self._task: asyncio.Task[None] | None = None
         # own threads: a store stuck in every thread of asyncio's shared executor must not
-        # hold up a spill (the journal's one thread), and writes must not starve reads
+        # hold up a spill (the journal's one thread)
         self._journal_thread = ThreadPoolExecutor(1, thread_name_prefix="spill-journal")
-        self._store_threads = ThreadPoolExecutor(2, thread_name_prefix="store-write")
-        self._read_threads = ThreadPoolExecutor(STORE_READERS, thread_name_prefix="store-read")
-        self._reads_in_flight = 0
-        self._reader: Any = None
-        self._reader_lock = threading.Lock()
-        self._replay_lock = threading.Lock()
-        #: (kind, id) -> (offset, length) of its line in the journal, while spilled
-        self._index: dict[tuple[str, str], tuple[int, int]] = {}
-        self._replayed_to = 0  # journal offset the current replay has stored (until a clear)
-        self._last_progress = time.monotonic()  # when a store write last completed
+        self.writes = BoundedWrites(db, write_timeout)
+        self.reads = BoundedReads(db, read_timeout)
+        self.index = SpillIndex(journal, indexed)
+        self._replay = (JournalReplay(db, journal, statements, self.index, self._batch_stored, self._cleared)
+                        if journal is not None else None)
 
     @property
     def spill_entries(self) -> int:
@@ -198,8 +177,6 @@ class DurableWriter:
             "lost": self.lost,
         }
 
-    # -- threads ---------------------------------------------------------------------------
-
     async def _in(self, pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
 
@@ -209,33 +186,8 @@ class DurableWriter:
         return await asyncio.shield(self._in(self._journal_thread, fn))
 
     async def read(self, fn: Callable[[Any], T]) -> T:
-        """A store read for the request path: bounded (``read_timeout``, and at most
-        :data:`STORE_READERS` at once), else :class:`StoreUnavailable`."""
-        if self._reads_in_flight >= STORE_READERS:
-            raise StoreUnavailable("every store reader is waiting on the store")
-        self._reads_in_flight += 1
-        call = asyncio.ensure_future(self._in(self._read_threads, self._read, fn))
-
-        def done(future: asyncio.Future[Any]) -> None:
-            self._reads_in_flight -= 1
-            _consume(future)
-
-        call.add_done_callback(done)
-        try:
-            async with asyncio.timeout(self.read_timeout):
-                return await asyncio.shield(call)
-        except self.db.errors as exc:
-            raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from None
-        except TimeoutError:
-            raise StoreUnavailable(f"the store did not answer in {self.read_timeout} s") from None
-
-    def _read(self, fn: Callable[[Any], T]) -> T:
-        """On a reader of its own (SQLite: its own connection, so a write stuck on the file's
-        lock holds no read up: WAL readers do not wait for writers)."""
-        with self._reader_lock:
-            if self._reader is None:
-                self._reader = self.db if self.db.shared or not hasattr(self.db, "open_own") else self.db.open_own()
-        return self._reader.run(fn)
+        """A store read for the request path (:class:`~gateway.store.bounded_reads.BoundedReads`)."""
+        return await self.reads.read(fn)
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -250,38 +202,12 @@ class DurableWriter:
             def insert(conn: Any) -> None:  # returns nothing: no cursor outlives the store's lock
                 apply_rows(conn, statement, rows)
 
-            write = asyncio.ensure_future(self._in(self._store_threads, self._timed_tx, insert))
             try:
-                await self._bounded(write)
+                await self.writes.run(insert)
                 return "stored"
-            except self.db.errors as exc:
-                self._store_failed(exc)
-            except TimeoutError as exc:  # still running in its thread; spilled too, replay upserts
-                write.add_done_callback(_consume)
+            except (*self.db.errors, TimeoutError) as exc:  # a timed-out write may still land: replay upserts
                 self._store_failed(exc)
         return await self.spill(kind, rows)
-
-    def _timed_tx(self, fn: Callable[[Any], T]) -> T:
-        result = self.db.run_tx(fn)
-        self._last_progress = time.monotonic()  # the store answers: queued writes may wait on
-        return result
-
-    async def _bounded(self, write: asyncio.Future[Any]) -> None:
-        """Wait for ``write`` while the store makes progress: TimeoutError once no write has
-        completed for ``write_timeout`` (a stall), or after :data:`STORE_WRITE_MAX` in all
-        (a queue that never drains). Never cancels it: a cancelled caller (shutdown) must
-        not lose a batch half-way to disk."""
-        start = time.monotonic()
-        while True:
-            done, _ = await asyncio.wait({write}, timeout=self.write_timeout)
-            if done:
-                write.result()
-                return
-            now = time.monotonic()
-            if now - self._last_progress >= self.write_timeout:
-                raise TimeoutError(f"no store write completed in {self.write_timeout} s")
-            if now - start >= STORE_WRITE_MAX:
-                raise TimeoutError(f"no answer in {STORE_WRITE_MAX} s")
 
     async def spill(self, kind: str, rows: Sequence[Sequence[Any]]) -> str:
         """Straight to the journal (no store in the way): "spilled" or "lost". For rows
@@ -313,10 +239,7 @@ class DurableWriter:
             log.error("store_records_lost", kind=kind, rows=count, error=f"{type(exc).__name__}: {exc}")
             return "lost"
         self.journal_failing = False
-        if kind in self.indexed:
-            for r, line in zip(rows, lines, strict=True):
-                self._index[(kind, str(r[0]))] = (start, len(line))
-                start += len(line) + 1
+        self.index.add(kind, rows, lines, start)
         self.spilled += count
         self.on_spilled(kind, count)
         due = self._spill_tally.add(kind, count)
@@ -325,47 +248,17 @@ class DurableWriter:
                         spill_entries=self.spill_entries, next_line_in_s=SPILL_LOG_INTERVAL)
         return "spilled"
 
-    # -- spilled rows, found by id ---------------------------------------------------------
-
     async def spilled_row(self, kind: str, row_id: str) -> list[Any] | None:
         """The row ``row_id`` of ``kind`` while it is in the journal (None: not spilled)."""
-        if (kind, row_id) not in self._index:  # the common case: a dict look-up, no thread
+        if (kind, row_id) not in self.index:  # the common case: a dict look-up, no thread
             return None
-        return await self._in(self._journal_thread, self._read_spilled, kind, row_id)
-
-    def _read_spilled(self, kind: str, row_id: str) -> list[Any] | None:
-        place = self._index.get((kind, row_id))
-        if place is None or self.journal is None:
-            return None
-        line = self.journal.read_at(*place)
-        try:
-            entry = orjson.loads(line)
-        except orjson.JSONDecodeError:  # cleared meanwhile: the store has it now
-            return None
-        row = entry.get("row") if isinstance(entry, dict) else None
-        if entry.get("kind") != kind or not isinstance(row, list) or not row or str(row[0]) != row_id:
-            return None
-        return row
-
-    def _build_index(self) -> None:
-        """Blocking: index the journal a previous run left (its spilled responses)."""
-        if self.journal is None or not self.indexed:
-            return
-        data, _ = self.journal.read_from(0)
-        offset = 0
-        for line in data.split(b"\n"):
-            if line:
-                with contextlib.suppress(orjson.JSONDecodeError, TypeError, AttributeError, IndexError):
-                    entry = orjson.loads(line)
-                    if entry.get("kind") in self.indexed:
-                        self._index[(entry["kind"], str(entry["row"][0]))] = (offset, len(line))
-            offset += len(line) + 1
+        return await self._in(self._journal_thread, self.index.read, kind, row_id)
 
     # -- replaying -------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Replay what a previous run spilled, then keep retrying in the background."""
-        await self._in(self._journal_thread, self._build_index)
+        await self._in(self._journal_thread, self.index.rebuild)
         await self.recover()
         self._task = asyncio.create_task(self._recovery_loop(), name="spill-recovery")
 
@@ -382,11 +275,9 @@ class DurableWriter:
                     await self.recover()
             except TimeoutError:
                 log.warning("spill_kept_for_next_start", spill_entries=self.spill_entries)
-        for pool in (self._journal_thread, self._store_threads, self._read_threads):
-            pool.shutdown(wait=False)
-        if self._reader is not None and self._reader is not self.db:
-            with contextlib.suppress(Exception):
-                self._reader.close()
+        self._journal_thread.shutdown(wait=False)
+        self.writes.close()
+        self.reads.close()
 
     async def _recovery_loop(self) -> None:
         while True:
@@ -400,7 +291,7 @@ class DurableWriter:
         """Replay the journal into the store; True when the store took everything."""
         was_writable = self.store_writable
         try:
-            replayed = await asyncio.shield(self._in(self._store_threads, self._replay))
+            replayed = await asyncio.shield(self.writes.in_thread(self._run_replay, not was_writable))
         except (*self.db.errors, OSError) as exc:
             self._store_failed(exc)
             return False
@@ -413,80 +304,16 @@ class DurableWriter:
             self.on_replayed(kind, count)
         return True
 
-    def _replay(self) -> dict[str, int]:
-        """Blocking: every journal row into the store (in order, in batches), then clear.
-        With nothing spilled, one cheap write proves the store takes writes again. The
-        journal's lock is held only to read it and to clear it, never while the store
-        works: appends go on meanwhile (and are caught up with, or replayed next time)."""
-        counts: dict[str, int] = {}
-        with self._replay_lock:
-            journal = self.journal
-            if journal is None or not journal.entries:
-                if not self.store_writable:
-                    self.db.run_tx(_probe)
-                return counts
-            for _ in range(REPLAY_PASSES):
-                data, end = journal.read_from(self._replayed_to)
-                batch: list[tuple[str, list[Any]]] = []
-                for line in data.splitlines():
-                    entry = orjson.loads(line)
-                    if entry.get("kind") not in self.statements:
-                        log.error("spill_entry_unknown", kind=entry.get("kind"))
-                        continue
-                    batch.append((entry["kind"], entry["row"]))
-                    if len(batch) >= REPLAY_BATCH:
-                        self._apply(batch, counts)
-                        batch = []
-                self._apply(batch, counts)
-                self._replayed_to = end
-                if journal.clear_if(end, self._cleared):
-                    return counts
-            return counts  # still catching up: the rest next time (nothing is lost meanwhile)
+    def _run_replay(self, probe: bool) -> dict[str, int]:
+        if self._replay is not None:
+            return self._replay.run(probe)
+        if probe:  # no journal: one cheap write proves the store takes writes again
+            self.db.run_tx(probe_write)
+        return {}
+
+    def _batch_stored(self) -> None:
+        self.writes.last_progress = time.monotonic()
+        self.store_writable = True  # new rows may go to the store again while the rest replays
 
     def _cleared(self) -> None:
-        """Under the journal's lock, as it is cleared: its lines are all in the store."""
-        self._index.clear()
-        self._replayed_to = 0
         self.journal_failing = False
-
-    def _apply(self, batch: list[tuple[str, list[Any]]], counts: dict[str, int]) -> None:
-        if not batch:
-            return
-
-        def run(conn: Any) -> None:
-            for kind, row in batch:
-                apply_rows(conn, self.statements[kind], [row])
-
-        self.db.run_tx(run)
-        self._last_progress = time.monotonic()
-        self.store_writable = True  # new rows may go to the store again while the rest replays
-        for kind, _ in batch:
-            counts[kind] = counts.get(kind, 0) + 1
-
-
-def apply_rows(conn: Any, statement: Statement, rows: Sequence[Sequence[Any]]) -> None:
-    """One kind's rows in the caller's transaction: its SQL for each, or its callable."""
-    if isinstance(statement, str):
-        conn.executemany(statement, rows)
-    else:
-        statement(conn, rows)
-
-
-def _consume(future: asyncio.Future[Any]) -> None:
-    """A timed-out store write finished after all: retrieve its outcome (no warning)."""
-    if not future.cancelled():
-        future.exception()
-
-
-def _probe(conn: Any) -> None:
-    """A real write (a row inserted and deleted in one transaction: the commit still has
-    pages to write), to learn whether the store takes writes again."""
-    conn.execute(
-        "INSERT INTO audit (request_id, started_at, ended_at, protocol, mode, streamed, model, outcome,"
-        " http_status, record) VALUES (?, 0, 0, '', '', 0, '', '', 0, ?)",
-        (PROBE_ID, "x" * 4096),
-    )
-    conn.execute("DELETE FROM audit WHERE request_id = ?", (PROBE_ID,))
-
-
-PROBE_ID = "__codebuddy2api_write_probe__"
