@@ -298,7 +298,7 @@ async def _rollout_token_in(
     """A recorded rollout's call: refused when the rollout is another client key's (or was
     deleted lately), and while it is frozen; with token-in configured, the plan to continue
     the rollout's tokens (else None)."""
-    await rollouts.claim(rollout, owner)
+    await rollouts.owners.claim(rollout, owner)
     await rollouts.refuse_frozen(rollout)
     if not rollouts.token_in_configured:
         return None

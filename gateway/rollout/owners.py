@@ -9,14 +9,28 @@ of the old run cannot silently start a new rollout under it.
 
 The functions here block (callers run them in a worker thread); :func:`claim` is one
 transaction and two replicas claiming one id at once agree on the first insert.
+:class:`OwnerClaims` is their async shell on the request path, bounded, with a memory of
+the owners this process saw claimed for a store that does not answer.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections import OrderedDict
 from typing import Any
+
+import structlog
 
 from gateway.errors import GatewayError
 from gateway.store.db import Store
+
+log = structlog.get_logger("gateway.rollout")
+
+#: Rollout owners remembered per process (the claim's fallback in a store outage).
+KNOWN_OWNERS = 100_000
+#: Seconds the ownership claim may take (then memory, else 503: fail closed).
+CLAIM_TIMEOUT = 2.0
 
 #: Seconds a deleted rollout id stays taken.
 DELETED_GRACE = 86400.0
@@ -79,3 +93,44 @@ def shown(owner: str | None) -> dict[str, Any]:
     """The owner as the admin read-back shows it: the identity, and the managed key's id."""
     key_id = owner[4:] if owner and owner.startswith("key:") else None
     return {"owner": owner, "owner_key_id": key_id}
+
+
+class OwnerClaims:
+    """The claim of each rollout call, bounded by :data:`CLAIM_TIMEOUT`. A store that cannot
+    answer in time: a rollout this process saw claimed goes on for its owner (an owner never
+    changes, so memory is enough: rollout calls keep flowing through a store outage),
+    another key's call is still a 403, anything else a 503, never a call written into a
+    rollout nobody checked."""
+
+    def __init__(self, db: Store) -> None:
+        self.db = db
+        #: rollout -> its owner, as claimed through this process (bounded, least recently
+        #: claimed go first)
+        self._known: OrderedDict[str, str] = OrderedDict()
+
+    async def claim(self, rollout_id: str, owner: str) -> None:
+        """The rollout id for this client identity, or its refusal (403 another key's, 410
+        deleted lately, 503 the store cannot say)."""
+        try:
+            async with asyncio.timeout(CLAIM_TIMEOUT):
+                refusal = await self.db.acall(claim, self.db, rollout_id, owner, time.time())
+        except (TimeoutError, *self.db.errors) as exc:
+            known = self._known.get(rollout_id)
+            log.warning("rollout_claim_failed", rollout=rollout_id, error=type(exc).__name__,
+                        from_memory=known is not None)
+            if known == owner:  # claimed through this process: an owner never changes
+                return
+            if known is not None:
+                raise forbidden(rollout_id) from None
+            raise GatewayError("overloaded", "store_unavailable",
+                               "the store cannot say whose rollout this is now; try again", retry_after=1) from None
+        if refusal is not None:
+            raise refusal
+        self._known[rollout_id] = owner
+        self._known.move_to_end(rollout_id)
+        if len(self._known) > KNOWN_OWNERS:
+            self._known.popitem(last=False)
+
+    def forget(self, rollout_id: str) -> None:
+        """The rollout was deleted: its id is the store's to refuse (410) now."""
+        self._known.pop(rollout_id, None)

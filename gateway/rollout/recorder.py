@@ -1,6 +1,6 @@
-"""The I/O shell of rollouts: refuse calls of another client key or for a frozen (or
-lately deleted) rollout, commit each call's
-record before its answer is released, record failed calls at their end, read back.
+"""The I/O shell of rollouts: refuse calls for a frozen rollout (the key's claim is
+:class:`~gateway.rollout.owners.OwnerClaims`, reached as ``recorder.owners``), commit each
+call's record before its answer is released, record failed calls at their end, read back.
 
 Commit before release: :meth:`RolloutRecorder.commit` is the run's ``before_release``
 hook, awaited right before the terminal event (stream) or the JSON body is handed to the
@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import orjson
 import structlog
 
@@ -30,8 +29,8 @@ from gateway.redact import SECRETS
 from gateway.rollout import owners
 from gateway.rollout import store as rollout_store
 from gateway.rollout.labels import group_row
-from gateway.rollout.records import answered_upstream, call_record
-from gateway.rollout.tokens import llamacpp_prompt_ids
+from gateway.rollout.call_tokens import CallTokens
+from gateway.rollout.records import call_record
 from gateway.store.db import Store
 from gateway.store.spill import DurableWriter
 
@@ -41,10 +40,6 @@ log = structlog.get_logger("gateway.rollout")
 SPILL_BOUND = 2.0
 #: Seconds the frozen check may take (a store that does not answer: the call goes on).
 FROZEN_CHECK_TIMEOUT = 1.0
-#: Rollout owners remembered per process (the claim's fallback in a store outage).
-KNOWN_OWNERS = 100_000
-#: Seconds the ownership claim may take (then memory, else 503: fail closed).
-CLAIM_TIMEOUT = 2.0
 #: Seconds reading a rollout's earlier calls for token-in may take.
 HISTORY_TIMEOUT = 2.0
 
@@ -78,15 +73,10 @@ class RolloutRecorder:
         self._incomplete: dict[str, list[str]] = defaultdict(list)
         #: records the store did not take yet (in the spill journal): rollout -> call id -> record
         self._spilled: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
-        #: rollout -> its owner, as claimed through this process (the claim's fallback
-        #: while the store does not answer; bounded, least recently claimed go first)
-        self._owners: OrderedDict[str, str] = OrderedDict()
-        #: rollout -> its owner, as claimed through this process (the claim's fallback
-        #: while the store does not answer; bounded, least recently claimed go first)
-        self._owners: OrderedDict[str, str] = OrderedDict()
+        self.owners = owners.OwnerClaims(db)  # the claim of each call (gateway/rollout/owners.py)
+        self.tokens = CallTokens(pool, lambda: self.live.current.capture_tokens)
         self._committed: dict[str, str] = {}  # call id -> outcome written before release
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._http: httpx.AsyncClient | None = None
         self.failures = 0
 
     @property
@@ -99,48 +89,7 @@ class RolloutRecorder:
         """Some upstream continues rollout calls as token ids (``token_in``)."""
         return any(c.upstream.token_in for c in self.pool().credentials)
 
-    def token_source(self, run: Any) -> str:
-        """The answering upstream's own ``capture_tokens``, else the flag's."""
-        credential = self._credential(run)
-        own = getattr(credential.upstream, "capture_tokens", None) if credential is not None else None
-        return str(own or self.live.current.capture_tokens)
-
-    def _credential(self, run: Any) -> Any:
-        attempt = answered_upstream(run)
-        if attempt is None:
-            return None
-        for c in self.pool().credentials:
-            if c.upstream.name == attempt.get("upstream") and c.fingerprint == attempt.get("credential"):
-                return c
-        return None
-
     # -- before the call ---------------------------------------------------------------------
-
-    async def claim(self, rollout_id: str, owner: str) -> None:
-        """The rollout id for this client identity, or its refusal (403 another key's,
-        410 deleted lately; gateway/rollout/owners.py). A store that cannot answer in time:
-        a rollout this process saw claimed goes on for its owner (an owner never changes, so
-        memory is enough: rollout calls keep flowing through a store outage), anything else
-        is a 503, never a call written into a rollout nobody checked."""
-        try:
-            async with asyncio.timeout(CLAIM_TIMEOUT):
-                refusal = await self.db.acall(owners.claim, self.db, rollout_id, owner, time.time())
-        except (TimeoutError, *self.db.errors) as exc:
-            known = self._owners.get(rollout_id)
-            log.warning("rollout_claim_failed", rollout=rollout_id, error=type(exc).__name__,
-                        from_memory=known is not None)
-            if known == owner:  # claimed through this process: an owner never changes
-                return
-            if known is not None:
-                raise owners.forbidden(rollout_id) from None
-            raise GatewayError("overloaded", "store_unavailable",
-                               "the store cannot say whose rollout this is now; try again", retry_after=1) from None
-        if refusal is not None:
-            raise refusal
-        self._owners[rollout_id] = owner
-        self._owners.move_to_end(rollout_id)
-        if len(self._owners) > KNOWN_OWNERS:
-            self._owners.popitem(last=False)
 
     async def refuse_frozen(self, rollout_id: str) -> None:
         """A GatewayError (409 ``rollout_frozen``) for a frozen rollout."""
@@ -168,12 +117,8 @@ class RolloutRecorder:
 
     async def commit(self, run: Any) -> None:
         """The run's ``before_release`` hook: the success record, durable, now."""
-        source = self.token_source(run)
-        token_in = getattr(run.attempts, "token_in", None)
-        if token_in is not None and token_in.status == "used":  # the ids the engine was sent
-            prompt_ids = token_in.prompt_ids
-        else:
-            prompt_ids = await self._llamacpp_prompt(run) if source == "llamacpp" else None
+        source = self.tokens.source(run)
+        prompt_ids = await self.tokens.prompt_ids(run, source)
         ended_at = time.time()
 
         def build() -> dict[str, Any]:
@@ -184,19 +129,6 @@ class RolloutRecorder:
         if reason is not None and self.live.current.capture_strict:
             raise GatewayError("overloaded", "capture_failed",
                                "the call's record could not be made durable (--capture-strict)", retry_after=1)
-
-    async def _llamacpp_prompt(self, run: Any) -> list[int] | None:
-        credential = self._credential(run)
-        if credential is None:
-            return None
-        if self._http is None:
-            self._http = httpx.AsyncClient(trust_env=False)
-        body = run.answer.bodies[-1] if run.answer.bodies else run.upstream_body
-        try:
-            return await llamacpp_prompt_ids(self._http, credential.upstream.base_url, credential.api_key, body)
-        except (httpx.HTTPError, KeyError, ValueError, TypeError) as exc:
-            log.warning("rollout_prompt_ids_failed", rollout=run.rollout_id, error=type(exc).__name__)
-            return None
 
     async def _write(self, rollout_id: str, build: Callable[[], dict[str, Any]]) -> str | None:
         """Store or spill the record ``build()`` makes; the reason it is not durable, or
@@ -241,7 +173,7 @@ class RolloutRecorder:
             outcome = "cancelled"
         if self._committed.pop(run.record.request_id, None) == outcome:
             return
-        source = self.token_source(run)
+        source = self.tokens.source(run)
         self._background(self._write(run.rollout_id, lambda: call_record(run, outcome, error_code, source)))
         self._background(self._group(run))
 
@@ -267,8 +199,7 @@ class RolloutRecorder:
     async def aclose(self) -> None:
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=self.durable.write_timeout + SPILL_BOUND)
-        if self._http is not None:
-            await self._http.aclose()
+        await self.tokens.aclose()
 
     # -- reading back ------------------------------------------------------------------------
 
@@ -295,6 +226,6 @@ class RolloutRecorder:
         return list(by_id.values()), marks
 
     def forget(self, rollout_id: str) -> None:
-        self._owners.pop(rollout_id, None)
+        self.owners.forget(rollout_id)
         self._spilled.pop(rollout_id, None)
         self._incomplete.pop(rollout_id, None)

@@ -76,3 +76,4 @@ async def llamacpp_prompt_ids(
     tokenized.raise_for_status()
     tokens = tokenized.json()["tokens"]
     return [t if isinstance(t, int) else int(t["id"]) for t in tokens]
+

@@ -113,10 +113,8 @@ async def test_a_claim_in_a_store_outage_falls_back_to_what_this_process_claimed
     """The owner of a rollout never changes: one this process saw claimed goes on for its
     owner while the store does not answer (rollout calls flow through an outage); another
     identity is still refused; a rollout never seen is a 503 (fail closed)."""
-    import types
-
     from gateway.errors import GatewayError
-    from gateway.rollout.recorder import RolloutRecorder
+    from gateway.rollout.owners import OwnerClaims
 
     class FlakyStore:
         errors: tuple[type[BaseException], ...] = (ConnectionError,)
@@ -128,7 +126,7 @@ async def test_a_claim_in_a_store_outage_falls_back_to_what_this_process_claimed
             return None  # the claim is granted
 
     store = FlakyStore()
-    rec = RolloutRecorder(store, None, types.SimpleNamespace(current=None), lambda: None)  # type: ignore[arg-type]
+    rec = OwnerClaims(store)  # type: ignore[arg-type]
     await rec.claim("r1", "key:a")
     store.down = True
     await rec.claim("r1", "key:a")  # from memory
