@@ -12,177 +12,29 @@ the same item helpers.
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Callable
 from typing import Any
 
-from gateway.errors import GatewayError
 from gateway.protocols.base import dumps, sse
 from gateway.protocols.envelope import ANONYMOUS_TENANT, Tenant
-from gateway.protocols.responses.client_tool_calls import CustomInputStream, call_item
+from gateway.protocols.responses.client_call_events import ClientCallEvents
 from gateway.protocols.responses.compaction import compaction_item
-from gateway.protocols.responses.input_items import seal_reasoning
-from gateway.protocols.responses.tools import ToolMap
-from gateway.stream.events import (
-    BlockDelta,
-    BlockStart,
-    BlockStop,
-    Completion,
-    Error,
-    Event,
-    Finish,
-    Keepalive,
-    TokenLogprobs,
-    Usage,
+from gateway.protocols.responses.items import (
+    client_name_of,
+    content_part,
+    failed_error,
+    function_call_item,
+    logprob_object,
+    message_item,
+    new_id,
+    reasoning_item,
+    response_object,
+    terminal_status,
+    usage_object,
 )
-
-# -- the Response object and its items (shared by stream and JSON) -----------------------
-
-
-def usage_object(usage: Usage | None) -> dict[str, Any]:
-    u = usage or Usage()
-    return {
-        "input_tokens": u.prompt_tokens,
-        "input_tokens_details": {
-            "cached_tokens": u.cached_tokens, "cache_write_tokens": u.prompt_details.get("cache_write_tokens", 0)
-        },
-        "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
-        "total_tokens": u.total_tokens,
-    }
-
-
-def content_part(text: str, refusal: bool, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """A message's one content part: ``output_text``, or ``refusal`` (what ``responses.parse``
-    reports instead of parsing)."""
-    if refusal:
-        return {"type": "refusal", "refusal": text}
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
-
-
-def logprob_object(entry: dict[str, Any]) -> dict[str, Any]:
-    """An upstream Chat ``logprobs.content`` entry as a Responses ``Logprob`` (its ``bytes``
-    are required: the token's UTF-8 when the upstream left them out)."""
-
-    def one(e: dict[str, Any]) -> dict[str, Any]:
-        token = str(e.get("token", ""))
-        raw = e.get("bytes")
-        return {"token": token, "bytes": raw if isinstance(raw, list) else list(token.encode()), "logprob": e.get("logprob", 0.0)}
-
-    tops = [one(t) for t in entry.get("top_logprobs") or () if isinstance(t, dict)]
-    return {**one(entry), "top_logprobs": tops}
-
-
-def output_logprobs(completion: Completion) -> list[dict[str, Any]]:
-    """The answer's logprobs as the JSON answer's output_text shows them."""
-    entries = completion.token_data.logprobs if completion.token_data is not None else []
-    return [logprob_object(e) for e in entries]
-
-
-def message_item(
-    item_id: str, text: str | None, status: str, refusal: bool = False, logprobs: list[dict[str, Any]] | None = None
-) -> dict[str, Any]:
-    content = [] if text is None else [content_part(text, refusal, logprobs)]
-    return {
-        "id": item_id,
-        "type": "message",
-        "status": status,
-        "role": "assistant",
-        "content": content,
-    }
-
-
-def function_call_item(
-    item_id: str, call_id: str, client_name: tuple[str, str | None], arguments: str, status: str
-) -> dict[str, Any]:
-    name, namespace = client_name
-    item: dict[str, Any] = {
-        "id": item_id,
-        "type": "function_call",
-        "status": status,
-        "call_id": call_id,
-        "name": name,
-        "arguments": arguments,
-    }
-    if namespace is not None:
-        item["namespace"] = namespace
-    return item
-
-
-def reasoning_item(item_id: str, text: str | None, envelope: Tenant | None) -> dict[str, Any]:
-    """``envelope``: the tenant to seal ``encrypted_content`` for (include asked), else None."""
-    item: dict[str, Any] = {"id": item_id, "type": "reasoning", "summary": []}
-    if text is not None:
-        item["summary"] = [{"type": "summary_text", "text": text}]
-        if envelope is not None:
-            item["encrypted_content"] = seal_reasoning(text, envelope)
-    return item
-
-
-def new_id(prefix: str) -> str:
-    """A fresh output id (``resp_``, ``msg_``, ``fc_`` ... plus 32 hex digits)."""
-    return prefix + secrets.token_hex(16)
-
-
-def _client_name(tool_map: ToolMap, upstream: str | None) -> tuple[str, str | None]:
-    return tool_map.client.get(upstream or "", (upstream or "", None))
-
-
-def tool_call_item(
-    tool_map: ToolMap, item_id: str, call_id: str, upstream: str | None, arguments: str, status: str
-) -> dict[str, Any]:
-    """The output item of one upstream tool call: ``function_call``, or the item of the
-    client-executed tool type it was declared as (``custom_tool_call``, ...)."""
-    name, namespace = _client_name(tool_map, upstream)
-    kind = tool_map.kinds.get(upstream or "")
-    if kind is None:
-        return function_call_item(item_id, call_id, (name, namespace), arguments, status)
-    return call_item(kind, item_id, call_id, name, namespace, arguments, status)
-
-
-def response_object(
-    echo: dict[str, Any],
-    response_id: str,
-    created_at: int,
-    status: str,
-    output: list[dict[str, Any]],
-    usage: dict[str, Any] | None = None,
-    incomplete_reason: str | None = None,
-    error: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The Response object; ``echo`` holds the request fields it repeats."""
-    body: dict[str, Any] = {
-        "id": response_id,
-        "object": "response",
-        "created_at": created_at,
-        "status": status,
-        "background": False,
-        "error": error,
-        "incomplete_details": {"reason": incomplete_reason} if incomplete_reason else None,
-        **echo,
-        "output": output,
-        "usage": usage,
-    }
-    if status in ("completed", "incomplete", "failed"):
-        body["completed_at"] = int(time.time()) if status == "completed" else None
-    return body
-
-
-def terminal_status(finish_reason: str) -> tuple[str, str | None]:
-    """The Response status and incomplete reason a finish reason means."""
-    if finish_reason == "length":
-        return "incomplete", "max_output_tokens"
-    if finish_reason == "content_filter":
-        return "incomplete", "content_filter"
-    return "completed", None
-
-
-def _failed_error(error: GatewayError) -> dict[str, Any]:
-    """``response.error``: its ``code`` must be one of the spec's literals."""
-    code = "rate_limit_exceeded" if error.kind == "rate_limit" else "server_error"
-    return {"code": code, "message": f"{error.message} ({error.code})"}
-
+from gateway.protocols.responses.tools import ToolMap
+from gateway.stream.events import BlockDelta, BlockStart, BlockStop, Error, Event, Finish, Keepalive, TokenLogprobs
 
 # -- the stream encoder -------------------------------------------------------------------
 
@@ -248,8 +100,8 @@ class ResponsesEncoder:
         self.compaction = compaction
         self._summary: list[str] = []
         self._parts: dict[int, list[str]] = {}  # output index -> the text streamed for it
-        self._pending: set[int] = set()  # client-executed tool calls not yet announced
-        self._custom: dict[int, CustomInputStream] = {}  # open custom calls' decoded input
+        #: client-executed tool calls (custom, shell, apply_patch, ...): their own items
+        self._client_calls = ClientCallEvents(self.response, tool_map, self._finish_item)
         self._open: int | None = None
         self._refusals: set[int] = set()  # output indexes of refusal messages
         #: include message.output_text.logprobs: entries ride on the next output_text delta
@@ -295,7 +147,7 @@ class ResponsesEncoder:
             err = event.error
             out = self._close_open("incomplete")
             out += self._event("error", {"code": err.code, "message": err.message, "param": None})
-            self.final = self.response.snapshot("failed", error=_failed_error(err))
+            self.final = self.response.snapshot("failed", error=failed_error(err))
             return out + self._event("response.failed", {"response": self.final})
         return b""
 
@@ -328,20 +180,9 @@ class ResponsesEncoder:
                 index, item, "response.reasoning_summary_part.added", "summary_index", part
             )
         call_id = event.call_id or new_id("call_")
-        kind = self.tool_map.kinds.get(event.name or "")
-        if kind == "custom":
-            # freeform input streams as it is decoded from the upstream's JSON arguments
-            item = tool_call_item(self.tool_map, new_id("ctc_"), call_id, event.name, "", "in_progress")
-            item["input"] = ""
-            self._custom[index] = CustomInputStream()
-            return out + self.response.added(index, item)
-        if kind is not None:
-            # the other client-executed items need their whole action/operation: announced
-            # once the call's arguments are complete, in _stop
-            self.response.items[index] = {"id": new_id("ctc_"), "call_id": call_id, "upstream": event.name}
-            self._pending.add(index)
-            return out
-        name = _client_name(self.tool_map, event.name)
+        if self.tool_map.kinds.get(event.name or "") is not None:
+            return out + self._client_calls.start(index, call_id, event.name or "")
+        name = client_name_of(self.tool_map, event.name)
         item = function_call_item(new_id("fc_"), call_id, name, "", "in_progress")
         return out + self.response.added(index, item)
 
@@ -357,14 +198,9 @@ class ResponsesEncoder:
         if not text or item is None:
             return b""
         self._parts[index].append(text)
-        if index in self._pending:
-            return b""
+        if index in self._client_calls:
+            return self._client_calls.delta(index, text)
         where = {"item_id": item["id"], "output_index": index}
-        if index in self._custom:
-            new = self._custom[index].feed(text)
-            if not new:
-                return b""
-            return self._event("response.custom_tool_call_input.delta", {**where, "delta": new})
         if item["type"] == "message" and index in self._refusals:
             return self._event("response.refusal.delta", {**where, "content_index": 0, "delta": text})
         if item["type"] == "message":
@@ -395,10 +231,8 @@ class ResponsesEncoder:
     def _stop(self, index: int, content: str, status: str) -> bytes:
         if index not in self.response.items or index in self.response.done:
             return b""
-        if index in self._pending:
-            return self._stop_client_call(index, content or "".join(self._parts[index]), status)
-        if index in self._custom:
-            return self._stop_custom_call(index, content or "".join(self._parts[index]), status)
+        if index in self._client_calls:
+            return self._client_calls.stop(index, content or "".join(self._parts[index]), status)
         out = b""
         sent = "".join(self._parts[index])
         if content != sent and content.startswith(sent):
@@ -418,28 +252,6 @@ class ResponsesEncoder:
         if self._open == index:
             self._open = None
         return self.response.finished(index, final)
-
-    def _stop_client_call(self, index: int, arguments: str, status: str) -> bytes:
-        """added (in progress, with its whole action/operation), then done."""
-        self._pending.discard(index)
-        pending = self.response.items[index]
-        item_id, call_id, upstream = pending["id"], pending["call_id"], pending["upstream"]
-        added = tool_call_item(self.tool_map, item_id, call_id, upstream, arguments, "in_progress")
-        final = tool_call_item(self.tool_map, item_id, call_id, upstream, arguments, status)
-        return self.response.added(index, added) + self._finish_item(index, final)
-
-    def _stop_custom_call(self, index: int, arguments: str, status: str) -> bytes:
-        """The rest of the input, ``custom_tool_call_input.done``, the item done: the final
-        input is exactly the concatenated deltas."""
-        stream = self._custom.pop(index)
-        item = self.response.items[index]
-        where = {"item_id": item["id"], "output_index": index}
-        out = b""
-        rest = stream.finish(arguments)
-        if rest:
-            out += self._event("response.custom_tool_call_input.delta", {**where, "delta": rest})
-        out += self._event("response.custom_tool_call_input.done", {**where, "input": stream.sent})
-        return out + self._finish_item(index, {**item, "input": stream.sent, "status": status})
 
 
 def item_done(

@@ -22,8 +22,8 @@ from gateway.protocols.responses.compaction import (
     compaction_item,
     summary_message,
 )
-from gateway.protocols.responses.encoder import (
-    ResponsesEncoder,
+from gateway.protocols.responses.encoder import ResponsesEncoder
+from gateway.protocols.responses.items import (
     message_item,
     new_id,
     output_logprobs,
