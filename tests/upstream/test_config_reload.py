@@ -5,7 +5,6 @@ line and change nothing, and keep a gone key masked."""
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import subprocess
 import sys
@@ -19,62 +18,17 @@ import httpx
 import openai
 import orjson
 import pytest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from gateway.redact import SECRETS
 from gateway.upstream.credential import fingerprint
 from tests.conftest import ServerLoop, wait_for
 from tests.processes import free_port, wait_healthy
 from tests.test_startup import clean_env
+from tests.upstream.keyed_upstream import WORDS, KeyedUpstream
 from tests.upstream.test_credentials import ADMIN, ADMIN_TOKEN, CLIENT_KEY, MESSAGES, start
 
 OLD_KEY = "sk-reload-old-key-0123456789"
 NEW_KEY = "sk-reload-new-key-9876543210"
-WORDS = 8
-
-
-class SlowUpstream:
-    """Takes any key in ``keys``, counts calls per key; ``slow`` answers send one word every
-    ``delay`` seconds (an answer still streaming while the configuration changes)."""
-
-    def __init__(self, keys: set[str], delay: float = 0.0) -> None:
-        self.keys, self.delay = keys, delay
-        self.used: list[str] = []
-        self.url = ""
-
-    def app(self) -> Starlette:
-        def key_of(request: Request) -> str | None:
-            key = (request.headers.get("authorization") or "").removeprefix("Bearer ")
-            return key if key in self.keys else None
-
-        async def chat(request: Request) -> Response:
-            body = orjson.loads(await request.body())
-            key = key_of(request)
-            if key is None:
-                return JSONResponse({"error": {"message": "Incorrect API key provided"}}, 401)
-            self.used.append(key)
-            return StreamingResponse(self._sse(body["model"]), media_type="text/event-stream")
-
-        async def models(request: Request) -> Response:
-            return JSONResponse({"object": "list", "data": [{"id": "alpha", "object": "model"}]})
-
-        return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/v1/models", models)])
-
-    async def _sse(self, model: str):  # type: ignore[no-untyped-def]
-        base = {"id": "chatcmpl-reload", "object": "chat.completion.chunk", "created": 1, "model": model}
-        yield b"data: " + orjson.dumps(base | {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}) + b"\n\n"
-        for n in range(WORDS):
-            if self.delay and model == "slow":
-                await asyncio.sleep(self.delay)
-            chunk = {"choices": [{"index": 0, "delta": {"content": f"w{n} "}, "finish_reason": None}]}
-            yield b"data: " + orjson.dumps(base | chunk) + b"\n\n"
-        for chunk in ({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
-                      {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": WORDS, "total_tokens": WORDS + 1}}):
-            yield b"data: " + orjson.dumps(base | chunk) + b"\n\n"
-        yield b"data: [DONE]\n\n"
 
 
 def write_config(path: Path, url: str, keys: list[str], extra: str = "") -> Path:
@@ -93,7 +47,7 @@ def reload(url: str) -> httpx.Response:
 
 
 def test_a_reload_rotates_the_key_without_dropping_the_answer_in_flight(server_loop: ServerLoop, tmp_path: Path) -> None:
-    upstream = SlowUpstream({OLD_KEY, NEW_KEY}, delay=0.15)
+    upstream = KeyedUpstream({OLD_KEY, NEW_KEY}, delay=0.15)
     upstream.url = server_loop.serve(upstream.app())
     config = write_config(tmp_path / "gw.toml", upstream.url, [OLD_KEY])
     gateway = start(server_loop, tmp_path / "data", config=config)
@@ -111,7 +65,7 @@ def test_a_reload_rotates_the_key_without_dropping_the_answer_in_flight(server_l
     assert (body["added"], body["removed"], body["superseded"]) == ([new_id], [old_id], [])
     assert [c["id"] for c in body["credentials"]] == [new_id] and OLD_KEY not in reloaded.text
     streaming.join(30)
-    assert results["text"] == "".join(f"w{n} " for n in range(WORDS))  # whole: not cut by the reload
+    assert results["text"] == "".join(WORDS)  # whole: not cut by the reload
     upstream.used.clear()
     for _ in range(4):
         assert answer(gateway.base_url).startswith("w0")
@@ -120,7 +74,7 @@ def test_a_reload_rotates_the_key_without_dropping_the_answer_in_flight(server_l
 
 
 def test_a_kept_credential_keeps_its_state_and_a_new_one_joins(server_loop: ServerLoop, tmp_path: Path) -> None:
-    upstream = SlowUpstream({OLD_KEY, NEW_KEY})
+    upstream = KeyedUpstream({OLD_KEY, NEW_KEY})
     upstream.url = server_loop.serve(upstream.app())
     config = write_config(tmp_path / "gw.toml", upstream.url, [OLD_KEY])
     gateway = start(server_loop, tmp_path / "data", config=config)
@@ -138,7 +92,7 @@ def test_a_kept_credential_keeps_its_state_and_a_new_one_joins(server_loop: Serv
 
 
 def test_a_bad_file_is_refused_and_changes_nothing(server_loop: ServerLoop, tmp_path: Path) -> None:
-    upstream = SlowUpstream({OLD_KEY})
+    upstream = KeyedUpstream({OLD_KEY})
     upstream.url = server_loop.serve(upstream.app())
     config = write_config(tmp_path / "gw.toml", upstream.url, [OLD_KEY])
     gateway = start(server_loop, tmp_path / "data", config=config)
@@ -161,7 +115,7 @@ def test_nothing_to_reload_without_a_config(server_loop: ServerLoop, tmp_path: P
 
 
 def test_sighup_reloads_a_serving_process(server_loop: ServerLoop, tmp_path: Path) -> None:
-    upstream = SlowUpstream({OLD_KEY, NEW_KEY})
+    upstream = KeyedUpstream({OLD_KEY, NEW_KEY})
     upstream.url = server_loop.serve(upstream.app())
     config = write_config(tmp_path / "gw.toml", upstream.url, [OLD_KEY])
     port = free_port()

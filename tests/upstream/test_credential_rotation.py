@@ -6,7 +6,6 @@ not skewed toward it, disable reaches it); labels say where each key came from; 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +13,6 @@ import httpx
 import openai
 import orjson
 import pytest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from gateway.settings import Settings, SettingsError
 from gateway.store.credentials import CredentialState
@@ -27,49 +22,11 @@ from gateway.upstream.credential import Credential, Upstream, fingerprint
 from gateway.upstream.pool import UpstreamPool
 from tests.conftest import Gateway, ServerLoop
 from tests.test_startup import clean_env, one_line_refusal, run_cli
+from tests.upstream.keyed_upstream import KeyedUpstream
 from tests.upstream.test_credentials import ADMIN, CLIENT_KEY, MESSAGES, start
 
 OLD_KEY = "sk-rotation-old-key-0123456789"
 NEW_KEY = "sk-rotation-new-key-9876543210"
-
-
-@dataclass
-class TwoKeyUpstream:
-    """A loopback upstream that takes any key in ``keys`` and counts the calls per key."""
-
-    keys: set[str]
-    used: list[str] = field(default_factory=list)
-    url: str = ""
-
-    def app(self) -> Starlette:
-        def key_of(request: Request) -> str | None:
-            key = (request.headers.get("authorization") or "").removeprefix("Bearer ")
-            return key if key in self.keys else None
-
-        async def chat(request: Request) -> Response:
-            body = orjson.loads(await request.body())
-            key = key_of(request)
-            if key is None:
-                return JSONResponse({"error": {"message": "Incorrect API key provided"}}, 401)
-            self.used.append(key)
-            return StreamingResponse(self._sse(body["model"]), media_type="text/event-stream")
-
-        async def models(request: Request) -> Response:
-            if key_of(request) is None:
-                return JSONResponse({"error": {"message": "Incorrect API key provided"}}, 401)
-            return JSONResponse({"object": "list", "data": [{"id": "alpha", "object": "model"}]})
-
-        return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/v1/models", models)])
-
-    async def _sse(self, model: str):  # type: ignore[no-untyped-def]
-        base = {"id": "chatcmpl-rot", "object": "chat.completion.chunk", "created": 1, "model": model}
-        for chunk in (
-            {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "rotated"}, "finish_reason": None}]},
-            {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
-            {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}},
-        ):
-            yield b"data: " + orjson.dumps(base | chunk) + b"\n\n"
-        yield b"data: [DONE]\n\n"
 
 
 def config_file(path: Path, url: str, env_names: list[str], label: str | None = None) -> Path:
@@ -97,7 +54,7 @@ def ask(gateway: Gateway, n: int) -> None:
 def test_the_rotation_story_replays_with_one_credential_per_key(
     server_loop: ServerLoop, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    upstream = TwoKeyUpstream({OLD_KEY, NEW_KEY})
+    upstream = KeyedUpstream({OLD_KEY, NEW_KEY}, words=("rotated",))
     upstream.url = server_loop.serve(upstream.app())
     monkeypatch.setenv("ROT_OLD_KEY", OLD_KEY)
     monkeypatch.setenv("ROT_NEW_KEY", NEW_KEY)
