@@ -183,7 +183,7 @@ def test_responses_error_closes_the_open_item_then_fails() -> None:
 
 
 def test_streamed_response_numbers_every_event_and_outputs_items_in_finish_order() -> None:
-    from gateway.protocols.responses.encoder import StreamedResponse
+    from gateway.protocols.responses.streamed_response import StreamedResponse
 
     response = StreamedResponse("resp_1", {"model": "m"})
     raw = response.added(1, {"id": "b", "v": "announced"}) + response.added(0, {"id": "a", "v": "announced"})

@@ -10,14 +10,12 @@ The encoder (encoder.py) hands each such block here by output index.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gateway.protocols.responses.client_tool_calls import CustomInputStream
 from gateway.protocols.responses.items import new_id, tool_call_item
+from gateway.protocols.responses.streamed_response import StreamedResponse
 from gateway.protocols.responses.tools import ToolMap
-
-if TYPE_CHECKING:
-    from gateway.protocols.responses.encoder import StreamedResponse
 
 
 class ClientCallEvents:
