@@ -51,9 +51,12 @@ def sent_before_pause(simulator: Simulator, mark: str, fraction: float, name: st
 
 
 def charged(gw: Gateway, key_id: str) -> int:
-    """The key's settled tokens today, once no reservation of it is open."""
+    """The key's settled tokens today, once no reservation of it is open (a drained answer
+    runs to its end first: 2 s idle, far longer on a busy machine; the bound only catches a
+    reservation that never settles)."""
     db = gw.app.state.db
-    wait_for(lambda: db.execute("SELECT COALESCE(SUM(open), 0) FROM client_key_requests WHERE key_id = ?", (key_id,))[0][0] == 0)
+    wait_for(lambda: db.execute("SELECT COALESCE(SUM(open), 0) FROM client_key_requests WHERE key_id = ?", (key_id,))[0][0] == 0,
+             timeout=60)
     return int(listed(gw)[key_id]["usage"]["tokens_today"])
 
 
