@@ -53,6 +53,12 @@ from gateway.upstream.config import with_engine_extras
 
 _TICK = object()  # the keepalive timer fired
 
+#: A compatible answer's replay goes to the client in writes of about this many bytes, each
+#: awaited: the server's send waits while its write buffer is over its high-water mark, so a
+#: client that does not read holds back the rest instead of the whole encoded answer sitting
+#: in the transport's buffer (an 8 MiB answer was ~9 MiB of frames in one write).
+REPLAY_WRITE_BYTES = 64 * 1024
+
 
 @dataclass(frozen=True, slots=True)
 class _Ended:
@@ -199,7 +205,15 @@ class GenerationRun:
         if self.before_release is not None:
             await self.before_release(self)
         if streaming:
-            out = self._commit() + self._encode_all(events)
+            pending = bytearray(self._commit())
+            for event in events[:-1]:  # a compatible replay: written a bounded piece at a time
+                pending += self._encode_all([event])
+                if len(pending) >= REPLAY_WRITE_BYTES:
+                    yield bytes(pending)  # resumed once the server took it (its send waits on a full buffer)
+                    pending.clear()
+                    if self._aborted is not None:
+                        raise self._aborted
+            out = bytes(pending) + self._encode_all(events[-1:])
             # kept before the terminal goes out: a client that reads it and at once continues
             # (previous_response_id) or hangs up finds the answer stored, never half-done
             assert self.completion is not None

@@ -95,6 +95,8 @@ class Stats:
     completed: int = 0
     cancelled: int = 0
     dropped: int = 0
+    #: bytes of stream bodies handed to the server so far (what a stalled reader let through)
+    bytes_sent: int = 0
     last_cancel_at: float | None = None
     #: the usage of the last frame sent that carried one (with ``usage=running``: what the
     #: stream had generated when it ended, cancelled or not)
@@ -161,6 +163,7 @@ async def _tracked(stats: Stats, body: AsyncGenerator[bytes, None]) -> AsyncIter
     try:
         async for piece in body:
             yield piece
+            stats.bytes_sent += len(piece)
         outcome = "completed"
     except SimulatedDrop:
         outcome = "dropped"

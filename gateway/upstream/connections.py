@@ -9,6 +9,7 @@ check (``/readyz``) and the metrics sampler read.
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Any
 
@@ -29,6 +30,13 @@ KEEPALIVE_EXPIRY = 4.0
 #: How a request on a pooled connection the upstream closed fails, before any answer byte.
 _CLOSED_UNANSWERED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
+
+#: The kernel receive buffer of each upstream connection (bytes; Linux doubles it for its
+#: bookkeeping). Fixed, not autotuned: with a client that stops reading, the upstream read
+#: pauses and this is all the kernel holds for it on our side (autotuned on loopback, it grew
+#: to tens of MiB: the upstream ran that far ahead). 512 KiB still moves 5 MB/s at 100 ms RTT,
+#: far above any token stream.
+UPSTREAM_RECEIVE_BUFFER = 512 * 1024
 
 #: After a pool-wait timeout, the pool counts as exhausted this long (readiness).
 POOL_EXHAUSTED_HOLD = 5.0
@@ -55,11 +63,14 @@ class UpstreamConnections:
         self._pool_timeout_at = float("-inf")  # monotonic time of the last one
         # a modest idle pool: httpcore scans every idle connection on each request, so a
         # large one costs more than the handshakes it saves (docs/performance.md)
+        limits = httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_keepalive, keepalive_expiry=KEEPALIVE_EXPIRY,
+        )
         self._http = http or httpx.AsyncClient(
-            limits=httpx.Limits(
-                max_connections=max_connections, max_keepalive_connections=max_keepalive,
-                keepalive_expiry=KEEPALIVE_EXPIRY,
+            transport=httpx.AsyncHTTPTransport(
+                limits=limits, socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, UPSTREAM_RECEIVE_BUFFER)],
             ),
+            limits=limits,  # the proxy transports' (an environment proxy)
             timeout=httpx.Timeout(120.0),
         )
 
