@@ -384,8 +384,12 @@ WS_FRAME_SLACK = 1024 * 1024
 def websocket_options(settings: Settings) -> dict[str, Any]:
     """uvicorn's WebSocket limit: a frame over ``--max-body-bytes`` + :data:`WS_FRAME_SLACK`
     is refused by the server (close 1009) from its header, before its payload is buffered
-    (uvicorn's default, 16 MiB, would refuse frames the HTTP route accepts)."""
-    return {"ws_max_size": settings.max_body_bytes + WS_FRAME_SLACK}
+    (uvicorn's default, 16 MiB, would refuse frames the HTTP route accepts); and its
+    protocol, drained on a stop signal."""
+    from gateway.http.shutdown import DRAINING_WEBSOCKETS
+
+    # ws: uvicorn's protocol, drained on SIGTERM like HTTP streams (gateway/http/shutdown.py)
+    return {"ws_max_size": settings.max_body_bytes + WS_FRAME_SLACK, "ws": DRAINING_WEBSOCKETS}
 
 
 def admin_login_url(settings: Settings, access: AdminAccess) -> str | None:

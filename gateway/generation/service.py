@@ -209,10 +209,11 @@ class GenerationService:
         return await _answer_json(room, run, outcome, headers)
 
     def refuse_unread(
-        self, room: ProtocolRoom, error: GatewayError, transport: str, client: HTTPConnection
+        self, room: ProtocolRoom, error: GatewayError, transport: str, client: HTTPConnection, invalid: bool = True
     ) -> GatewayError:
         """A request refused before it could be read as one (a WebSocket frame that is not
-        JSON, too large, or past the queue bound): still its one audit record, as the same
+        JSON, too large, or past the queue bound; ``invalid`` False: one that arrived while
+        the gateway drains): still its one audit record, as the same
         body over HTTP has, and the client key checked first as there (without one the
         answer is the 401, not what was wrong with the frame). Returns the error to send."""
         settings = self.live.current
@@ -226,7 +227,10 @@ class GenerationService:
             outcome.refused(refused)
             return refused
         _name_key(record, client)
-        outcome.invalid(error)
+        if invalid:
+            outcome.invalid(error)
+        else:  # refused for the gateway's own reason (shutting down), not the frame's
+            outcome.refused(error)
         return error
 
     def _check_share(self, key_id: str, max_concurrent: int, share: float) -> None:

@@ -42,6 +42,10 @@ log = structlog.get_logger("gateway.connections")
 #: still moves ~5 MB/s at 100 ms RTT, far above any token stream.
 CLIENT_SEND_BUFFER = 256 * 1024
 
+#: On a stop signal, how long an idle connection is still read for a request already on its
+#: way (sent just before the signal, not yet parsed): answered, then closed, not reset.
+SHUTDOWN_LISTEN_SECONDS = 1.0
+
 #: Seconds between two warnings about refused or timed-out connections (never one line each).
 WARN_EVERY = 60.0
 
@@ -196,6 +200,7 @@ class ConnectionGuard:
         self._address = str(peer[0]) if peer else ""
         self._counted = self.limits.admit(self._address)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._stopping = False  # a stop signal came: no request after the one being answered
         if not self._counted:
             transport.write(_too_many_connections(self.limits.max_per_ip))
             transport.close()
@@ -213,8 +218,26 @@ class ConnectionGuard:
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # type: ignore[misc]
-        if not self.transport.is_closing() and not self._answering():
+        if self._stopping:
+            self._close_if_idle()  # answered during the drain: nothing more on this connection
+        elif not self.transport.is_closing() and not self._answering():
             self._arm()  # the next request's headers, from now (a pipelined one already has them)
+
+    def shutdown(self) -> None:
+        """A stop signal. uvicorn closes an idle connection at once, and so resets a request
+        the client sent just before (still in the socket buffer, or its headers half parsed):
+        no answer and no audit record. Instead it is read for :data:`SHUTDOWN_LISTEN_SECONDS`
+        more; a request that arrives is answered, then the connection closes."""
+        if self.transport.is_closing() or self._answering():
+            super().shutdown()  # type: ignore[misc]
+            return
+        self._stopping = True
+        self._disarm()
+        self._header_timer = self.loop.call_later(SHUTDOWN_LISTEN_SECONDS, self._close_if_idle)
+
+    def _close_if_idle(self) -> None:
+        if not self.transport.is_closing() and not self._answering():
+            self.transport.close()
 
     def handle_websocket_upgrade(self, *args: Any) -> None:
         """The transport goes to the WebSocket protocol, which gets our ``connection_lost``

@@ -8,6 +8,13 @@ committed, else a 503 with the room's error body) and its upstream is closed, so
 request still gets exactly one audit record. The app's lifespan then flushes the audit
 and capture writers. uvicorn's own ``timeout_graceful_shutdown`` is set a few seconds
 past the deadline as the last resort for a client that does not read its error event.
+
+A Responses WebSocket drains the same way (:class:`DrainingWebSockets`, the ``ws``
+protocol ``serve`` runs): uvicorn would close every open one at once with 1012, cutting
+the turn in flight; instead the connection's application is told (its :class:`DrainHook`),
+finishes the turn (or has it cut at the deadline), answers any frame that asks for a new
+one with the wrapped ``server_shutting_down`` error, then closes with 1012 (service
+restart: reconnect).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 
@@ -77,3 +85,43 @@ class GracefulShutdown:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+
+#: The scope key of an accepted WebSocket's :class:`DrainHook`.
+DRAIN_HOOK = "gateway.drain"
+
+
+class DrainHook:
+    """Where the application serving one WebSocket leaves what to do on a stop signal
+    (``drain``: finish what is in flight, then close); None: uvicorn's close at once."""
+
+    def __init__(self) -> None:
+        self.drain: Callable[[], None] | None = None
+
+
+def _draining_websockets() -> type[asyncio.Protocol]:
+    from uvicorn.protocols.websockets.auto import AutoWebSocketsProtocol
+
+    base: Any = AutoWebSocketsProtocol
+
+    class DrainingWebSockets(base):  # type: ignore[misc]
+        """uvicorn's WebSocket protocol, but a stop signal is handed to the application when
+        it took the drain hook (the Responses WebSocket), instead of a 1012 close at once."""
+
+        async def run_asgi(self) -> None:
+            self.drain_hook = self.scope[DRAIN_HOOK] = DrainHook()  # type: ignore[typeddict-unknown-key]
+            await super().run_asgi()
+
+        def shutdown(self) -> None:
+            hook: DrainHook | None = getattr(self, "drain_hook", None)
+            if hook is None or hook.drain is None or getattr(self, "close_sent", False) or self.transport.is_closing():
+                super().shutdown()
+                return
+            hook.drain()
+
+    return DrainingWebSockets
+
+
+#: The ``ws`` protocol ``serve`` runs (by import string: ``--workers`` processes load it too).
+DrainingWebSockets = _draining_websockets()
+DRAINING_WEBSOCKETS = "gateway.http.shutdown:DrainingWebSockets"

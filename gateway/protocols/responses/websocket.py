@@ -34,6 +34,12 @@ with an HTTP 503 and the OpenAI error body ``too_many_websockets`` (ASGI's
 ``websocket.http.response`` extension; without it: accepted, then closed 1013); a
 connection older than ``--ws-max-lifetime`` is closed 1001 once nothing is in flight (an
 answer is never cut by it).
+
+On SIGTERM (gateway/http/shutdown.py) a connection drains as an HTTP stream does: the turn in
+flight runs to its end (or is cut at ``--shutdown-timeout`` with the in-stream
+``server_shutting_down`` error), a frame that asks for a new turn meanwhile is answered with
+the wrapped 503 ``server_shutting_down`` (audited, outcome ``refused``), then the connection
+closes with 1012 (service restart: reconnect); an idle one closes with 1012 at once.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from gateway.errors import GatewayError
 from gateway.generation.body_parsing import off_loop, parse_request
 from gateway.generation.response import error_response
 from gateway.generation.service import GenerationService
+from gateway.http.shutdown import DRAIN_HOOK, shutting_down_error
 from gateway.keys.identity import check_client_key
 from gateway.keys.limiter import key_share_cap
 from gateway.keys.registry import managed_key
@@ -62,6 +69,7 @@ from gateway.protocols.responses.room import ResponsesFacts, ResponsesRoom
 from gateway.protocols.responses.websocket_frames import (
     CLOSE_GOING_AWAY,
     CLOSE_NORMAL,
+    CLOSE_SERVICE_RESTART,
     CLOSE_TRY_AGAIN_LATER,
     MAX_QUEUED_FRAMES,
     TRIM_AFTER_BYTES,
@@ -185,6 +193,22 @@ class ResponsesConnection:
         self.arrived = asyncio.Event()  # set when the reader queued a frame or stopped
         self.disconnected = asyncio.Event()  # the client is gone
         self.refused: Refusal | None = None  # set once by the reader; it then stops reading
+        self.draining = False  # a stop signal came: finish the turn in flight, then close 1012
+        self.turn: Any = None  # the run of the turn in flight (cut if the drain outlasts its bound)
+        self.drain_bound = settings.shutdown_timeout + 1.0  # past the deadline's own cut: a last resort
+
+    def drain(self) -> None:
+        """The stop signal (from the server's WebSocket protocol): no new turn; the one in
+        flight finishes, then the connection closes with 1012."""
+        if self.draining:
+            return
+        self.draining = True
+        self.arrived.set()
+        asyncio.get_running_loop().call_later(self.drain_bound, self._cut_turn)
+
+    def _cut_turn(self) -> None:
+        if self.turn is not None:
+            self.turn.abort(shutting_down_error())
 
     @property
     def stopped(self) -> bool:
@@ -208,8 +232,13 @@ class ResponsesConnection:
                 if self.stopped:
                     break
                 if keep_open is False:
-                    await self._close(CLOSE_NORMAL)
+                    await self._close(CLOSE_SERVICE_RESTART if self.draining else CLOSE_NORMAL,
+                                      "server shutting down: reconnect" if self.draining else "")
                     return
+            if self.draining and not self.stopped:
+                log.info("responses_ws_drained")
+                await self._close(CLOSE_SERVICE_RESTART, "server shutting down: reconnect")
+                return
             if self.refused is not None:
                 await self._send_error(self.relay.refuse_unread(self.room, self.refused.error, "websocket", self.websocket))
                 await self._close(self.refused.close_code)
@@ -227,6 +256,8 @@ class ResponsesConnection:
         while True:
             if self.stopped:
                 return None
+            if self.draining:  # what already waits is still answered (with the shutdown error)
+                return self.inbox.take()
             left = self.closes_at - loop.time()
             if left <= 0:
                 log.info("responses_ws_lifetime_closed", waiting_frames=len(self.inbox.frames))
@@ -295,6 +326,10 @@ class ResponsesConnection:
             return False
         if frame is None:
             return None
+        if self.draining:  # no new turn once the gateway stops: the client reconnects elsewhere
+            await self._send_error(self.relay.refuse_unread(
+                self.room, shutting_down_error(), "websocket", self.websocket, invalid=False))
+            return True
         if frame.prewarm:
             return await self._prewarm(frame)
         return await self._generate(frame)
@@ -334,6 +369,7 @@ class ResponsesConnection:
             return {"type": "http.request", "body": body, "more_body": False}
 
         response = await self.relay.handle(self.room, Request(scope, receive_body), transport="websocket")
+        self.turn = getattr(response, "run", None)
         sink = _EventSink(self)
 
         async def receive_disconnect() -> dict[str, Any]:
@@ -347,6 +383,8 @@ class ResponsesConnection:
         except (WebSocketDisconnect, RuntimeError, OSError):
             log.info("responses_ws_client_gone")
             return False
+        finally:
+            self.turn = None
         if sink.error is not None:
             with contextlib.suppress(Exception):
                 await self._send(orjson.dumps(sink.error))
@@ -412,8 +450,12 @@ def websocket_endpoint(relay: GenerationService, room: ResponsesRoom, slots: Con
             await refuse_upgrade(websocket, room, too_many_websockets(shown, per_client=by_address,
                                                                       per_key=not whole and not by_address))
             return
+        connection = ResponsesConnection(relay, room, websocket)
+        hook = websocket.scope.get(DRAIN_HOOK)  # serve's WebSocket protocol: drained on SIGTERM
+        if hook is not None:
+            hook.drain = connection.drain
         try:
-            await ResponsesConnection(relay, room, websocket).run()
+            await connection.run()
         finally:
             slots.give_back(client, key)
 

@@ -35,6 +35,7 @@ CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001
 CLOSE_POLICY_VIOLATION = 1008
 CLOSE_TOO_BIG = 1009
+CLOSE_SERVICE_RESTART = 1012  # the gateway is stopping: reconnect (to another replica)
 CLOSE_TRY_AGAIN_LATER = 1013
 
 #: A frame at least this big is followed by :func:`release_freed_memory`.
