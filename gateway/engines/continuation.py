@@ -33,7 +33,7 @@ class PartialAnswer:
     abort that can be continued, and the usage of the legs before."""
 
     def __init__(self) -> None:
-        self.text = ""
+        self._pieces: list[str] = []  # joined only for a continuation (a str grown by += copied it whole per chunk)
         self.blocked: str | None = None  # why this answer cannot be continued (reasoning, tool_call)
         self.aborted = False  # the current leg ended in an abort that will be continued
         self.legs = 0  # continuations sent so far
@@ -62,11 +62,16 @@ class PartialAnswer:
 
     def _note(self, delta: dict[str, Any]) -> None:
         if isinstance(delta.get("content"), str):
-            self.text += delta["content"]
+            self._pieces.append(delta["content"])
         if delta.get("reasoning_content") or delta.get("reasoning"):
             self.blocked = self.blocked or "reasoning"
         if delta.get("tool_calls"):
             self.blocked = self.blocked or "tool_call"
+
+    @property
+    def text(self) -> str:
+        """The answer's text so far."""
+        return "".join(self._pieces)
 
     def _keep_usage(self, usage: Any) -> None:
         if isinstance(usage, dict):
@@ -84,14 +89,15 @@ class PartialAnswer:
         """The next leg's request: the call's own, with the answer so far as an assistant
         prefill the engine continues (a client's own prefill grows by it)."""
         self.aborted, self.legs = False, self.legs + 1
-        if not self.text:  # nothing said yet: the same request again
+        text = self.text
+        if not text:  # nothing said yet: the same request again
             return body
         messages = list(body.get("messages") or [])
         last = messages[-1] if messages and isinstance(messages[-1], dict) else None
         if last is not None and last.get("role") == "assistant" and isinstance(last.get("content"), str):
-            messages[-1] = {**last, "content": last["content"] + self.text}
+            messages[-1] = {**last, "content": last["content"] + text}
         else:
-            messages.append({"role": "assistant", "content": self.text})
+            messages.append({"role": "assistant", "content": text})
         return {**body, "messages": messages, "continue_final_message": True, "add_generation_prompt": False}
 
 

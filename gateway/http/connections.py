@@ -13,6 +13,10 @@ as ``http=``; the parser, flow control and WebSocket upgrade stay uvicorn's):
   at once from one address, HTTP and upgraded WebSockets alike, loopback included (the peer
   address of the socket: a proxy in front shares one). Past it a new connection is
   answered ``503`` with an OpenAI-shaped error body and closed before it is read.
+- **A stalled reader holds the gateway back**: each client socket has a fixed send buffer
+  (:data:`CLIENT_SEND_BUFFER`), so the server's send waits instead of the kernel taking MiBs.
+- **A stop signal** (:meth:`ConnectionGuard.shutdown`): an idle connection is still read for
+  :data:`SHUTDOWN_LISTEN_SECONDS`; a request already on its way is answered, not reset.
 - **Lingering close** (:class:`LingeringClose`): an answer sent before the request's body
   was read is followed by a half-close and a bounded drain, so the client reads its 401 or
   413 instead of a connection reset.

@@ -199,16 +199,12 @@ class ResponsesConnection:
 
     def drain(self) -> None:
         """The stop signal (from the server's WebSocket protocol): no new turn; the one in
-        flight finishes, then the connection closes with 1012."""
-        if self.draining:
-            return
-        self.draining = True
-        self.arrived.set()
-        asyncio.get_running_loop().call_later(self.drain_bound, self._cut_turn)
-
-    def _cut_turn(self) -> None:
-        if self.turn is not None:
-            self.turn.abort(shutting_down_error())
+        flight finishes (cut if it outlasts the drain's bound), then the close with 1012."""
+        if not self.draining:
+            self.draining = True
+            self.arrived.set()
+            asyncio.get_running_loop().call_later(
+                self.drain_bound, lambda: self.turn is not None and self.turn.abort(shutting_down_error()))
 
     @property
     def stopped(self) -> bool:
@@ -354,12 +350,8 @@ class ResponsesConnection:
         for data in sse_data(frames):
             await self._send(data)
         final = encoder.final or {}
-        await self.room.keep(response_id, self._prewarm_record(parsed, final), False, tenant.identity)
+        await self.room.keep(response_id, _prewarm_record(parsed, final), False, tenant.identity)
         return True
-
-    @staticmethod
-    def _prewarm_record(parsed: ParsedRequest[ResponsesFacts], final: dict[str, Any]) -> dict[str, Any]:
-        return {"response": final, "history": list(parsed.facts.history), "output": []}
 
     async def _generate(self, frame: Frame) -> bool:
         body = frame.body
@@ -391,6 +383,10 @@ class ResponsesConnection:
             return False
         run = getattr(response, "run", None)
         return run is not None and run.record.outcome == "success"
+
+
+def _prewarm_record(parsed: ParsedRequest[ResponsesFacts], final: dict[str, Any]) -> dict[str, Any]:
+    return {"response": final, "history": list(parsed.facts.history), "output": []}
 
 
 class _EventSink:
