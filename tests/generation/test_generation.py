@@ -288,3 +288,32 @@ async def test_a_client_that_hangs_up_after_the_terminal_frame_had_the_whole_ans
     response = GenerationResponse(run, {}, decided.append)
     await asyncio.wait_for(response({"type": "http"}, receive, send), 30)
     assert decided == [leaves_after == "terminal"]
+
+
+@pytest.mark.parametrize("protocol", ["chat", "messages", "responses"])
+async def test_a_compatible_replay_goes_out_in_bounded_writes(protocol: str) -> None:
+    """A long answer is replayed as several writes of about REPLAY_WRITE_BYTES (each awaited
+    by the server's send), never the whole encoded answer at once; joined, they are the
+    whole answer, terminal last."""
+    from gateway.generation.run import REPLAY_WRITE_BYTES
+
+    piece = "0123456789abcdef" * 64  # 1 KiB
+    attempts = FakeAttempts([chunk(piece) for _ in range(600)] + [chunk(finish="stop"), USAGE, DONE])
+    run = make_run(protocol, "compatible", attempts, keepalive=60)
+    outputs = [o for o in await run_stream(run) if isinstance(o, bytes)]
+    writes = [o for o in outputs if o]
+    assert len(writes) >= 600 * 1024 // REPLAY_WRITE_BYTES
+    # one write: past the bound by at most one delta's frame (a replayed piece is <= 16 KiB of
+    # text); a block's closing frames repeat its whole text (Responses' *.done) and are one event
+    for write in writes[:-1]:
+        deltas = [f for f in write.split(b"\n\n") if b'.done"' not in f]
+        assert sum(len(f) + 2 for f in deltas) < REPLAY_WRITE_BYTES + 20 * 1024
+    sent = frames(b"".join(writes))
+    if protocol == "chat":
+        text = "".join(f["choices"][0]["delta"].get("content") or "" for f in sent
+                       if isinstance(f, dict) and f.get("choices"))
+    elif protocol == "messages":
+        text = "".join(f["delta"].get("text", "") for f in sent if isinstance(f, dict) and f["type"] == "content_block_delta")
+    else:
+        text = "".join(f["delta"] for f in sent if isinstance(f, dict) and f["type"] == "response.output_text.delta")
+    assert text == piece * 600 and run.terminated and run.error is None
