@@ -184,7 +184,8 @@ class KeyLimiter:
         grant = await self._decide(request_id, lambda: store.admit(self.db, key, request_id, ask_of(key, parsed, policy)))
         self._open.add(request_id)
         if key.limits.token_limited and parsed.protocol != "embeddings":
-            parsed = dataclasses.replace(parsed, upstream_body=capped(parsed.upstream_body, grant.cap))
+            parsed = dataclasses.replace(parsed, upstream_body=capped(parsed.upstream_body, grant.cap),
+                                         output_cap=grant.cap)
         return Admission(parsed, grant.quota.headers())
 
     async def admit_side(self, key: ManagedKey, model: str | None, request_id: str) -> dict[str, str]:

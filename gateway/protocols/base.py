@@ -39,6 +39,9 @@ class ParsedRequest(Generic[FactsT]):
     facts: FactsT = None  # type: ignore[assignment]
     #: who asked (its client identity owns stored state) and the keys its envelopes use
     tenant: Tenant = ANONYMOUS_TENANT
+    #: the output cap the gateway granted (a managed key with token limits): the answer is
+    #: cut there even when the engine ignores the cap it was sent (gateway/stream/output_cap.py)
+    output_cap: int | None = None
 
 
 class StreamEncoder(Protocol):

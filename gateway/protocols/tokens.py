@@ -34,6 +34,17 @@ def _encoding() -> Any:
     return bpe_openai.get_encoding("o200k_base")
 
 
+def tokenizer_loaded() -> bool:
+    """True once the tables are in memory (loading them takes far past a millisecond:
+    a caller on the event loop loads them in a thread first, :func:`load_tokenizer`)."""
+    return _encoding.cache_info().currsize > 0
+
+
+def load_tokenizer() -> None:
+    """Blocking: load the tables (once)."""
+    _encoding()
+
+
 #: Characters fed to the tokenizer at once: it refuses 1 M characters and 200 k tokens a
 #: call, and one character can be up to four byte-tokens.
 PIECE_CHARS = 40_000
