@@ -265,7 +265,11 @@ async def off_loop(fn: Callable[[bytes | str], T], body: bytes | str, what: str)
 
 
 async def count_tokens(body: bytes) -> tuple[str, int]:
-    """``count_tokens``' model, translation and o200k count, off the loop past :data:`SMALL_BODY`."""
+    """``count_tokens``' model, translation and o200k count, off the loop past :data:`SMALL_BODY`
+    (the tokenizer's tables loaded in a thread first: seconds the first time)."""
+    from gateway.protocols.tokens import tokenizer_ready
+
+    await tokenizer_ready()
     return await off_loop(_count, body, "counting other large requests")
 
 

@@ -39,7 +39,7 @@ from gateway.generation.outcome import internal_error
 from gateway.generation.policy import StreamPolicy
 from gateway.generation.record import RequestRecord
 from gateway.protocols.base import ParsedRequest, ProtocolRoom, StreamEncoder
-from gateway.protocols.tokens import count_text, load_tokenizer, tokenizer_loaded, usage_estimator
+from gateway.protocols.tokens import count_text, tokenizer_ready, usage_estimator
 from gateway.redact import SECRETS
 from gateway.settings import StreamMode
 from gateway.stream.answer import CompatibleAnswer, RealtimeAnswer
@@ -94,8 +94,8 @@ async def _within_cap(items: AsyncIterator[UpstreamItem], cap: OutputCap) -> Asy
             if not isinstance(item, dict):
                 yield item
                 continue
-            if cap.will_count and not tokenizer_loaded():
-                await asyncio.to_thread(load_tokenizer)  # its tables take long to load
+            if cap.will_count:
+                await tokenizer_ready()
             yield cap.feed(item)
             if cap.reached:
                 yield cap.finish_chunk()
@@ -209,6 +209,8 @@ class GenerationRun:
             try:
                 async for out in self._read(body, keepalives=streaming):
                     yield out
+                if answer.acc is not None and answer.acc.usage is None:
+                    await tokenizer_ready()  # the usage is estimated: never load the tables on the loop
                 events = await finish_answer(answer)  # off the loop when it validates a schema
             finally:
                 if repair is not None:
