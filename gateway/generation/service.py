@@ -7,6 +7,7 @@ writes the outcome and reports the record exactly once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import secrets
 import time
@@ -130,6 +131,7 @@ class GenerationService:
             if isinstance(err, KeyRefusal):
                 headers.update(err.headers)
             outcome.refused(err)
+            await skip_small_body(request)
             return error_response(room, err, headers)
         except BodyTooLarge as exc:
             err = exc.error()
@@ -348,6 +350,22 @@ def _stream_outcome(outcome: RequestOutcome, run: Run, complete: bool) -> None:
         outcome.failed(run.error, committed=run.committed)
     else:
         outcome.succeeded()
+
+
+#: A refused request's body up to this size is read (not parsed) before the answer.
+SKIPPED_BODY = 64 * 1024
+
+
+async def skip_small_body(request: HTTPConnection) -> None:
+    """Read (and drop) the small body of a request refused before its body was read, so its
+    connection stays open for the next request: unread, the server closes it, and a client
+    that floods reconnects each time, which costs the gateway more than the refusal itself.
+    Larger bodies, or one that does not arrive at once, are left (the connection closes)."""
+    if not isinstance(request, Request) or not 0 < _declared_length(request) <= SKIPPED_BODY:
+        return
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(0.05):
+            await request.body()
 
 
 def _name_key(record: RequestRecord, request: HTTPConnection) -> None:

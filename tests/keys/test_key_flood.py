@@ -145,3 +145,30 @@ def test_the_tokenizer_loads_off_the_loop(gw: Gateway, monkeypatch: pytest.Monke
     counter.join()
     assert counted and counted[0] > 0 and tokens.tokenizer_loaded()
     assert len(took) >= 10 and max(took) < 1.0, max(took)  # answered all through the 2 s load
+
+
+def test_a_refused_requests_connection_stays_open_for_the_next(gw: Gateway) -> None:
+    """Refused before its body was read, a small body is still read (not parsed), so the
+    connection is not closed: a flooding client reconnected after every refusal, which cost
+    the gateway more than the refusal itself."""
+    import socket
+
+    key = create_key(gw, name="conn-" + secrets.token_hex(3), rpm=1)
+    oai(gw, key["key"]).chat.completions.create(model="text", messages=HI)  # type: ignore[arg-type]
+    with pytest.raises(openai.RateLimitError):  # the store finds the window full: remembered
+        oai(gw, key["key"]).chat.completions.create(model="text", messages=HI)  # type: ignore[arg-type]
+    host, port = gw.url.removeprefix("http://").split(":")
+    body = b'{"model": "text", "messages": [{"role": "user", "content": "hi"}]}'
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        reader = sock.makefile("rb")
+        for path in ("/v1/chat/completions", "/v1/messages/count_tokens", "/v1/chat/completions"):
+            sock.sendall(f"POST {path} HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {key['key']}\r\n"
+                         f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
+            status = reader.readline()
+            assert status.startswith(b"HTTP/1.1 429"), status
+            length = 0
+            while (line := reader.readline()) != b"\r\n":
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+                assert not line.lower().startswith(b"connection: close"), line
+            assert b"rate_limited" in reader.read(length)
