@@ -15,7 +15,8 @@ measures ``main`` and a branch alike), then reads the VmRSS of its process tree:
    (p50/p99/max latency, RSS peak): a tool schema whose ``$ref`` points at a loopback
    listener that holds the connection 15 s (connections it accepted), a backtracking
    ``pattern``, an ``allOf`` fan-out of depth 17, 1 M chat messages (28.6 MiB), 300 k
-   tools, ``count_tokens`` of 1 M messages, and six 1 M-message bodies at once.
+   tools, ``count_tokens`` of 1 M messages, and six 1 M-message bodies at once; (issue #36)
+   a 30 MiB ``/v1/completions`` body of token-id prompts (2,048 x 2,600 ids).
 
 Prints one JSON object (and writes it to ``bench/results/hostile-<label>.json``).
 """
@@ -354,6 +355,8 @@ def loop_attacks(listener_port: int) -> dict[str, list[tuple[str, bytes]]]:
     resp_1m = compact({"model": "text", "input": million})
     msgs_1m = compact({"model": "text", "max_tokens": 16, "messages": million})
     tools = [{"type": "function", "function": {"name": f"t{i}", "parameters": {"type": "object"}}} for i in range(300_000)]
+    ids = b"[" + b",".join(b"%d" % (10_000 + j) for j in range(2600)) + b"]"
+    token_ids = b'{"model":"base-model","max_tokens":5,"prompt":[' + b",".join([ids] * 2048) + b"]}"  # 30 MiB
     return {
         "schema_ref_listener": [("/v1/chat/completions", tool_body(
             {"type": "object", "properties": {"city": {"$ref": f"http://127.0.0.1:{listener_port}/s.json"}}}))],
@@ -365,6 +368,7 @@ def loop_attacks(listener_port: int) -> dict[str, list[tuple[str, bytes]]]:
         "chat_300k_tools": [("/v1/chat/completions", compact(
             {"model": "text", "messages": [{"role": "user", "content": "x"}], "tools": tools}))],
         "count_tokens_1m": [("/v1/messages/count_tokens", compact({"model": "text", "messages": million}))],
+        "completions_token_ids_30mib": [("/v1/completions", token_ids)],
         "six_at_once_1m": [("/v1/chat/completions", chat_1m), ("/v1/responses", resp_1m), ("/v1/messages", msgs_1m)] * 2,
     }
 

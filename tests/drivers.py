@@ -37,6 +37,7 @@ class Ask:
     tools: bool = True
     temperature: float | None = None
     timeout: float = 30
+    api_key: str = "k"  # a managed key's secret, for a gateway that requires one
 
     def chat_messages(self) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = [{"role": "user", "content": self.prompt}]
@@ -75,8 +76,8 @@ def _error_text(exc: Exception) -> str:
     return f"{exc} {json.dumps(body) if body is not None else ''}"
 
 
-def _openai(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="k", _strict_response_validation=True, max_retries=0)
+def _openai(base_url: str, api_key: str = "k") -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=api_key, _strict_response_validation=True, max_retries=0)
 
 
 def _chat_options(tool_choice: Any, ask: Ask) -> dict[str, Any]:
@@ -94,7 +95,7 @@ def _chat_options(tool_choice: Any, ask: Ask) -> dict[str, Any]:
 
 
 def drive_chat(base_url: str, model: str, tool_choice: Any = None, ask: Ask = DEFAULT_ASK) -> Outcome:
-    client = _openai(base_url)
+    client = _openai(base_url, ask.api_key)
     extra = _chat_options(tool_choice, ask)
     try:
         with client.chat.completions.stream(model=model, messages=ask.chat_messages(),  # type: ignore[arg-type]
@@ -130,8 +131,8 @@ def _chat_usage(completion: Any) -> tuple[int, int] | None:
     return (u.prompt_tokens, u.completion_tokens) if u is not None else None
 
 
-def _anthropic(base_url: str) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=base_url, api_key="k", _strict_response_validation=True, max_retries=0)
+def _anthropic(base_url: str, api_key: str = "k") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=base_url, api_key=api_key, _strict_response_validation=True, max_retries=0)
 
 
 def _messages_options(tool_choice: Any, ask: Ask) -> dict[str, Any]:
@@ -149,7 +150,7 @@ def _messages_options(tool_choice: Any, ask: Ask) -> dict[str, Any]:
 
 
 def drive_messages(base_url: str, model: str, tool_choice: Any = None, ask: Ask = DEFAULT_ASK) -> Outcome:
-    client = _anthropic(base_url)
+    client = _anthropic(base_url, ask.api_key)
     extra = _messages_options(tool_choice, ask)
     violations: list[str] = []
     try:
@@ -198,7 +199,7 @@ def _responses_input(ask: Ask) -> Any:
 
 
 def drive_responses(base_url: str, model: str, tool_choice: Any = None, ask: Ask = DEFAULT_ASK) -> Outcome:
-    client = _openai(base_url)
+    client = _openai(base_url, ask.api_key)
     extra = _responses_options(tool_choice, ask)
     items = _responses_input(ask)
     failed: list[str] = []
@@ -254,7 +255,7 @@ DRIVERS: dict[str, Callable[..., Outcome]] = {
 
 def create_chat(base_url: str, model: str, tool_choice: Any = None, ask: Ask = DEFAULT_ASK) -> Outcome:
     try:
-        completion = _openai(base_url).chat.completions.create(
+        completion = _openai(base_url, ask.api_key).chat.completions.create(
             model=model, messages=ask.chat_messages(), timeout=ask.timeout,  # type: ignore[arg-type]
             **_chat_options(tool_choice, ask))
     except openai.APIError as exc:
@@ -264,7 +265,7 @@ def create_chat(base_url: str, model: str, tool_choice: Any = None, ask: Ask = D
 
 def create_messages(base_url: str, model: str, tool_choice: Any = None, ask: Ask = DEFAULT_ASK) -> Outcome:
     try:
-        message = _anthropic(base_url).messages.create(
+        message = _anthropic(base_url, ask.api_key).messages.create(
             model=model, messages=ask.chat_messages(), timeout=ask.timeout,  # type: ignore[arg-type]
             **_messages_options(tool_choice, ask))
     except anthropic.APIError as exc:
@@ -274,7 +275,7 @@ def create_messages(base_url: str, model: str, tool_choice: Any = None, ask: Ask
 
 def create_responses(base_url: str, model: str, tool_choice: Any = None, ask: Ask = DEFAULT_ASK) -> Outcome:
     try:
-        response = _openai(base_url).responses.create(
+        response = _openai(base_url, ask.api_key).responses.create(
             model=model, input=_responses_input(ask), timeout=ask.timeout, **_responses_options(tool_choice, ask))
     except openai.APIError as exc:
         return Outcome(False, error=_error_text(exc))

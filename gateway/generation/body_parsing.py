@@ -9,7 +9,8 @@ the loop as much. Three ways, chosen by what a body can cost:
 - larger but sparse (at most :data:`DENSE_VALUES` ``{``/``[`` bytes, an upper bound of
   its objects and lists: big prompts): in a worker thread (``offload.BODIES``); a long
   string costs orjson a copy, not a walk;
-- dense: in a worker *process* (:class:`ProcessParser`, forkserver), which parses,
+- dense (for ``/v1/completions`` and ``/v1/embeddings`` also: more than
+  :data:`DENSE_VALUES` commas, token-id prompts): in a worker *process* (:class:`ProcessParser`, forkserver), which parses,
   checks the item limits and translates, and hands back the parsed request (bounded by
   those limits) or the error. Its GIL is its own.
 
@@ -51,18 +52,21 @@ def overloaded(what: str) -> GatewayError:
 
 def _room_kind(room: ProtocolRoom) -> str | None:
     """Which parser a worker process builds for ``room`` (None: only this process can)."""
+    from gateway.generation.passthrough import CompletionsRoute, EmbeddingsRoute
     from gateway.protocols.chat import ChatRoom
     from gateway.protocols.messages.room import MessagesRoom
     from gateway.protocols.responses.room import ResponsesCompactRoom, ResponsesRoom
 
     for kind, cls in (("compact", ResponsesCompactRoom), ("responses", ResponsesRoom),
-                      ("chat", ChatRoom), ("messages", MessagesRoom)):
+                      ("chat", ChatRoom), ("messages", MessagesRoom),
+                      ("completions", CompletionsRoute), ("embeddings", EmbeddingsRoute)):
         if isinstance(room, cls):
             return kind
     return None
 
 
 def _child_room(kind: str) -> Any:
+    from gateway.generation.passthrough import CompletionsRoute, EmbeddingsRoute
     from gateway.protocols.chat import ChatRoom
     from gateway.protocols.messages.room import MessagesRoom
     from gateway.protocols.responses.room import ResponsesCompactRoom, ResponsesRoom
@@ -71,6 +75,8 @@ def _child_room(kind: str) -> Any:
         return ChatRoom()
     if kind == "messages":
         return MessagesRoom()
+    if kind in ("completions", "embeddings"):
+        return CompletionsRoute() if kind == "completions" else EmbeddingsRoute()
     return (ResponsesCompactRoom if kind == "compact" else ResponsesRoom)(None)  # parse needs no store
 
 
@@ -197,14 +203,17 @@ class ProcessParser:
 PROCESSES = ProcessParser()
 
 
-def is_dense(body: bytes | str) -> bool:
+def is_dense(body: bytes | str, numbers: bool = False) -> bool:
     """More ``{``/``[`` bytes than :data:`DENSE_VALUES` (C-speed counts over the first
-    bytes that can decide it: a few ms at most)."""
-    brace, bracket = (b"{", b"[") if isinstance(body, bytes) else ("{", "[")
+    bytes that can decide it: a few ms at most); ``numbers``: ``,`` bytes count too (a
+    list of token ids is one ``[`` and a million numbers, each a walk for the parser)."""
+    brace, bracket, comma = (b"{", b"[", b",") if isinstance(body, bytes) else ("{", "[", ",")
     seen = 0
     for start in range(0, len(body), _SCAN):
         piece = body[start:start + _SCAN]
         seen += piece.count(brace) + piece.count(bracket)  # type: ignore[arg-type]
+        if numbers:
+            seen += piece.count(comma)  # type: ignore[arg-type]
         if seen > DENSE_VALUES:
             return True
     return False
@@ -222,7 +231,7 @@ async def parse_request(
     if len(body) <= SMALL_BODY:
         return room.parse(body, query, tenant)
     kind = _room_kind(room)
-    if kind is not None and is_dense(body):
+    if kind is not None and is_dense(body, numbers=kind in ("completions", "embeddings")):
         snapshot = Tenant(tenant.identity, FixedKeys(tenant.keys()))
         parsed = await PROCESSES.run(_child_parse, kind, body, query, snapshot)
         return dataclasses.replace(parsed, tenant=tenant)
@@ -256,7 +265,11 @@ async def off_loop(fn: Callable[[bytes | str], T], body: bytes | str, what: str)
 
 
 async def count_tokens(body: bytes) -> tuple[str, int]:
-    """``count_tokens``' model, translation and o200k count, off the loop past :data:`SMALL_BODY`."""
+    """``count_tokens``' model, translation and o200k count, off the loop past :data:`SMALL_BODY`
+    (the tokenizer's tables loaded in a thread first: seconds the first time)."""
+    from gateway.protocols.tokens import tokenizer_ready
+
+    await tokenizer_ready()
     return await off_loop(_count, body, "counting other large requests")
 
 

@@ -59,6 +59,10 @@ from gateway.upstream.client import ANSWERED, Done, Send
 
 #: At most this many prompts or inputs in one body (OpenAI's own limit for embeddings).
 MAX_ITEMS = 2048
+#: At most this many token ids in one body's ``prompt`` / ``input`` (two 128 k contexts):
+#: past it, 413 ``too_many_token_ids`` before the ids are validated one by one. A 27 MiB
+#: body of ids cost 62 s of parsing, and the relay then serialises the body again.
+MAX_TOKEN_IDS = 262_144
 
 PromptValue = StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
 
@@ -115,8 +119,25 @@ class _EmbeddingsBody(BaseModel):
     _input_size = field_validator("input")(lambda v: _bounded(v, "input"))
 
 
-def _validated(model: type[BaseModel], body: bytes) -> tuple[BaseModel, dict[str, Any]]:
-    raw = load_json_object(body)
+def token_ids(value: Any) -> int:
+    """The token ids a ``prompt`` / ``input`` holds (a list of lists: their lengths; C-speed
+    ``len`` only, no walk of the ids)."""
+    if not isinstance(value, list) or not value:
+        return 0
+    if all(isinstance(item, list) for item in value):
+        return sum(len(item) for item in value)
+    return len(value) if not isinstance(value[0], str) else 0
+
+
+def _validated(model: type[BaseModel], body: bytes, field: str) -> tuple[BaseModel, dict[str, Any]]:
+    def within_token_ids(raw: dict[str, Any]) -> None:
+        ids = token_ids(raw.get(field))
+        if ids > MAX_TOKEN_IDS:
+            raise GatewayError("invalid_request", "too_many_token_ids",
+                               f"{field} holds {ids} token ids; at most {MAX_TOKEN_IDS} per request",
+                               param=field, status=413)
+
+    raw = load_json_object(body, precheck=within_token_ids)
     try:
         return model.model_validate(raw), raw
     except ValidationError as exc:
@@ -161,11 +182,11 @@ class CompletionsRoute(_RelayedRoute):
     id_prefix = "cmpl-"
 
     def parse(self, body: bytes, query: dict[str, str], tenant: Tenant = ANONYMOUS_TENANT) -> ParsedRequest[bool]:
-        parsed, raw = _validated(_CompletionsBody, body)
+        parsed, raw = _validated(_CompletionsBody, body, "prompt")
         assert isinstance(parsed, _CompletionsBody)
         include_usage = bool((parsed.stream_options or {}).get("include_usage"))
         upstream = {k: v for k, v in raw.items() if k not in ("stream", "stream_options")}
-        return ParsedRequest(self.name, parsed.model, parsed.stream, upstream, facts=include_usage)
+        return ParsedRequest(self.name, parsed.model, parsed.stream, upstream, facts=include_usage, tenant=tenant)
 
 
 class EmbeddingsRoute(_RelayedRoute):
@@ -176,10 +197,10 @@ class EmbeddingsRoute(_RelayedRoute):
     id_prefix = "emb-"
 
     def parse(self, body: bytes, query: dict[str, str], tenant: Tenant = ANONYMOUS_TENANT) -> ParsedRequest[bool]:
-        parsed, raw = _validated(_EmbeddingsBody, body)
+        parsed, raw = _validated(_EmbeddingsBody, body, "input")
         if raw.get("stream") is not None:
             raise invalid_request("embeddings are not streamed", param="stream", code="stream_not_supported")
-        return ParsedRequest(self.name, parsed.model, False, dict(raw), facts=False)
+        return ParsedRequest(self.name, parsed.model, False, dict(raw), facts=False, tenant=tenant)
 
 
 class _Ended:

@@ -39,16 +39,17 @@ from gateway.generation.outcome import internal_error
 from gateway.generation.policy import StreamPolicy
 from gateway.generation.record import RequestRecord
 from gateway.protocols.base import ParsedRequest, ProtocolRoom, StreamEncoder
-from gateway.protocols.tokens import usage_estimator
+from gateway.protocols.tokens import count_text, tokenizer_ready, usage_estimator
 from gateway.redact import SECRETS
 from gateway.settings import StreamMode
 from gateway.stream.answer import CompatibleAnswer, RealtimeAnswer
 from gateway.stream.events import KEEPALIVE, BlockDelta, Completion, Error, Event
 from gateway.stream.masking import DeltaMasker
+from gateway.stream.output_cap import OutputCap
 from gateway.stream.repair import RepairPolicy
 from gateway.stream.signatures import restore_thought_signatures
 from gateway.upstream.attempts import UpstreamAttempts
-from gateway.upstream.client import ANSWERED, UpstreamItem
+from gateway.upstream.client import ANSWERED, DONE, UpstreamItem
 from gateway.upstream.config import with_engine_extras
 
 _TICK = object()  # the keepalive timer fired
@@ -88,6 +89,24 @@ async def _pump(items: AsyncIterator[UpstreamItem], queue: asyncio.Queue[_QueueI
             await queue.put(_Ended(exc))
         else:
             await queue.put(_Ended())
+
+
+async def _within_cap(items: AsyncIterator[UpstreamItem], cap: OutputCap) -> AsyncIterator[UpstreamItem]:
+    """One upstream answer read no further than the gateway's output cap: past it, the
+    answer ends as ``length`` and the upstream is closed (an engine that ignores the cap
+    it was sent cannot make the key pay for more)."""
+    async with contextlib.aclosing(items):  # type: ignore[type-var]
+        async for item in items:
+            if not isinstance(item, dict):
+                yield item
+                continue
+            if cap.will_count:
+                await tokenizer_ready()
+            yield cap.feed(item)
+            if cap.reached:
+                yield cap.finish_chunk()
+                yield DONE
+                return
 
 
 class Run(Protocol):
@@ -196,6 +215,8 @@ class GenerationRun:
             try:
                 async for out in self._read(body, keepalives=streaming):
                     yield out
+                if answer.acc is not None and answer.acc.usage is None:
+                    await tokenizer_ready()  # the usage is estimated: never load the tables on the loop
                 events = await finish_answer(answer)  # off the loop when it validates a schema
             finally:
                 if repair is not None:
@@ -228,7 +249,10 @@ class GenerationRun:
             raise self._aborted
         queue = self._queue = asyncio.Queue(maxsize=64)
         self._pump_scope = anyio.CancelScope()
-        self._pump_task = asyncio.create_task(_pump(self.attempts.stream(body), queue, self._pump_scope))
+        items = self.attempts.stream(body)
+        if self.parsed.output_cap is not None:
+            items = _within_cap(items, OutputCap(self.parsed.output_cap, count_text))
+        self._pump_task = asyncio.create_task(_pump(items, queue, self._pump_scope))
         if keepalives:
             self._keepalive = KeepaliveTimer(self.policy.keepalive_interval, self._queue_tick)
         handle = self.answer.handle

@@ -7,6 +7,7 @@ writes the outcome and reports the record exactly once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import secrets
 import time
@@ -116,6 +117,8 @@ class GenerationService:
             _name_key(record, request)
             if key is not None:  # one key's flood is refused here, before it costs a parse
                 self._check_share(key.key_id, settings.max_concurrent, settings.key_share)
+                if self.limiter is not None:  # a full rpm window: without the store (keys/full_windows.py)
+                    self.limiter.refuse_full(key)
             if self.recording is not None:
                 self.recording()
             held[0] = self._hold_body(_declared_length(request), settings.max_body_bytes_in_flight)
@@ -125,7 +128,10 @@ class GenerationService:
                 held[0] = self._hold_body(len(body), settings.max_body_bytes_in_flight)
         except GatewayError as err:
             _name_key(record, request)
+            if isinstance(err, KeyRefusal):
+                headers.update(err.headers)
             outcome.refused(err)
+            await skip_small_body(request)
             return error_response(room, err, headers)
         except BodyTooLarge as exc:
             err = exc.error()
@@ -348,6 +354,22 @@ def _stream_outcome(outcome: RequestOutcome, run: Run, complete: bool) -> None:
         outcome.failed(run.error, committed=run.committed)
     else:
         outcome.succeeded()
+
+
+#: A refused request's body up to this size is read (not parsed) before the answer.
+SKIPPED_BODY = 64 * 1024
+
+
+async def skip_small_body(request: HTTPConnection) -> None:
+    """Read (and drop) the small body of a request refused before its body was read, so its
+    connection stays open for the next request: unread, the server closes it, and a client
+    that floods reconnects each time, which costs the gateway more than the refusal itself.
+    Larger bodies, or one that does not arrive at once, are left (the connection closes)."""
+    if not isinstance(request, Request) or not 0 < _declared_length(request) <= SKIPPED_BODY:
+        return
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(0.05):
+            await request.body()
 
 
 def _name_key(record: RequestRecord, request: HTTPConnection) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,7 @@ from gateway.errors import GatewayError
 from gateway.generation.policy import StreamPolicy
 from gateway.generation.record import RequestRecord
 from gateway.keys import store
+from gateway.keys.full_windows import FullWindows
 from gateway.keys.media import media_adjustment
 from gateway.keys.model import DEFAULT_OUTPUT_CAP, ManagedKey
 from gateway.keys.output_cap import answers_of, capped, requested_cap
@@ -159,6 +161,7 @@ class KeyLimiter:
         self.durable = durable
         self.reserve_timeout = reserve_timeout
         self._open: set[str] = set()
+        self.full_windows = FullWindows()  # keys past their rpm: refused without the store
         self._tasks: set[asyncio.Task[Any]] = set()
         #: settlements neither stored nor journaled (their reservations wait for the lease)
         self.unsettled = 0
@@ -181,10 +184,12 @@ class KeyLimiter:
         key.check_model(parsed.model)
         if not key.limits.counted:
             return Admission(parsed, {})
-        grant = await self._decide(request_id, lambda: store.admit(self.db, key, request_id, ask_of(key, parsed, policy)))
+        grant = await self._decide(key, request_id,
+                                   lambda: store.admit(self.db, key, request_id, ask_of(key, parsed, policy)))
         self._open.add(request_id)
         if key.limits.token_limited and parsed.protocol != "embeddings":
-            parsed = dataclasses.replace(parsed, upstream_body=capped(parsed.upstream_body, grant.cap))
+            parsed = dataclasses.replace(parsed, upstream_body=capped(parsed.upstream_body, grant.cap),
+                                         output_cap=grant.cap)
         return Admission(parsed, grant.quota.headers())
 
     async def admit_side(self, key: ManagedKey, model: str | None, request_id: str) -> dict[str, str]:
@@ -196,10 +201,18 @@ class KeyLimiter:
             key.check_model(model)
         if key.limits.rpm is None:
             return {}
-        grant = await self._decide(request_id, lambda: store.admit(self.db, key, request_id, Ask(generates=False)))
+        self.refuse_full(key)
+        grant = await self._decide(key, request_id, lambda: store.admit(self.db, key, request_id, Ask(generates=False)))
         return grant.quota.headers()
 
-    async def _decide(self, request_id: str, reserve: Any) -> Grant:
+    def refuse_full(self, key: ManagedKey) -> None:
+        """From memory, before anything is read: raises the refusal of a key whose ``rpm``
+        window the store found full and still is (gateway/keys/full_windows.py)."""
+        refusal = self.full_windows.refusal(key, time.time())
+        if refusal is not None:
+            raise KeyRefusal(refusal)
+
+    async def _decide(self, key: ManagedKey, request_id: str, reserve: Any) -> Grant:
         """``reserve()`` on the store's threads (sizing serialises the body: megabytes, past a
         millisecond, not on the loop; then the store's transaction), within its bound."""
         job = asyncio.ensure_future(self.db.acall(reserve))  # the store's own threads
@@ -213,6 +226,7 @@ class KeyLimiter:
             log.warning("client_key_reserve_failed", error=f"{type(exc).__name__}: {exc}")
             raise _unavailable("the key store cannot answer now") from None
         if isinstance(decision, Refusal):
+            self.full_windows.note(key, decision)
             raise KeyRefusal(decision)
         return decision  # type: ignore[no-any-return]
 

@@ -95,6 +95,9 @@ class Refusal:
     message: str
     retry_after: int | None
     quota: Quota | None = None
+    #: the moment (wall clock) before which this refusal holds whatever else happens: a full
+    #: ``rpm`` window until its oldest request leaves it (gateway/keys/full_windows.py)
+    holds_until: float | None = None
 
 
 def seconds_to_midnight(at: float) -> int:
@@ -163,7 +166,8 @@ def decide(limits: KeyLimits, counts: Counts, ask: Ask) -> Grant | Refusal:
     request that generates nothing: rpm only)."""
     if limits.rpm is not None and counts.window_requests + 1 > limits.rpm:
         return Refusal("rate_limited", f"this API key is limited to {limits.rpm} requests per minute",
-                       _window_wait(counts), quota(limits, counts))
+                       _window_wait(counts), quota(limits, counts),
+                       counts.oldest + WINDOW if counts.oldest is not None else None)
     if not ask.generates:
         return Grant(0, 0, quota(limits, counts, 0, 1))
     if limits.max_concurrent is not None and counts.open_requests + 1 > limits.max_concurrent:

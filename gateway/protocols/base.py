@@ -8,6 +8,7 @@ a :class:`~gateway.errors.GatewayError` in its own error shape.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -39,6 +40,9 @@ class ParsedRequest(Generic[FactsT]):
     facts: FactsT = None  # type: ignore[assignment]
     #: who asked (its client identity owns stored state) and the keys its envelopes use
     tenant: Tenant = ANONYMOUS_TENANT
+    #: the output cap the gateway granted (a managed key with token limits): the answer is
+    #: cut there even when the engine ignores the cap it was sent (gateway/stream/output_cap.py)
+    output_cap: int | None = None
 
 
 class StreamEncoder(Protocol):
@@ -78,10 +82,12 @@ class ProtocolRoom(Protocol):
     def error_body(self, error: GatewayError) -> dict: ...
 
 
-def load_json_object(body: bytes | str, what: str = "the request body") -> dict[str, Any]:
+def load_json_object(body: bytes | str, what: str = "the request body",
+                     precheck: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """``body`` (``what``: the request body, a WebSocket frame) as a JSON object within the
     value limits (depth, string size, finite numbers: ``fields.check_value_limits``), or a
-    named 400 ``invalid_json``."""
+    named 400 ``invalid_json``. ``precheck`` sees the object before those limits walk it
+    (a cheap refusal of what a walk would take long over)."""
     if not body.strip():
         raise invalid_request(f"{what} is empty; expected a JSON object", code="invalid_json")
     try:
@@ -90,6 +96,8 @@ def load_json_object(body: bytes | str, what: str = "the request body") -> dict[
         raise invalid_request(f"{what} is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(value, dict):
         raise invalid_request(f"{what} must be a JSON object", code="invalid_json")
+    if precheck is not None:
+        precheck(value)
     check_item_limits(value)
     check_value_limits(value)
     return value

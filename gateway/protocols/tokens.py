@@ -9,6 +9,8 @@ schemas — never base64 image payloads, which count a flat :data:`IMAGE_TOKENS`
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
@@ -26,12 +28,40 @@ IMAGE_TOKENS = 1600
 
 
 @lru_cache(maxsize=1)
-def _encoding() -> Any:
-    # imported on first use: the tables cost ~65 MiB, which a gateway that never serves
-    # Messages should not carry
+def _tables() -> Any:
+    # imported on first use: the tables cost ~140 MiB of RSS and 2-4 s of CPU to load, which
+    # a gateway that never counts should not carry
     import bpe_openai
 
     return bpe_openai.get_encoding("o200k_base")
+
+
+_LOADING = threading.Lock()  # one load at a time: two threads would each build the tables
+
+
+def _encoding() -> Any:
+    if _tables.cache_info().currsize:
+        return _tables()
+    with _LOADING:
+        return _tables()
+
+
+def tokenizer_loaded() -> bool:
+    """True once the tables are in memory (loading them takes seconds: a caller on the
+    event loop awaits :func:`tokenizer_ready` first)."""
+    return _tables.cache_info().currsize > 0
+
+
+def load_tokenizer() -> None:
+    """Blocking: load the tables (once)."""
+    _encoding()
+
+
+async def tokenizer_ready() -> None:
+    """The tables loaded, in a worker thread when they are not yet: the first count on the
+    loop (a ``count_tokens``, an answer without usage) froze it for 2-4 s while they loaded."""
+    if not tokenizer_loaded():
+        await asyncio.to_thread(load_tokenizer)
 
 
 #: Characters fed to the tokenizer at once: it refuses 1 M characters and 200 k tokens a

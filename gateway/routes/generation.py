@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.errors import GatewayError
 from gateway.generation.body_parsing import count_tokens
-from gateway.generation.service import GenerationService
+from gateway.generation.service import GenerationService, skip_small_body
 from gateway.keys.identity import client_identity
 from gateway.keys.limiter import KeyRefusal
 from gateway.keys.registry import managed_key
@@ -76,6 +76,7 @@ async def count_tokens_endpoint(request: Request) -> Response:
     except GatewayError as err:
         if isinstance(err, KeyRefusal):
             headers.update(err.headers)
+            await skip_small_body(request)  # refused before its body was read: keep the connection
         if err.retry_after is not None:
             headers["retry-after"] = str(err.retry_after)
         return JSONResponse(anthropic_error(err), status_code=err.status, headers=headers)

@@ -263,3 +263,39 @@ def test_quiet_intervals_send_keepalives_and_a_shutdown_abort_ends_it() -> None:
     frames = outputs(stalled, abort_after=0.08)
     assert frames[0] == b": keepalive\n\n"  # committed by the keepalive: the error comes in-stream
     assert b'"code":"server_shutting_down"' in frames[-1] and stalled.error is not None
+
+
+# -- a body of token ids: a bounded parse off the loop, a named answer ----------------------
+
+
+def test_a_27_mib_body_of_token_ids_is_a_fast_named_413_while_healthz_answers(tmp_path: Path) -> None:
+    """Issue #36: a 27 MiB ``/v1/completions`` body of token-id prompts took 62 s to reach a
+    503 ``parser_busy`` (parsed and validated id by id in a thread that held the GIL) while
+    ``/healthz`` stalled. Now such a body is parsed in a worker process, and its ids are
+    counted before they are walked: past ``MAX_TOKEN_IDS`` it is a 413
+    ``too_many_token_ids`` in the OpenAI shape. A body within the bound takes the same way and
+    is served. ``/healthz`` is probed from a process of its own meanwhile: the bound only
+    catches a frozen loop (timings are bench figures: bench/hostile.py --token-ids)."""
+    from gateway.generation.passthrough import MAX_TOKEN_IDS
+    from tests.processes import FREEZE_MS, GatewayProcess, healthz_probe
+
+    gateway = GatewayProcess("--simulator", "--data-dir", str(tmp_path / "data"), "--log-level", "warning",
+                             log_dir=tmp_path)
+    try:
+        gateway.wait_healthy()
+        huge = b'{"model":"base-model","max_tokens":5,"prompt":[' + b",".join(
+            [b"[" + b",".join([b"%d" % (10_000 + j) for j in range(2600)]) + b"]"] * 2048) + b"]}"
+        assert len(huge) > 27 * 1024 * 1024
+        within = [[11 + (j % 7) for j in range(MAX_TOKEN_IDS // 4)]] * 4  # exactly the bound
+        with healthz_probe(gateway.port) as took:
+            refused = httpx.post(gateway.base_url + "/completions", content=huge, timeout=120,
+                                 headers={"content-type": "application/json"})
+            served = client(gateway).completions.create(model="base-model", prompt=within, max_tokens=3)  # type: ignore[arg-type]
+        assert refused.status_code == 413, refused.text
+        error = refused.json()["error"]
+        assert (error["code"], error["param"], error["type"]) == ("too_many_token_ids", "prompt", "invalid_request_error")
+        assert f"at most {MAX_TOKEN_IDS}" in error["message"] and "5324800 token ids" in error["message"]
+        assert len(served.choices) == 4 and all(c.text for c in served.choices)
+        assert took and max(took) < FREEZE_MS * 2, sorted(took)[-5:]  # answered throughout: never frozen
+    finally:
+        gateway.stop()
