@@ -56,10 +56,22 @@ PACE_FLOOR_SECONDS = 0.25
 #: fastest usable one's is *slow*: its sessions leave it and nothing new goes there
 #: while a brisker replica is usable (0: off).
 SLOW_FACTOR = 3.0
+#: An engine's own report of its queue (vLLM ``/metrics``, gateway/engines/load.py) counts
+#: for this many seconds after it was read (the poller reads every 2 s).
+ENGINE_LOAD_STALE_SECONDS = 10.0
 
 ROUTING_MODES = ("cache-aware", "round-robin")
 #: Every reason a router gives (the label values of codebuddy2api_routing_decisions_total).
 REASONS = ("session", "prefix", "least_loaded", "rebalanced", "failover", "round_robin")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What an engine says of its own load: requests queued (not yet running) and the
+    share of its KV cache running requests hold (None: not reported)."""
+
+    waiting: float
+    kv_cache_usage: float | None = None
 
 
 class Replica(Protocol):
@@ -228,6 +240,8 @@ class CacheAwareRouter:
         self.sessions = StickySessions(clock) if sessions is None else sessions  # (an empty one is falsy)
         self.index = PrefixIndex() if index is None else index
         self.pace = Pace(clock)
+        self.clock = clock
+        self.reported: dict[str, tuple[EngineLoad, float]] = {}  # replica id -> its own report, when read
         self._turn = itertools.count()  # spreads ties (e.g. new sessions while all are idle)
 
     def route(self, candidates: Sequence[R], session: str | None = None, prefix: Sequence[int] = (),
@@ -236,7 +250,8 @@ class CacheAwareRouter:
         the session now lives there and its prompt is in that replica's index.
         ``failover``: a retry after an attempt that failed before its first byte."""
         slowness = self.pace.slowness([c.id for c in candidates])
-        loads = {c.id: c.in_flight * slowness[c.id] for c in candidates}
+        queued = self._queued()
+        loads = {c.id: c.in_flight * slowness[c.id] + queued.get(c.id, 0.0) for c in candidates}
         brisk = self._brisk(candidates, slowness)
         chosen: R | None = None
         reason = ""
@@ -272,10 +287,22 @@ class CacheAwareRouter:
         """A call on ``replica_id`` was answered in full in ``seconds``."""
         self.pace.observe(replica_id, seconds)
 
+    def report_load(self, replica_id: str, load: EngineLoad) -> None:
+        """The engine's own report of its load (gateway/engines/load.py)."""
+        self.reported[replica_id] = (load, self.clock())
+
     def forget(self, replica_id: str) -> None:
-        """The replica left the pool: its index and pace go (its sessions fail over)."""
+        """The replica left the pool: its index, pace and report go (its sessions fail over)."""
         self.index.forget(replica_id)
         self.pace.forget(replica_id)
+        self.reported.pop(replica_id, None)
+
+    def _queued(self) -> dict[str, float]:
+        """Requests each engine says it queues, from reports read lately (none: 0)."""
+        if not self.reported:
+            return {}
+        now = self.clock()
+        return {r: load.waiting for r, (load, at) in self.reported.items() if now - at <= ENGINE_LOAD_STALE_SECONDS}
 
     def _brisk(self, candidates: Sequence[R], slowness: Mapping[str, float]) -> list[R]:
         """The candidates not slow (their pace within ``slow_factor`` of the fastest's):
@@ -319,6 +346,9 @@ class RoundRobinRouter:
 
     def observe(self, replica_id: str, seconds: float) -> None:
         """Round-robin does not look at speed."""
+
+    def report_load(self, replica_id: str, load: EngineLoad) -> None:
+        """Nor at the engines' own load."""
 
     def forget(self, replica_id: str) -> None:
         """Nothing kept per replica but the sessions' (they fail over)."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from gateway.upstream.routing import (
     CacheAwareRouter,
+    EngineLoad,
     Pace,
     PrefixIndex,
     RoundRobinRouter,
@@ -326,6 +327,32 @@ def test_a_session_leaves_a_replica_that_became_slow() -> None:
     assert moved.replica is not slow and moved.reason == "rebalanced"
     fresh = r.route([slow, pool[1] if slow is not pool[1] else pool[2]])
     assert fresh.replica is not slow and fresh.reason == "least_loaded"  # 2 calls there weigh 2, the slow 3 weigh 15
+
+
+def test_an_engines_own_queue_counts_while_its_report_is_fresh() -> None:
+    now = [0.0]
+    r = router(now)
+    pool = replicas(0, 0)
+    r.report_load("r0", EngineLoad(waiting=3))  # another client's calls queue there
+    assert [r.route(pool).replica.id for _ in range(3)] == ["r1"] * 3  # least loaded: 0 against 3
+    pool[1].in_flight = 4  # now r1 holds more than r0's queue
+    assert r.route(pool).replica.id == "r0"
+    home = r.route(replicas(0, 0), session="s").replica.id  # a session on r1 ...
+    assert home == "r1"
+    r.report_load("r1", EngineLoad(waiting=20))  # ... whose engine queues 20 > 0 * 1.5 + 8: the gate moves it
+    moved = r.route(replicas(0, 0), session="s")
+    assert moved.replica.id == "r0" and moved.reason == "rebalanced"
+    now[0] = 10.5  # reports older than 10 s count no more
+    assert r.route(replicas(0, 3), session="s").replica.id == "r0"
+    assert [r.route(replicas(1, 0)).replica.id for _ in range(2)] == ["r1", "r1"]
+    r.forget("r1")
+    assert "r1" not in r.reported
+
+
+def test_round_robin_ignores_the_engines_queue() -> None:
+    r = RoundRobinRouter(lambda: 0.0)
+    r.report_load("r0", EngineLoad(waiting=100))
+    assert [r.route(replicas(0, 0)).replica.id for _ in range(2)] == ["r0", "r1"]
 
 
 def test_a_replica_that_leaves_is_forgotten() -> None:

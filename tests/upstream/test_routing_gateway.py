@@ -234,6 +234,24 @@ def test_named_sessions_leave_a_replica_that_slowed_down(server_loop: ServerLoop
     assert len(calls(two[0])) <= 6 + 2 * 2  # nothing more reached the slow replica
 
 
+def test_a_vllm_engines_own_queue_weighs_the_choice(server_loop: ServerLoop, replicas: list[Simulator],
+                                                    tmp_path: Path) -> None:
+    two = replicas[:2]
+    gateway = start(server_loop, tmp_path, two, engine_api="vllm", session_header="x-conversation")
+    home = routed(gateway, ask(gateway, conversation("agent-q", 1), headers={"x-conversation": "agent-q"}))[0][0]
+    loaded = int(home[-1])
+    router = gateway.app.state.relay.pool.router
+    try:  # another client queues 12 requests on that engine, which its /metrics says
+        httpx.post(two[loaded].url + "/_sim/engine_load", json={"waiting": 12, "kv_cache_usage": 0.9}).raise_for_status()
+        wait_for(lambda: any(load.waiting == 12 for load, _ in router.reported.values()), timeout=15)
+        moved = routed(gateway, ask(gateway, conversation("agent-q", 2), headers={"x-conversation": "agent-q"}))
+        assert moved == [(f"upstream{1 - loaded}", "rebalanced")]  # 12 > 0 * 1.5 + 8
+        fresh = [routed(gateway, ask(gateway, conversation(topic, 1)))[0] for topic in ("p", "q", "r")]
+        assert fresh == [(f"upstream{1 - loaded}", "least_loaded")] * 3  # idle: 0 against 12, no turns
+    finally:
+        httpx.post(two[loaded].url + "/_sim/engine_load", json={"waiting": 0})
+
+
 # -- rule 5: failover moves the session ----------------------------------------------------
 
 
