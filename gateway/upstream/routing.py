@@ -9,11 +9,14 @@ with the reason it did (docs/routing.md):
   that session went last (``session``); one that does not, to the replica whose sent
   prompts share the longest prefix with it (``prefix``); otherwise, and on ties, the one
   with the fewest calls in flight through this gateway (``least_loaded``), each call
-  counted as many times as its replica is slower than the fastest lately (:class:`Pace`).
-  A per-call imbalance gate sends the call to the least-loaded replica (``rebalanced``)
-  when the chosen one holds more than ``min * rel + abs`` of them; a session whose replica is not
-  usable any more, or a retry after a failed attempt, is ``failover``. The session moves
-  with the call each time.
+  counted as many times as its replica is slower than the fastest lately (:class:`Pace`),
+  plus the requests the engine itself says it queues (:class:`EngineLoad`, vLLM's
+  ``/metrics``). Two gates send the call to the least-loaded replica (``rebalanced``):
+  load, when the chosen one holds more than ``min * rel + abs`` of them; pace, when the
+  chosen one is *slow* (its pace more than ``slow_factor`` times the fastest's: slow
+  replicas are left out of every choice while another is usable). A session whose
+  replica is not usable any more, or a retry after a failed attempt, is ``failover``.
+  The session moves with the call each time.
 - ``round-robin`` (:class:`RoundRobinRouter`): the pool's behaviour before routing
   existed: a named session sticks to its replica while usable, else the next in turn.
 
@@ -226,7 +229,8 @@ class Pace:
 
 
 class CacheAwareRouter:
-    """Session, then prefix, then least in flight; the imbalance gate over all three."""
+    """Session, then prefix, then least in flight, among the replicas that are not slow;
+    the load gate over all three."""
 
     uses_prefix = True
 
