@@ -86,7 +86,10 @@ class EngineLoadPoller:
 
     async def _run(self) -> None:
         while True:
-            await self.poll_once()
+            try:
+                await self.poll_once()
+            except Exception as exc:  # a background reading: it must outlive any one round's surprise
+                log.warning("engine_load_poll_failed", error=type(exc).__name__)
             await asyncio.sleep(self.interval)
 
     async def poll_once(self) -> None:
