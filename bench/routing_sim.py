@@ -10,6 +10,9 @@ discrete-event simulation that feeds the gateway's own routers
 (``gateway/upstream/routing.py``) directly, with a virtual clock: no sockets, no event
 loop, so the makespans are the routing's alone, the same on a busy machine as on an idle
 one. ``bench/routing.py`` runs the real gateway over HTTP for the hit rates end to end.
+With the slowed replica, it also counts the calls sent there after it slowed, the sessions
+that had two turns or more there, and the sessions *stuck* there (every turn after the
+slowdown, two or more, on it). ``--slow-factor 0`` runs the router without its pace gate.
 """
 
 from __future__ import annotations
@@ -166,7 +169,7 @@ def run(way: str, args: argparse.Namespace, slow: bool) -> dict[str, Any]:
             # stuck: two turns or more after the slowdown, every one of them on the slowed replica
             "stuck": sum(1 for a in slowed if len(a) >= 2 and set(a) == {0}),
             "twice": sum(1 for a in slowed if a.count(0) >= 2),
-"hit": totals["cached"] / totals["prompt"], "ideal": totals["ideal"] / totals["prompt"],
+            "hit": totals["cached"] / totals["prompt"], "ideal": totals["ideal"] / totals["prompt"],
             "makespan": now[0], "spread": [r.served for r in replicas]}
 
 

@@ -25,8 +25,8 @@ from gateway.admin.sessions import SessionEpoch
 from gateway.admin.throttle import AttemptThrottle
 from gateway.engines.control import EngineControl
 from gateway.engines.fleet import EngineFleet
-from gateway.engines.load import EngineLoadPoller
 from gateway.engines.hold import EngineHold
+from gateway.engines.load import EngineLoadPoller
 from gateway.errors import GatewayError
 from gateway.generation.passthrough import CompletionsRoute, EmbeddingsRoute
 from gateway.generation.recording_gate import RecordingGate, with_spill_hint
