@@ -6,7 +6,9 @@ in the code is invisible there. Here both gateways run side by side in front of 
 simulator and two load generators drive them *simultaneously* (each at ``--concurrency``),
 so whatever the machine does hits both alike; the figure is the median over rounds of
 B's CPU per request over A's (CPU from ``/proc/PID/stat``). The same tree against itself
-gives 1.00 ± 0.03 on the 2-core machine (docs/performance.md).
+gives 1.00 ± 0.03 on the 2-core machine (docs/performance.md). Beside it, the latency each
+gateway adds, compared the same way: per round, the median time to the first content byte
+through each (same upstream, same moments), and B's minus A's.
 
     .venv/bin/python bench/ab.py TREE_A TREE_B [--protocol chat] [--mode realtime] [--rounds 6]
 
@@ -77,6 +79,7 @@ def main() -> None:
             loadgens = {name: LoadGen(py, BENCH / "loadgen.py") for name in trees}
             ratios: list[float] = []
             per: dict[str, list[float]] = {name: [] for name in trees}
+            content: dict[str, list[float]] = {name: [] for name in trees}  # per round, median ms to first content
             for r in range(args.rounds + 1):  # round 0 warms both up and is not counted
                 n = args.requests if r else 16
                 before = {name: cpu_seconds(servers[name].pid) for name in trees}
@@ -102,12 +105,18 @@ def main() -> None:
                 if r:
                     for name in trees:
                         per[name].append(cpu[name])
+                        content[name].append(1000 * statistics.median(
+                            x["content"] for x in replies[name]["results"] if x["content"] is not None))
                     ratios.append(cpu["B"] / cpu["A"])
             ratios.sort()
             print(f"{args.mode} {args.protocol}, {args.rounds} rounds x {args.requests} requests each, "
                   f"c={args.concurrency} per gateway, both at once")
             print(f"CPU ms/request: A {statistics.median(per['A']):.2f}, B {statistics.median(per['B']):.2f} (medians)")
             print(f"B/A per round: median {statistics.median(ratios):.3f} [{ratios[0]:.3f} .. {ratios[-1]:.3f}]")
+            later = sorted(b - a for a, b in zip(content["A"], content["B"]))
+            print(f"first content p50 ms: A {statistics.median(content['A']):.1f}, B {statistics.median(content['B']):.1f}"
+                  f" (medians of rounds); B-A per round: median {statistics.median(later):+.1f}"
+                  f" [{later[0]:+.1f} .. {later[-1]:+.1f}]")
         finally:
             for loadgen in loadgens.values():
                 loadgen.close()

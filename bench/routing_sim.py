@@ -10,6 +10,9 @@ discrete-event simulation that feeds the gateway's own routers
 (``gateway/upstream/routing.py``) directly, with a virtual clock: no sockets, no event
 loop, so the makespans are the routing's alone, the same on a busy machine as on an idle
 one. ``bench/routing.py`` runs the real gateway over HTTP for the hit rates end to end.
+With the slowed replica, it also counts the calls sent there after it slowed, the sessions
+that had two turns or more there, and the sessions *stuck* there (every turn after the
+slowdown, two or more, on it). ``--slow-factor 0`` runs the router without its pace gate.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 
 from routing import BLOCK_TOKENS, SYSTEM, Costs, blocks, prompt_tokens  # bench/routing.py
 
-from gateway.upstream.routing import CacheAwareRouter, RoundRobinRouter, prefix_chain
+from gateway.upstream.routing import SLOW_FACTOR, CacheAwareRouter, RoundRobinRouter, prefix_chain
 
 
 @dataclass
@@ -73,7 +76,8 @@ def run(way: str, args: argparse.Namespace, slow: bool) -> dict[str, Any]:
     replicas = [Replica(f"r{i}", i, args.cache_blocks) for i in range(args.replicas)]
     gateways = 2 if way.startswith("ca2") else 1  # several gateway replicas: each its own router and view
     routers: list[Any] = [
-        CacheAwareRouter(lambda: now[0], args.imbalance_rel, args.imbalance_abs) if way.startswith("ca")
+        CacheAwareRouter(lambda: now[0], args.imbalance_rel, args.imbalance_abs, slow_factor=args.slow_factor)
+        if way.startswith("ca")
         else RoundRobinRouter(lambda: now[0]) for _ in range(gateways)]
     views = [[View(r.id) for r in replicas] for _ in range(gateways)]  # the calls each gateway has in flight
     calls_sent = itertools.count()
@@ -84,6 +88,7 @@ def run(way: str, args: argparse.Namespace, slow: bool) -> dict[str, Any]:
     totals = {"prompt": 0, "cached": 0, "ideal": 0}
     events: list[tuple[float, int, str, Any]] = []
     order = itertools.count()
+    finished: list[dict[str, Any]] = []
     jitter = random.Random(7)  # answers vary in length (and lock-step sessions would make round-robin sticky)
 
     def at(time: float, kind: str, payload: Any) -> None:
@@ -105,6 +110,8 @@ def run(way: str, args: argparse.Namespace, slow: bool) -> dict[str, Any]:
             chain = prefix_chain({"model": "bench", "messages": messages}) if way.startswith("ca") else ()
             replica = replicas[int(routers[gateway].route(views[gateway], named, chain).replica.id[1:])]
         views[gateway][replica.index].in_flight += 1
+        if slow and done[0] >= total // 2:  # where each turn went once replica 0 slowed
+            session["after"].append(replica.index)
         session["gateway"] = gateway
         chain_blocks = blocks(messages)
         tokens = prompt_tokens(messages)
@@ -123,7 +130,7 @@ def run(way: str, args: argparse.Namespace, slow: bool) -> dict[str, Any]:
         replica.prefill_free_at = start + prefill
         at(start + prefill, "decode", (session, replica, now[0]))
 
-    pending = [{"id": f"session-{n}", "n": n, "turn": 0,
+    pending = [{"id": f"session-{n}", "n": n, "turn": 0, "after": [],
                 "messages": [{"role": "system", "content": SYSTEM}]} for n in range(args.sessions)]
     pending.reverse()
 
@@ -153,9 +160,16 @@ def run(way: str, args: argparse.Namespace, slow: bool) -> dict[str, Any]:
         session["turn"] += 1
         if session["turn"] < args.turns:
             next_turn(session)
-        elif pending:
+            continue
+        finished.append(session)
+        if pending:
             next_turn(pending.pop())
-    return {"hit": totals["cached"] / totals["prompt"], "ideal": totals["ideal"] / totals["prompt"],
+    slowed = [s["after"] for s in finished]
+    return {"slow_calls": sum(a.count(0) for a in slowed),
+            # stuck: two turns or more after the slowdown, every one of them on the slowed replica
+            "stuck": sum(1 for a in slowed if len(a) >= 2 and set(a) == {0}),
+            "twice": sum(1 for a in slowed if a.count(0) >= 2),
+            "hit": totals["cached"] / totals["prompt"], "ideal": totals["ideal"] / totals["prompt"],
             "makespan": now[0], "spread": [r.served for r in replicas]}
 
 
@@ -178,11 +192,13 @@ def main(args: argparse.Namespace) -> None:
         results = {way: run(way, args, slow) for way in WAYS}
         ideal = results["rr"]["ideal"]
         base = results["rr"]["makespan"]
-        print(f"| way | hit rate | of ideal ({ideal:.1%}) | makespan s | vs round-robin | calls per replica |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        stuck = " calls there after | sessions there twice+ | stuck there |" if slow else ""
+        print(f"| way | hit rate | of ideal ({ideal:.1%}) | makespan s | vs round-robin | calls per replica |{stuck}")
+        print("| --- | --- | --- | --- | --- | --- |" + " --- | --- | --- |" * slow)
         for way, r in results.items():
             print(f"| {WAYS[way]} | {r['hit']:.1%} | {r['hit'] / r['ideal']:.0%} | {r['makespan']:.2f} |"
-                  f" {r['makespan'] / base:.2f}x | {' / '.join(map(str, r['spread']))} |")
+                  f" {r['makespan'] / base:.2f}x | {' / '.join(map(str, r['spread']))} |"
+                  + (f" {r['slow_calls']} | {r['twice']} | {r['stuck']} |" if slow else ""))
 
 
 if __name__ == "__main__":
@@ -194,4 +210,5 @@ if __name__ == "__main__":
     parser.add_argument("--cache-blocks", type=int, default=2048)
     parser.add_argument("--imbalance-rel", type=float, default=1.5)
     parser.add_argument("--imbalance-abs", type=int, default=8)
+    parser.add_argument("--slow-factor", type=float, default=SLOW_FACTOR, help="0: the router before it (pace weighs load only)")
     main(parser.parse_args())

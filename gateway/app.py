@@ -26,6 +26,7 @@ from gateway.admin.throttle import AttemptThrottle
 from gateway.engines.control import EngineControl
 from gateway.engines.fleet import EngineFleet
 from gateway.engines.hold import EngineHold
+from gateway.engines.load import EngineLoadPoller
 from gateway.errors import GatewayError
 from gateway.generation.passthrough import CompletionsRoute, EmbeddingsRoute
 from gateway.generation.recording_gate import RecordingGate, with_spill_hint
@@ -253,6 +254,8 @@ def create_app(
         observability.metrics.declare_configuration(relay.pool)
         engine_control.open()
         await engines.learn_versions()  # each engine's version before the first call (2 s bound per engine)
+        engine_load = EngineLoadPoller(lambda: relay.pool, engine_control)  # vLLM's own queue, for the router
+        await engine_load.start()
         if getattr(app.state, "print_banner", False):
             from gateway.banner import announce
 
@@ -315,6 +318,7 @@ def create_app(
             await client_keys.aclose()
             await upstream.aclose()
             await engines.aclose()
+            await engine_load.aclose()
             await engine_control.aclose()
             if relay.capture is not None:
                 relay.capture.close()  # drains: every finished call is on disk

@@ -68,6 +68,7 @@ class Settings(BaseSettings):
     routing: Literal["cache-aware", "round-robin"] = "cache-aware"
     routing_imbalance_rel: float = Field(1.5, ge=1.0, le=100.0)
     routing_imbalance_abs: int = Field(8, ge=0, le=100_000)
+    routing_slow_factor: float = Field(3.0, ge=0, le=100.0)
     upstream_session_header: str | None = None
     admin_token: SecretStr | None = None
     upstream_stream: Literal["auto", "always", "never"] = "always"
@@ -161,6 +162,13 @@ class Settings(BaseSettings):
         """Env values are comma-separated; flags arrive as lists."""
         if isinstance(value, str):
             return [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
+    @field_validator("routing_slow_factor")
+    @classmethod
+    def _slow_factor_off_or_above_noise(cls, value: float) -> float:
+        if 0 < value < 1.2:  # within the answers' own spread every replica would look slow in turn
+            raise ValueError("must be 0 (off) or at least 1.2")
         return value
 
     @field_validator("upstream_session_header")
@@ -316,6 +324,9 @@ CLI_FIELDS: dict[str, str] = {
     "routing_imbalance_rel": "cache-aware: a call goes to the least-loaded replica instead when the chosen one has"
                              " more than min_in_flight * this + --routing-imbalance-abs calls in flight (default 1.5)",
     "routing_imbalance_abs": "cache-aware: the absolute part of that imbalance gate (default 8)",
+    "routing_slow_factor": "cache-aware: a replica answering more than this many times slower than the fastest"
+                           " lately loses its sessions and gets no new calls while a faster one is usable"
+                           " (default 3; 0 = off; otherwise at least 1.2)",
     "upstream_session_header": "send the call's session id (rollout id or --session-header value) upstream under"
                                " this header, for a router in front of the engines (e.g. x-session-id); default off",
     "admin_token": "token for the admin API and WebUI (without one: a token generated at start-up, its login URL in the banner)",

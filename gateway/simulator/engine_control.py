@@ -61,6 +61,11 @@ class EngineControl:
     aborted: int = 0
     #: every id ``/abort_requests`` was asked to end, in order (in flight or not): for tests
     abort_requested: list[str] = field(default_factory=list)
+    #: requests waiting to be admitted (while paused), as ``vllm:num_requests_waiting``
+    waiting: int = 0
+    #: ``POST /_sim/engine_load``: what /metrics reports on top (another client's queue), and its KV usage
+    extra_waiting: int = 0
+    kv_cache_usage: float = 0.0
     _serials: Any = field(default_factory=itertools.count)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -78,7 +83,11 @@ class EngineControl:
 
     async def admit(self, request_id: str) -> Ticket:
         """A new request: it waits while the engine is paused, then counts as in flight."""
-        await self._until(lambda: not self.paused)
+        self.waiting += 1
+        try:
+            await self._until(lambda: not self.paused)
+        finally:
+            self.waiting -= 1
         ticket = Ticket(request_id, serial=next(self._serials))
         self.in_flight[ticket.serial] = ticket
         self._notify()
@@ -229,6 +238,30 @@ async def engine_stats(request: Request) -> Response:
                          "abort_requested": control.abort_requested})
 
 
+async def metrics(request: Request) -> Response:
+    """vLLM's load gauges, as its ``/metrics`` names them (Prometheus text)."""
+    control = _control(request)
+    lines = []
+    for name, value in (("vllm:num_requests_running", len(control.in_flight)),
+                        ("vllm:num_requests_waiting", control.waiting + control.extra_waiting),
+                        ("vllm:kv_cache_usage_perc", control.kv_cache_usage)):
+        lines += [f"# TYPE {name} gauge", f'{name}{{engine="0",model_name="simulator"}} {float(value)}']
+    return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+async def set_engine_load(request: Request) -> Response:
+    """``POST {"waiting": n, "kv_cache_usage": x}``: the queue and KV usage /metrics adds
+    to its own (as if another client loaded this engine); for tests and benchmarks."""
+    body = await _json_object(request)
+    waiting = body.get("waiting", 0) if body else None
+    usage = body.get("kv_cache_usage", 0.0) if body else None
+    if not isinstance(waiting, int) or waiting < 0 or not isinstance(usage, int | float) or not 0 <= usage <= 1:
+        return _error("'waiting' must be an integer >= 0 and 'kv_cache_usage' a number from 0 to 1")
+    control = _control(request)
+    control.extra_waiting, control.kv_cache_usage = waiting, float(usage)
+    return JSONResponse({"waiting": waiting, "kv_cache_usage": float(usage)})
+
+
 ROUTES = [
     Route("/pause", pause, methods=["POST"]),
     Route("/resume", resume, methods=["POST"]),
@@ -237,4 +270,6 @@ ROUTES = [
     Route("/weight_info", weight_info, methods=["GET"]),
     Route("/update_weight_version", update_weight_version, methods=["POST"]),
     Route("/_sim/engine", engine_stats, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+    Route("/_sim/engine_load", set_engine_load, methods=["POST"]),
 ]

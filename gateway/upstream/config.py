@@ -165,7 +165,8 @@ def build_pool(settings: Settings, state: CredentialState | None, simulator_url:
                 continue
             configured[credential.identity] = credential
             credentials.append(credential)
-    router = build_router(settings.routing, time.time, settings.routing_imbalance_rel, settings.routing_imbalance_abs)
+    router = build_router(settings.routing, time.time, settings.routing_imbalance_rel, settings.routing_imbalance_abs,
+                          settings.routing_slow_factor)
     pool = UpstreamPool(credentials, state, settings.max_in_flight_per_credential, router=router)
     pool.superseded = superseded
     return pool

@@ -9,11 +9,14 @@ with the reason it did (docs/routing.md):
   that session went last (``session``); one that does not, to the replica whose sent
   prompts share the longest prefix with it (``prefix``); otherwise, and on ties, the one
   with the fewest calls in flight through this gateway (``least_loaded``), each call
-  counted as many times as its replica is slower than the fastest lately (:class:`Pace`).
-  A per-call imbalance gate sends the call to the least-loaded replica (``rebalanced``)
-  when the chosen one holds more than ``min * rel + abs`` of them; a session whose replica is not
-  usable any more, or a retry after a failed attempt, is ``failover``. The session moves
-  with the call each time.
+  counted as many times as its replica is slower than the fastest lately (:class:`Pace`),
+  plus the requests the engine itself says it queues (:class:`EngineLoad`, vLLM's
+  ``/metrics``). Two gates send the call to the least-loaded replica (``rebalanced``):
+  load, when the chosen one holds more than ``min * rel + abs`` of them; pace, when the
+  chosen one is *slow* (its pace more than ``slow_factor`` times the fastest's: slow
+  replicas are left out of every choice while another is usable). A session whose
+  replica is not usable any more, or a retry after a failed attempt, is ``failover``.
+  The session moves with the call each time.
 - ``round-robin`` (:class:`RoundRobinRouter`): the pool's behaviour before routing
   existed: a named session sticks to its replica while usable, else the next in turn.
 
@@ -44,10 +47,34 @@ SAMPLE_CHARS = 1024
 #: and the most a slow replica's calls count for (a replica 10x slower counts 10 a call).
 PACE_WEIGHT = 0.2
 PACE_CAP = 10.0
+#: A replica's pace counts once it has this many answers (the first ones, a cold start's
+#: queue, say little), and is forgotten after this many seconds without one (a replica
+#: that was left because it was slow is tried again: it may have recovered).
+PACE_MIN_SAMPLES = 3
+PACE_STALE_SECONDS = 60.0
+#: Means under this many seconds count as this: among calls that quick the differences are
+#: noise (a connection's set-up, a busy event loop), not an engine's pace.
+PACE_FLOOR_SECONDS = 0.25
+#: ``--routing-slow-factor``: a replica whose pace is more than this many times the
+#: fastest usable one's is *slow*: its sessions leave it and nothing new goes there
+#: while a brisker replica is usable (0: off).
+SLOW_FACTOR = 3.0
+#: An engine's own report of its queue (vLLM ``/metrics``, gateway/engines/load.py) counts
+#: for this many seconds after it was read (the poller reads every 2 s).
+ENGINE_LOAD_STALE_SECONDS = 10.0
 
 ROUTING_MODES = ("cache-aware", "round-robin")
 #: Every reason a router gives (the label values of codebuddy2api_routing_decisions_total).
 REASONS = ("session", "prefix", "least_loaded", "rebalanced", "failover", "round_robin")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What an engine says of its own load: requests queued (not yet running) and the
+    share of its KV cache running requests hold (None: not reported)."""
+
+    waiting: float
+    kv_cache_usage: float | None = None
 
 
 class Replica(Protocol):
@@ -157,24 +184,44 @@ class Pace:
     than the others when each session waits for its answer before the next turn: counted
     in calls alone it looks as loaded as the rest, and the sessions on it stay. Weighted
     by its pace, it looks as loaded as it is. Replicas see the same kind of calls, so
-    their means compare; a replica without a mean yet counts as the fastest.
+    their means compare; a replica without a mean yet (fewer than ``min_samples``
+    answers, or none for ``stale`` seconds) counts as the fastest, and a mean under
+    ``floor`` seconds as ``floor``.
     """
 
-    def __init__(self, weight: float = PACE_WEIGHT, cap: float = PACE_CAP) -> None:
+    def __init__(self, clock: Callable[[], float] = lambda: 0.0, weight: float = PACE_WEIGHT,
+                 cap: float = PACE_CAP, min_samples: int = PACE_MIN_SAMPLES, stale: float = PACE_STALE_SECONDS,
+                 floor: float = PACE_FLOOR_SECONDS) -> None:
+        self.clock = clock
+        self.floor = floor
         self.weight = weight
         self.cap = cap
+        self.min_samples = min_samples
+        self.stale = stale
         self._mean: dict[str, float] = {}
+        self._count: dict[str, int] = {}
+        self._last: dict[str, float] = {}  # when each replica last answered (the clock's time)
 
     def observe(self, replica_id: str, seconds: float) -> None:
-        old = self._mean.get(replica_id)
-        self._mean[replica_id] = seconds if old is None else old + self.weight * (seconds - old)
+        now = self.clock()
+        if now - self._last.get(replica_id, now) > self.stale:
+            self.forget(replica_id)  # an old mean says nothing of the replica now
+        count = self._count[replica_id] = self._count.get(replica_id, 0) + 1
+        old = self._mean.get(replica_id, seconds)
+        # the first answers are averaged plainly (no bias towards the very first one)
+        self._mean[replica_id] = old + max(self.weight, 1 / count) * (seconds - old)
+        self._last[replica_id] = now
 
     def forget(self, replica_id: str) -> None:
         self._mean.pop(replica_id, None)
+        self._count.pop(replica_id, None)
+        self._last.pop(replica_id, None)
 
     def slowness(self, replica_ids: Sequence[str]) -> dict[str, float]:
         """replica id -> its mean over the fastest mean among them, from 1 to ``cap``."""
-        means = {r: self._mean[r] for r in replica_ids if r in self._mean}
+        now = self.clock()
+        means = {r: max(self.floor, self._mean[r]) for r in replica_ids
+                 if self._count.get(r, 0) >= self.min_samples and now - self._last[r] <= self.stale}
         fastest = min(means.values(), default=0.0)
         if fastest <= 0:
             return dict.fromkeys(replica_ids, 1.0)
@@ -182,19 +229,23 @@ class Pace:
 
 
 class CacheAwareRouter:
-    """Session, then prefix, then least in flight; the imbalance gate over all three."""
+    """Session, then prefix, then least in flight, among the replicas that are not slow;
+    the load gate over all three."""
 
     uses_prefix = True
 
     def __init__(
         self, clock: Callable[[], float], imbalance_rel: float = 1.5, imbalance_abs: int = 8,
-        sessions: StickySessions | None = None, index: PrefixIndex | None = None,
+        sessions: StickySessions | None = None, index: PrefixIndex | None = None, slow_factor: float = SLOW_FACTOR,
     ) -> None:
         self.imbalance_rel = imbalance_rel
         self.imbalance_abs = imbalance_abs
+        self.slow_factor = slow_factor
         self.sessions = StickySessions(clock) if sessions is None else sessions  # (an empty one is falsy)
         self.index = PrefixIndex() if index is None else index
-        self.pace = Pace()
+        self.pace = Pace(clock)
+        self.clock = clock
+        self.reported: dict[str, tuple[EngineLoad, float]] = {}  # replica id -> its own report, when read
         self._turn = itertools.count()  # spreads ties (e.g. new sessions while all are idle)
 
     def route(self, candidates: Sequence[R], session: str | None = None, prefix: Sequence[int] = (),
@@ -202,6 +253,10 @@ class CacheAwareRouter:
         """Pick one of ``candidates`` (non-empty) for a call and learn from the choice:
         the session now lives there and its prompt is in that replica's index.
         ``failover``: a retry after an attempt that failed before its first byte."""
+        slowness = self.pace.slowness([c.id for c in candidates])
+        queued = self._queued()
+        loads = {c.id: c.in_flight * slowness[c.id] + queued.get(c.id, 0.0) for c in candidates}
+        brisk = self._brisk(candidates, slowness)
         chosen: R | None = None
         reason = ""
         if session is not None:
@@ -209,20 +264,23 @@ class CacheAwareRouter:
             if known is not None:
                 chosen = next((c for c in candidates if c.id == known), None)
                 reason = "session" if chosen is not None else "failover"
+                if chosen is not None and chosen not in brisk:  # its replica became slow: it leaves
+                    chosen, reason = None, "rebalanced"
         if chosen is None and prefix:
-            matches = [self.index.match(c.id, prefix) for c in candidates]
-            best = max(matches)
-            if best and min(matches) < best:  # a match every replica has tells nothing
-                chosen = self._least_loaded([c for c, m in zip(candidates, matches) if m == best])
+            matches = {c.id: self.index.match(c.id, prefix) for c in candidates}
+            best = max(matches[c.id] for c in brisk)
+            if max(matches.values()) > best:  # its warmest replica is slow: it leaves
+                reason = reason or "rebalanced"
+            if best and min(matches[c.id] for c in brisk) < best:  # a match every replica has tells nothing
+                chosen = self._least_loaded([c for c in brisk if matches[c.id] == best], loads)
                 reason = reason or "prefix"
         if chosen is None:
-            chosen = self._least_loaded(candidates)
+            chosen = self._least_loaded(brisk, loads)
             reason = reason or "least_loaded"
         if failover:
             reason = "failover"
-        loads = self._loads(candidates)
-        if loads[chosen.id] > min(loads.values()) * self.imbalance_rel + self.imbalance_abs:
-            chosen, reason = self._least_loaded(candidates, loads), "rebalanced"
+        if loads[chosen.id] > min(loads[c.id] for c in brisk) * self.imbalance_rel + self.imbalance_abs:
+            chosen, reason = self._least_loaded(brisk, loads), "rebalanced"
         if session is not None:
             self.sessions.put(session, chosen.id)
         if prefix:
@@ -233,20 +291,33 @@ class CacheAwareRouter:
         """A call on ``replica_id`` was answered in full in ``seconds``."""
         self.pace.observe(replica_id, seconds)
 
+    def report_load(self, replica_id: str, load: EngineLoad) -> None:
+        """The engine's own report of its load (gateway/engines/load.py)."""
+        self.reported[replica_id] = (load, self.clock())
+
     def forget(self, replica_id: str) -> None:
-        """The replica left the pool: its index and pace go (its sessions fail over)."""
+        """The replica left the pool: its index, pace and report go (its sessions fail over)."""
         self.index.forget(replica_id)
         self.pace.forget(replica_id)
+        self.reported.pop(replica_id, None)
 
-    def _loads(self, candidates: Sequence[R]) -> dict[str, float]:
-        """Calls in flight, each counted as many times as its replica is slower than the
-        fastest candidate lately (1 when they are alike)."""
-        slowness = self.pace.slowness([c.id for c in candidates])
-        return {c.id: c.in_flight * slowness[c.id] for c in candidates}
+    def _queued(self) -> dict[str, float]:
+        """Requests each engine says it queues, from reports read lately (none: 0)."""
+        if not self.reported:
+            return {}
+        now = self.clock()
+        return {r: load.waiting for r, (load, at) in self.reported.items() if now - at <= ENGINE_LOAD_STALE_SECONDS}
 
-    def _least_loaded(self, candidates: Sequence[R], loads: dict[str, float] | None = None) -> R:
-        loads = self._loads(candidates) if loads is None else loads
-        least = min(loads.values())
+    def _brisk(self, candidates: Sequence[R], slowness: Mapping[str, float]) -> list[R]:
+        """The candidates not slow (their pace within ``slow_factor`` of the fastest's):
+        never empty, the fastest is always among them."""
+        if not self.slow_factor:
+            return list(candidates)
+        return [c for c in candidates if slowness[c.id] <= self.slow_factor]
+
+    def _least_loaded(self, candidates: Sequence[R], loads: Mapping[str, float]) -> R:
+        """The fewest calls in flight, each weighted by its replica's slowness; ties in turn."""
+        least = min(loads[c.id] for c in candidates)
         tied = [c for c in candidates if loads[c.id] == least]
         return tied[0] if len(tied) == 1 else tied[next(self._turn) % len(tied)]
 
@@ -279,6 +350,9 @@ class RoundRobinRouter:
 
     def observe(self, replica_id: str, seconds: float) -> None:
         """Round-robin does not look at speed."""
+
+    def report_load(self, replica_id: str, load: EngineLoad) -> None:
+        """Nor at the engines' own load."""
 
     def forget(self, replica_id: str) -> None:
         """Nothing kept per replica but the sessions' (they fail over)."""
@@ -318,10 +392,10 @@ def engines_of(candidates: Sequence[R], engine_id: Callable[[R], str]) -> list[E
 
 
 def build_router(mode: str, clock: Callable[[], float], imbalance_rel: float = 1.5,
-                 imbalance_abs: int = 8) -> Router:
+                 imbalance_abs: int = 8, slow_factor: float = SLOW_FACTOR) -> Router:
     if mode == "round-robin":
         return RoundRobinRouter(clock)
-    return CacheAwareRouter(clock, imbalance_rel, imbalance_abs)
+    return CacheAwareRouter(clock, imbalance_rel, imbalance_abs, slow_factor=slow_factor)
 
 
 # -- the prefix chain of a chat body --------------------------------------------------------

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from gateway.upstream.routing import (
     CacheAwareRouter,
+    EngineLoad,
     Pace,
     PrefixIndex,
     RoundRobinRouter,
@@ -199,7 +200,7 @@ def test_sessions_expire_after_their_ttl() -> None:
 
 
 def test_pace_is_a_weighted_mean_relative_to_the_fastest() -> None:
-    pace = Pace(weight=0.5, cap=4.0)
+    pace = Pace(weight=0.5, cap=4.0, min_samples=1)
     assert pace.slowness(["a", "b"]) == {"a": 1.0, "b": 1.0}  # nothing known: alike
     pace.observe("a", 1.0)
     pace.observe("b", 2.0)
@@ -211,8 +212,106 @@ def test_pace_is_a_weighted_mean_relative_to_the_fastest() -> None:
     assert pace.slowness(["b"]) == {"b": 1.0}  # relative to the candidates offered
 
 
-def test_a_session_leaves_a_replica_that_became_slow() -> None:
+def test_pace_counts_from_a_few_answers_and_forgets_an_old_one() -> None:
+    now = [0.0]
+    pace = Pace(lambda: now[0], weight=0.2, min_samples=3, stale=60.0)
+    for seconds in (1.0, 1.0, 1.0):
+        pace.observe("a", seconds)
+    pace.observe("b", 4.0)
+    pace.observe("b", 6.0)
+    assert pace.slowness(["a", "b"]) == {"a": 1.0, "b": 1.0}  # two answers of b: not yet a mean
+    pace.observe("b", 8.0)
+    assert pace.slowness(["a", "b"]) == {"a": 1.0, "b": 6.0}  # the first three averaged plainly: (4+6+8)/3
+    pace.observe("b", 1.0)  # still a plain mean while 1/n > 0.2: 6 + (1 - 6) / 4
+    assert pace.slowness(["a", "b"])["b"] == 4.75
+    pace.observe("b", 4.75)
+    pace.observe("b", 9.75)  # from the sixth answer on, weighted: 4.75 + 0.2 * (9.75 - 4.75) = 5.75
+    assert pace.slowness(["a", "b"])["b"] == 5.75
+    now[0] = 50.0
+    pace.observe("a", 1.0)
+    now[0] = 61.0  # b answered nothing for more than 60 s: its mean says nothing now
+    assert pace.slowness(["a", "b"]) == {"a": 1.0, "b": 1.0}
+    pace.observe("b", 1.0)  # and it starts again from its next answers
+    assert pace._count["b"] == 1 and pace._mean["b"] == 1.0
+
+
+def slowed(r: CacheAwareRouter, pool: list[Fake], slow: Fake, factor: float = 5.0) -> None:
+    """Each replica has answered five calls: ``slow`` ``factor`` times slower than the rest."""
+    for replica in pool:
+        for _ in range(5):
+            r.observe(replica.id, factor if replica is slow else 1.0)
+
+
+def test_a_session_leaves_a_slow_replica_whatever_its_load() -> None:
+    r = router()  # the default gate (1.5, 8) and slow factor (3)
+    pool = replicas(0, 0, 0, 0)
+    homes = {f"s{i}": r.route(pool, session=f"s{i}").replica for i in range(8)}
+    slow = homes["s0"]
+    chain = prefix_chain(chat("unnamed agent, turn 1"))
+    assert r.route(pool, prefix=chain).replica is slow  # (its turn in the ties)
+    for replica in pool:
+        replica.in_flight = 1  # each session waits for its answer: the slow one holds no more calls
+    slowed(r, pool, slow)
+    stays = r.route(pool, session="s1")
+    assert stays.replica is homes["s1"] is not slow and stays.reason == "session"
+    moved = r.route(pool, session="s0")  # 1 x 5 = 5, far within 1 * 1.5 + 8: the gate alone would keep it
+    assert moved.replica is not slow and moved.reason == "rebalanced"
+    again = r.route(pool, session="s0")
+    assert again.replica is moved.replica and again.reason == "session"  # no flapping back
+    unnamed = r.route(pool, prefix=prefix_chain(chat("unnamed agent, turn 1", "done", "turn 2")))
+    assert unnamed.replica is not slow and unnamed.reason == "rebalanced"  # its prefix was there: it leaves too
+    slow.in_flight = 0  # idle, the slow one still gets nothing new while a brisk one is usable
+    fresh = [r.route(pool, session=f"new-{i}") for i in range(6)]
+    assert all(f.replica is not slow and f.reason == "least_loaded" for f in fresh)
+    only = r.route([slow], session="s0")  # the only one usable: it serves
+    assert only.replica is slow and only.reason == "failover"
+
+
+def test_a_replica_a_little_slower_keeps_its_sessions() -> None:
     r = router()
+    pool = replicas(0, 0)
+    home = r.route(pool, session="s").replica
+    slowed(r, pool, home, factor=2.5)  # within the slow factor 3
+    assert r.route(pool, session="s") == type(r.route(pool, session="s"))(home, "session")
+    off = router(slow_factor=0.0)  # --routing-slow-factor 0: pace only weighs the load
+    home = off.route(pool, session="s").replica
+    slowed(off, pool, home, factor=9.0)
+    assert off.route(pool, session="s").replica is home
+
+
+def test_a_slow_replica_is_tried_again_once_its_pace_is_old() -> None:
+    now = [0.0]
+    r = router(now)
+    pool = replicas(0, 0)
+    slow = r.route(pool, session="s").replica
+    slowed(r, pool, slow)
+    assert r.route(pool, session="s").replica is not slow
+    now[0] = 30.0
+    for _ in range(3):
+        r.observe(next(p for p in pool if p is not slow).id, 1.0)  # the other keeps answering
+    assert [r.route(pool).replica is slow for _ in range(4)] == [False] * 4
+    now[0] = 61.0  # nothing from the slow one for over a minute: it may have recovered
+    assert [r.route(pool).replica is slow for _ in range(4)].count(True) == 2  # both idle: turns
+
+
+def test_the_gate_measures_against_the_brisk_replicas() -> None:
+    r = router()
+    pool = replicas(0, 0, 0)
+    home = r.route(pool, session="s").replica
+    slow = next(p for p in pool if p is not home)
+    slowed(r, pool, slow)
+    slow.in_flight = 0  # the slow one idle (its sessions left): it does not tighten the gate
+    home.in_flight = 9
+    next(p for p in pool if p not in (home, slow)).in_flight = 2
+    kept = r.route(pool, session="s")  # 9 within 2 * 1.5 + 8 = 11 (not 0 * 1.5 + 8 = 8)
+    assert kept.replica is home and kept.reason == "session"
+    home.in_flight = 12
+    moved = r.route(pool, session="s")
+    assert moved.replica not in (home, slow) and moved.reason == "rebalanced"
+
+
+def test_a_session_leaves_a_replica_that_became_slow() -> None:
+    r = router(slow_factor=0.0)  # the load gate alone, pace weighing each call
     pool = replicas(0, 0, 0, 0)
     homes = {f"s{i}": r.route(pool, session=f"s{i}").replica for i in range(8)}
     slow = homes["s0"]
@@ -228,6 +327,32 @@ def test_a_session_leaves_a_replica_that_became_slow() -> None:
     assert moved.replica is not slow and moved.reason == "rebalanced"
     fresh = r.route([slow, pool[1] if slow is not pool[1] else pool[2]])
     assert fresh.replica is not slow and fresh.reason == "least_loaded"  # 2 calls there weigh 2, the slow 3 weigh 15
+
+
+def test_an_engines_own_queue_counts_while_its_report_is_fresh() -> None:
+    now = [0.0]
+    r = router(now)
+    pool = replicas(0, 0)
+    r.report_load("r0", EngineLoad(waiting=3))  # another client's calls queue there
+    assert [r.route(pool).replica.id for _ in range(3)] == ["r1"] * 3  # least loaded: 0 against 3
+    pool[1].in_flight = 4  # now r1 holds more than r0's queue
+    assert r.route(pool).replica.id == "r0"
+    home = r.route(replicas(0, 0), session="s").replica.id  # a session on r1 ...
+    assert home == "r1"
+    r.report_load("r1", EngineLoad(waiting=20))  # ... whose engine queues 20 > 0 * 1.5 + 8: the gate moves it
+    moved = r.route(replicas(0, 0), session="s")
+    assert moved.replica.id == "r0" and moved.reason == "rebalanced"
+    now[0] = 10.5  # reports older than 10 s count no more
+    assert r.route(replicas(0, 3), session="s").replica.id == "r0"
+    assert [r.route(replicas(1, 0)).replica.id for _ in range(2)] == ["r1", "r1"]
+    r.forget("r1")
+    assert "r1" not in r.reported
+
+
+def test_round_robin_ignores_the_engines_queue() -> None:
+    r = RoundRobinRouter(lambda: 0.0)
+    r.report_load("r0", EngineLoad(waiting=100))
+    assert [r.route(replicas(0, 0)).replica.id for _ in range(2)] == ["r0", "r1"]
 
 
 def test_a_replica_that_leaves_is_forgotten() -> None:

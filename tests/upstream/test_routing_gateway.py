@@ -204,6 +204,54 @@ def test_the_imbalance_gate_moves_a_session_off_its_busy_replica(
     assert metric(gateway, "codebuddy2api_routing_decisions_total", reason="rebalanced") == 1
 
 
+def test_named_sessions_leave_a_replica_that_slowed_down(server_loop: ServerLoop, replicas: list[Simulator],
+                                                       tmp_path: Path) -> None:
+    two = replicas[:2]
+    gateway = start(server_loop, tmp_path, two, session_header="x-conversation")  # the default gate, slow factor 3
+    agents = [f"agent-{n}" for n in range(4)]
+    homes: dict[str, str] = {}
+    for turn in (1, 2, 3):  # one call at a time: never more than one in flight, the gate never fires
+        for agent in agents:
+            homes[agent] = routed(gateway, ask(gateway, conversation(agent, turn), headers={"x-conversation": agent}))[0][0]
+    assert sorted(homes.values()) == ["upstream0", "upstream0", "upstream1", "upstream1"]  # ties in turn
+    slow, fast = "upstream0", "upstream1"
+    stuck = [a for a in agents if homes[a] == slow]
+    # replica 0 now answers every call 3 s late (its engine slowed down; no error, nothing in flight piles up)
+    httpx.post(two[0].url + "/_sim/fault", json={"model": "text;chunk=7;ttfb=3"}).raise_for_status()
+    trail: dict[str, list[tuple[str, str]]] = {a: [] for a in agents}
+    for turn in range(4, 8):
+        for agent in agents:
+            trail[agent] += routed(gateway, ask(gateway, conversation(agent, turn), headers={"x-conversation": agent}))
+    for agent in agents:
+        if agent not in stuck:
+            assert trail[agent] == [(fast, "session")] * 4
+            continue
+        # a slow answer or two teach the router its pace; then the session moves, once, and stays
+        there = trail[agent].index((fast, "rebalanced"))
+        assert 1 <= there <= 2 and trail[agent][:there] == [(slow, "session")] * there, trail[agent]
+        assert trail[agent][there + 1:] == [(fast, "session")] * (3 - there)
+    assert metric(gateway, "codebuddy2api_routing_decisions_total", reason="rebalanced") == 2
+    assert len(calls(two[0])) <= 6 + 2 * 2  # nothing more reached the slow replica
+
+
+def test_a_vllm_engines_own_queue_weighs_the_choice(server_loop: ServerLoop, replicas: list[Simulator],
+                                                    tmp_path: Path) -> None:
+    two = replicas[:2]
+    gateway = start(server_loop, tmp_path, two, engine_api="vllm", session_header="x-conversation")
+    home = routed(gateway, ask(gateway, conversation("agent-q", 1), headers={"x-conversation": "agent-q"}))[0][0]
+    loaded = int(home[-1])
+    router = gateway.app.state.relay.pool.router
+    try:  # another client queues 12 requests on that engine, which its /metrics says
+        httpx.post(two[loaded].url + "/_sim/engine_load", json={"waiting": 12, "kv_cache_usage": 0.9}).raise_for_status()
+        wait_for(lambda: any(load.waiting == 12 for load, _ in router.reported.values()), timeout=15)
+        moved = routed(gateway, ask(gateway, conversation("agent-q", 2), headers={"x-conversation": "agent-q"}))
+        assert moved == [(f"upstream{1 - loaded}", "rebalanced")]  # 12 > 0 * 1.5 + 8
+        fresh = [routed(gateway, ask(gateway, conversation(topic, 1)))[0] for topic in ("p", "q", "r")]
+        assert fresh == [(f"upstream{1 - loaded}", "least_loaded")] * 3  # idle: 0 against 12, no turns
+    finally:
+        httpx.post(two[loaded].url + "/_sim/engine_load", json={"waiting": 0})
+
+
 # -- rule 5: failover moves the session ----------------------------------------------------
 
 
@@ -257,6 +305,16 @@ def test_an_upstream_session_header_that_is_no_header_name_is_refused(tmp_path: 
     with pytest.raises(SettingsError) as caught:
         load_settings({"upstream_session_header": "x session", "data_dir": tmp_path})
     assert "--upstream-session-header" in str(caught.value) and "header name" in str(caught.value)
+
+
+def test_a_slow_factor_within_the_answers_spread_is_refused(tmp_path: Path) -> None:
+    from gateway.settings import SettingsError, load_settings
+
+    with pytest.raises(SettingsError) as caught:
+        load_settings({"routing_slow_factor": 1.1, "data_dir": tmp_path})
+    assert "--routing-slow-factor" in str(caught.value) and "0 (off) or at least 1.2" in str(caught.value)
+    assert load_settings({"routing_slow_factor": 0, "data_dir": tmp_path})[0].routing_slow_factor == 0
+    assert load_settings({"data_dir": tmp_path})[0].routing_slow_factor == 3.0
 
 
 # -- round-robin keeps the behaviour before routing ----------------------------------------
