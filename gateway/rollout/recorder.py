@@ -270,3 +270,5 @@ class RolloutRecorder:
         self.owners.forget(rollout_id)
         self._spilled.pop(rollout_id, None)
         self._incomplete.pop(rollout_id, None)
+        for call in [c for c, r in self._delivered.items() if r == rollout_id]:
+            del self._delivered[call]
