@@ -70,10 +70,18 @@ def delivered_row(rollout_id: str, call_id: str, at: float) -> tuple[Any, ...]:
 
 
 def with_delivery(records: list[dict[str, Any]], marks: list[tuple[str, float, str]]) -> list[dict[str, Any]]:
-    """The records with ``delivered: true`` where a ``delivered`` mark names the call."""
+    """The records with ``delivered: true`` where a ``delivered`` mark names the call, or
+    where a later call extends it token for token (its client had the answer: the mark
+    was lost with the gateway, the delivery was not)."""
     delivered = {reason for kind, _, reason in marks if kind == DELIVERED}
-    return [{**r, "delivered": True} if r.get("delivered") is False and r.get("call_id") in delivered else r
-            for r in records]
+    out = [{**r, "delivered": True} if r.get("delivered") is False and r.get("call_id") in delivered else r
+           for r in records]
+    if not any(is_undelivered(r) for r in out):
+        return out
+    ordered, chain = _ordered(out)
+    extended = {c.previous_call_id for r in ordered
+                if (c := chain.continuity(str(r.get("call_id")))) is not None and c.prefix == "exact"}
+    return [{**r, "delivered": True} if is_undelivered(r) and r.get("call_id") in extended else r for r in out]
 
 
 def is_undelivered(record: dict[str, Any]) -> bool:

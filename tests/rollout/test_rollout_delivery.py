@@ -51,6 +51,15 @@ def test_every_call_confirmed_is_complete_and_unforked() -> None:
     assert snap["forked"] is False and snap["forks"] == []
 
 
+def test_a_call_a_later_call_extends_was_delivered_whatever_its_mark() -> None:
+    # the gateway died after x's terminal went out but before its mark was stored: the
+    # client had x's answer, its next call w extends x token for token
+    w = record("w", 3.0, [1, 2, 3, 4, 5], [6], delivered=False)
+    snap = rollout_store.snapshot([A, X, w], [("delivered", 1.6, "a"), ("delivered", 3.6, "w")], "r")
+    assert snap["complete"] is True and snap["undelivered"] == [] and snap["forked"] is False
+    assert [c["delivered"] for c in snap["calls"]] == [True, True, True]
+
+
 def test_records_from_before_delivery_was_recorded_and_failed_calls_count_as_delivered() -> None:
     old = {k: v for k, v in X.items() if k != "delivered"}
     failed = record("f", 5.0, [9], [9], outcome="error", delivered=False)
