@@ -41,8 +41,8 @@ async def export(request: Request) -> Response:
         body = await asyncio.to_thread(lambda: _jsonl(export_rollout(directory, rollout)))
     else:
         read = await request.app.state.relay.rollouts.read(rollout)
-        records = read[0] if read is not None else []
-        body = await asyncio.to_thread(lambda: _jsonl(rollout_store.with_order(records)))
+        records, marks = read if read is not None else ([], [])
+        body = await asyncio.to_thread(lambda: _jsonl(rollout_store.with_order(records, marks)))
     if not body:
         return admin_error(404, "rollout_not_found", f"no records of rollout {rollout!r} ({source})")
     return Response(body, media_type="application/x-ndjson")

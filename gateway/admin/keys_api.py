@@ -25,6 +25,7 @@ from gateway.keys.model import (
 from gateway.keys import usage_window
 from gateway.keys.registry import KeyRegistry
 from gateway.store import audit_queries
+from gateway.store.replicas import without_managed_keys
 
 
 def _registry(request: Request) -> KeyRegistry:
@@ -43,6 +44,13 @@ def _name_taken(keys: list[ManagedKey], name: str, except_id: str | None = None)
     return any(k.name == name and k.revoked_at is None and k.key_id != except_id for k in keys)
 
 
+def _older_replicas(request: Request) -> list[dict[str, Any]]:
+    """Live replicas of a version that may serve a managed key's requests without it (one
+    without client keys serves everyone): while any is alive, no managed key is created."""
+    replication = getattr(request.app.state, "replication", None)
+    return [] if replication is None else without_managed_keys(replication.live_members())
+
+
 async def create_key(request: Request) -> Response:
     try:
         payload = await json_object(request)
@@ -54,6 +62,12 @@ async def create_key(request: Request) -> Response:
         metadata = metadata_of(payload.get("metadata"))
     except InvalidField as exc:
         return _invalid(exc)
+    older = _older_replicas(request)
+    if older:
+        named = ", ".join(f"{m.get('host')} pid {m.get('pid')}" for m in older[:5])
+        return admin_error(409, "replicas_without_managed_keys",
+                           f"{len(older)} live replica(s) of an older version may not enforce managed keys ({named}):"
+                           " finish the rolling upgrade, then create keys (docs/operations.md, Upgrades)")
     if _name_taken(await _keys(request), name):
         return admin_error(409, "key_name_taken", f"a key named {name!r} exists already (names label the metrics)", "name")
     secret = new_secret()

@@ -33,13 +33,17 @@ def _query(request: Request) -> ExportQuery:
             check_group(group, "group")
         except BadLabel as err:
             raise BadParam("group", str(err)) from None
+    undelivered = params.get("undelivered") or "include"
+    if undelivered not in ("include", "exclude"):
+        raise BadParam("undelivered", "undelivered must be include or exclude")
     cursor_text = params.get("cursor") or None
     try:
         cursor = decode_cursor(cursor_text) if cursor_text else None
     except ValueError as err:
         raise BadParam("cursor", f"cursor: {err}") from None
     return ExportQuery(shape=shape, since=_time(request, "since"), until=_time(request, "until"), group=group,
-                       frozen=_BOOLEAN.get(frozen_text or ""), cursor=cursor)
+                       frozen=_BOOLEAN.get(frozen_text or ""), cursor=cursor,
+                       exclude_undelivered=undelivered == "exclude")
 
 
 async def export(request: Request) -> Response:

@@ -83,10 +83,14 @@ async def get_trajectory(request: Request) -> Response:
     rollout_id = _rollout_id(request)
     if rollout_id is None:
         return _invalid()
+    undelivered = request.query_params.get("undelivered") or "include"
+    if undelivered not in ("include", "exclude"):
+        return _bad(BadParam("undelivered", "undelivered must be include or exclude"))
     read = await _recorder(request).read(rollout_id)
     if read is None:
         return _missing(rollout_id)
-    return JSONResponse(await asyncio.to_thread(rollout_store.trajectory, read[0], rollout_id))
+    return JSONResponse(await asyncio.to_thread(
+        rollout_store.trajectory, read[0], rollout_id, read[1], undelivered == "exclude"))
 
 
 async def freeze(request: Request) -> Response:

@@ -237,6 +237,9 @@ class RelayedCall:
 
     # -- what the service calls ------------------------------------------------------------
 
+    def released(self) -> None:
+        """A relayed answer is never a recorded rollout call: nothing to confirm."""
+
     def abort(self, error: GatewayError) -> None:
         """End it early with ``error`` (graceful shutdown): the upstream read is cancelled."""
         if self._aborted is None:

@@ -103,7 +103,11 @@ class GenerationResponse:
         if self._gone:  # drained after the client left: its usage is in; the client has not all
             return
         if started:
+            # the server waits here while the transport still holds what the client has not
+            # taken: past it, the terminal was handed on (a rollout call's record is confirmed)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if self.run.terminated and self.run.error is None:
+                self.run.released()
         self._complete = True
 
 

@@ -124,6 +124,8 @@ class Run(Protocol):
 
     def stream(self) -> AsyncIterator[bytes | GatewayError]: ...
 
+    def released(self) -> None: ...
+
     def abort(self, error: GatewayError) -> None: ...
 
 
@@ -158,6 +160,9 @@ class GenerationRun:
         #: awaited once the answer is whole, before its terminal (or JSON body) is released:
         #: the rollout call record's commit (gateway/rollout/recorder.py)
         self.before_release: Callable[[GenerationRun], Awaitable[None]] | None = None
+        #: called once the terminal (or JSON body) was handed to the client's transport:
+        #: the rollout call record's ``delivered`` confirmation
+        self.after_release: Callable[[GenerationRun], None] | None = None
         self._aborted: GatewayError | None = None
         self._queue: asyncio.Queue[_QueueItem] = asyncio.Queue(maxsize=64)
         self._pump_task: asyncio.Task[None] | None = None
@@ -189,6 +194,12 @@ class GenerationRun:
                 yield self.encoder.encode(Error(self.error))
             else:
                 yield self.error
+
+    def released(self) -> None:
+        """The terminal (or the JSON body) was handed to the client's transport."""
+        hook, self.after_release = self.after_release, None  # once
+        if hook is not None:
+            hook(self)
 
     def abort(self, error: GatewayError) -> None:
         """End this generation early with ``error`` (closes the upstream; the client gets

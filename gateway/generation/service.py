@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from starlette.requests import ClientDisconnect, HTTPConnection, Request
+from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response
 
 from gateway.engines.fleet import EngineFleet
@@ -208,6 +209,7 @@ class GenerationService:
         request.scope[ATTEMPTS_SCOPE_KEY] = run.attempts  # the x-codebuddy2api-upstream header (app.SimulatorHeader)
         if recording:
             run.before_release = self.rollouts.commit  # type: ignore[union-attr]
+            run.after_release = self.rollouts.released  # type: ignore[union-attr]
         self.running.add(run)
         if parsed.stream:  # a key that bills exactly reads the answer to its usage after a hang-up
             drain = settings.attempt_timeout if key is not None and key.limits.on_disconnect == "drain" else 0.0
@@ -337,13 +339,18 @@ async def _answer_json(
         outcome.failed(run.error)
         return error_response(room, run.error, headers)
     outcome.succeeded()
-    return JSONResponse(body, headers=headers)
+    # the body handed to the transport: a rollout call's record is confirmed delivered
+    return JSONResponse(body, headers=headers, background=BackgroundTask(_released, run))
 
 
 def _sendable_header(value: str | None) -> bool:
     """A session id that can go upstream as a header value as it is (printable ASCII,
     1 to 512 characters); any other is not sent (a routing hint, never a 500)."""
     return bool(value) and len(value) <= 512 and value.isascii() and value.isprintable()  # type: ignore[arg-type,union-attr]
+
+
+async def _released(run: GenerationRun) -> None:
+    run.released()
 
 
 def _stream_outcome(outcome: RequestOutcome, run: Run, complete: bool) -> None:

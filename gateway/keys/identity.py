@@ -36,8 +36,17 @@ def presented_key(request: HTTPConnection) -> str:
     return presented
 
 
+#: The prefix of a static client key's identity (``--api-key``).
+STATIC_KEY_PREFIX = "client:"
+
+
 def identity_of_key(key: str) -> str:
-    return "client:" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    return STATIC_KEY_PREFIX + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def is_static_key_identity(identity: str) -> bool:
+    """The identity of a static ``--api-key`` (not a managed key's ``key:``, not anonymous)."""
+    return identity.startswith(STATIC_KEY_PREFIX)
 
 
 def client_identity(request: HTTPConnection, keys: Sequence[Any]) -> str:

@@ -52,7 +52,8 @@ def decode_cursor(text: str) -> Cursor:
 @dataclass(frozen=True, slots=True)
 class ExportQuery:
     """What to export: ``since`` <= updated_at < ``until``, of ``group``, frozen or not
-    (None: both), after ``cursor``, in ``shape``."""
+    (None: both), after ``cursor``, in ``shape``; ``exclude_undelivered``: without the
+    calls no client is known to have received (gateway/rollout/store.py, "Delivery")."""
 
     shape: str = "native"
     since: float | None = None
@@ -60,6 +61,7 @@ class ExportQuery:
     group: str | None = None
     frozen: bool | None = None
     cursor: Cursor | None = None
+    exclude_undelivered: bool = False
 
 
 def page(conn: Any, query: ExportQuery, after: Cursor | None, limit: int | None = None) -> list[Cursor]:
@@ -94,11 +96,13 @@ def page(conn: Any, query: ExportQuery, after: Cursor | None, limit: int | None 
 
 
 def render(shape: str, rollout_id: str, updated_at: float, read: tuple[list[dict[str, Any]], list[Any]],
-           labels: dict[str, Any]) -> bytes:
-    """One rollout's JSONL lines (blocking: the chain and serialising are CPU work)."""
+           labels: dict[str, Any], exclude_undelivered: bool = False) -> bytes:
+    """One rollout's JSONL lines (blocking: the chain and serialising are CPU work);
+    ``exclude_undelivered``: its calls and segments as if those calls were never made (the
+    rollout still says ``complete: false`` and names them in ``undelivered``)."""
     records, marks = read
-    snap = rollout_store.snapshot(records, marks, rollout_id)
-    segments = rollout_store.trajectory(records, rollout_id)["segments"]
+    snap = rollout_store.snapshot(records, marks, rollout_id, exclude_undelivered)
+    segments = rollout_store.trajectory(records, rollout_id, marks, exclude_undelivered)["segments"]
     cursor = encode_cursor((updated_at, rollout_id))
     lines = rollout_lines(shape, snap, segments, labels, cursor, updated_at)
     return b"".join(orjson.dumps(line) + b"\n" for line in lines)
@@ -127,7 +131,8 @@ class BulkExport:
             labels = await self.db.arun(lambda conn: load_labels(conn, rollout_id))
         if read is None:  # deleted since the page was read
             return b""
-        return await asyncio.to_thread(render, self.query.shape, rollout_id, updated_at, read, labels)
+        return await asyncio.to_thread(render, self.query.shape, rollout_id, updated_at, read, labels,
+                                       self.query.exclude_undelivered)
 
     async def lines(self) -> AsyncIterator[bytes]:
         """Each rollout's lines as one chunk; a store failure mid-way ends the export with

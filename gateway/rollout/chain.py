@@ -79,6 +79,9 @@ class RolloutChain:
     _segments: list[list[int]] = field(default_factory=list)
     _tail_of: dict[int, int] = field(default_factory=dict)  # call index -> segment it ends
     _continuity: dict[str, Continuity] = field(default_factory=dict)
+    #: (call id, the call it extends) for each call extending a call that another call
+    #: already extended: the trajectory branches there
+    forks: list[tuple[str, str]] = field(default_factory=list)
 
     def previous(self, prompt: Sequence[int]) -> tuple[int | None, int]:
         """The earlier call ``prompt`` should extend (its index, or None when there is no
@@ -121,6 +124,7 @@ class RolloutChain:
         if result.prefix == "exact" and index is not None:
             segment = self._tail_of.pop(index, None)
             if segment is None:  # a fork: the chain up to the call it extends, then this one
+                self.forks.append((call.call_id, self._calls[index].call_id))
                 source = next(s for s in self._segments if index in s)
                 self._segments.append(source[: source.index(index) + 1] + [me])
                 segment = len(self._segments) - 1

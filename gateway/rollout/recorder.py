@@ -10,13 +10,18 @@ its own bound decides when a slow store spills) and waits for that, bounded. A r
 neither stored nor spilled marks the rollout incomplete with the reason; the client still
 gets its answer, unless ``--capture-strict`` (then the protocol's error, code
 ``capture_failed``). Serialising and masking the record runs in a worker thread.
+
+The success record is committed ``delivered: false``; :meth:`RolloutRecorder.released` (the
+run's ``after_release`` hook, called once the terminal was handed to the client's
+transport) writes the ``delivered`` mark. A gateway killed in between leaves the record
+``delivered: false``: the read-back says the rollout is not complete and why.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +41,8 @@ from gateway.store.spill import DurableWriter
 
 log = structlog.get_logger("gateway.rollout")
 
+#: Delivered marks not yet in the store this process remembers (least recent go first).
+PENDING_DELIVERIES = 100_000
 #: Seconds beyond the DurableWriter's own store bound for the journal's fsync.
 SPILL_BOUND = 2.0
 #: Seconds the frozen check may take (a store that does not answer: the call goes on).
@@ -76,6 +83,9 @@ class RolloutRecorder:
         self.owners = owners.OwnerClaims(db)  # the claim of each call (gateway/rollout/owners.py)
         self.tokens = CallTokens(pool, lambda: self.live.current.capture_tokens)
         self._committed: dict[str, str] = {}  # call id -> outcome written before release
+        #: call id -> rollout: terminals handed to the client whose ``delivered`` mark the
+        #: store has not taken yet (this process answers them meanwhile; bounded)
+        self._delivered: OrderedDict[str, str] = OrderedDict()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.failures = 0
 
@@ -122,13 +132,39 @@ class RolloutRecorder:
         ended_at = time.time()
 
         def build() -> dict[str, Any]:
-            return {**call_record(run, "success", None, source, prompt_ids), "ended_at": ended_at}
+            # not delivered yet: released() confirms it once the terminal was handed over
+            return {**call_record(run, "success", None, source, prompt_ids), "ended_at": ended_at,
+                    "delivered": False}
 
         reason, _ = await asyncio.gather(self._write(run.rollout_id, build), self._group(run))
         self._committed[run.record.request_id] = "success"
         if reason is not None and self.live.current.capture_strict:
             raise GatewayError("overloaded", "capture_failed",
                                "the call's record could not be made durable (--capture-strict)", retry_after=1)
+
+    def released(self, run: Any) -> None:
+        """The run's ``after_release`` hook: its terminal (or JSON body) was handed to the
+        client's transport. Known here at once (a read-back through this process says
+        delivered from now on), the ``delivered`` mark written in the background."""
+        if run.rollout_id is None or run.error is not None or run.completion is None:
+            return
+        call_id = run.record.request_id
+        self._delivered[call_id] = run.rollout_id
+        if len(self._delivered) > PENDING_DELIVERIES:
+            self._delivered.popitem(last=False)
+        self._background(self._confirm(run.rollout_id, call_id))
+
+    async def _confirm(self, rollout_id: str, call_id: str) -> None:
+        try:
+            async with asyncio.timeout(self.durable.write_timeout + SPILL_BOUND):
+                result = await self.durable.write("rollout_mark", [rollout_store.delivered_row(
+                    rollout_id, call_id, time.time())])
+        except TimeoutError:
+            result = "timeout"
+        if result == "stored":
+            self._delivered.pop(call_id, None)
+        elif result != "spilled":
+            log.error("rollout_delivery_not_stored", rollout=rollout_id, call=call_id, result=result)
 
     async def _write(self, rollout_id: str, build: Callable[[], dict[str, Any]]) -> str | None:
         """Store or spill the record ``build()`` makes; the reason it is not durable, or
@@ -208,6 +244,10 @@ class RolloutRecorder:
             self._spilled.clear()  # replayed: the store has them now
         return list(self._spilled.get(rollout_id, {}).values()), list(self._incomplete.get(rollout_id, []))
 
+    def _delivered_here(self, rollout_id: str) -> list[tuple[str, float, str]]:
+        """``delivered`` marks this process knows of and the store may not have yet."""
+        return [(rollout_store.DELIVERED, 0.0, call) for call, r in list(self._delivered.items()) if r == rollout_id]
+
     async def read(self, rollout_id: str) -> tuple[list[dict[str, Any]], list[tuple[str, float, str]]] | None:
         """The rollout's records and marks (store + what this process holds), or None."""
         local, reasons = self._local(rollout_id)
@@ -221,6 +261,7 @@ class RolloutRecorder:
             by_id.setdefault(r["call_id"], r)
         stored_reasons = {reason for kind, _, reason in marks if kind == "incomplete"}
         marks += [("incomplete", 0.0, r) for r in reasons if r not in stored_reasons]
+        marks += self._delivered_here(rollout_id)
         if not by_id and not marks:
             return None
         return list(by_id.values()), marks
@@ -229,3 +270,5 @@ class RolloutRecorder:
         self.owners.forget(rollout_id)
         self._spilled.pop(rollout_id, None)
         self._incomplete.pop(rollout_id, None)
+        for call in [c for c, r in self._delivered.items() if r == rollout_id]:
+            del self._delivered[call]

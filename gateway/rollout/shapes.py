@@ -73,7 +73,8 @@ def rollout_lines(
     common = {"rollout_id": snapshot["rollout_id"], "group_id": labels.get("group_id"),
               "complete": snapshot["complete"], "frozen": snapshot["frozen"]}
     if shape == "native":
-        return [{**common, "incomplete": snapshot["incomplete"], "updated_at": updated_at,
+        return [{**common, "incomplete": snapshot["incomplete"], "undelivered": snapshot["undelivered"],
+                 "forked": snapshot["forked"], "forks": snapshot["forks"], "updated_at": updated_at,
                  "reward": labels.get("reward"), "call_rewards": labels.get("call_rewards") or {},
                  "calls": snapshot["calls"], "segments": segments, "cursor": cursor}]
     by_id = {c["call_id"]: c for c in snapshot["calls"]}

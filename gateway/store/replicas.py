@@ -33,6 +33,7 @@ import structlog
 
 from gateway.store.credentials import CredentialState
 from gateway.store.db import Store
+from gateway.store.migrations import MIGRATIONS
 
 if TYPE_CHECKING:
     from gateway.upstream.pool import UpstreamPool
@@ -48,6 +49,18 @@ CREDENTIAL_POLL = 0.5
 LEAVE_TIMEOUT = 5.0
 #: Heartbeat rows older than this are deleted (crashed replicas never say goodbye).
 FORGET_AFTER = 3600.0
+#: The store schema this version runs (its last migration), in every heartbeat: what a
+#: replica of another version can tell about it (a version from before has none).
+SCHEMA = MIGRATIONS[-1][0]
+#: The first schema whose code enforces managed client keys (migration 10).
+MANAGED_KEYS_SCHEMA = 10
+
+
+def without_managed_keys(members: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The live replicas that may not enforce managed keys: those of a version that does
+    not say its schema in its heartbeat (before this one; those from migration 10 on do
+    enforce them, but their heartbeat cannot tell), or says one before migration 10."""
+    return [m for m in members if int(m.get("schema") or 0) < MANAGED_KEYS_SCHEMA]
 
 _BEAT = (
     "INSERT INTO replicas (replica_id, started_at, heartbeat_at, in_flight, info) VALUES (?, ?, {now}, ?, ?) "
@@ -200,7 +213,7 @@ class Replication:
 
     def heartbeat(self) -> list[str]:
         """Record this replica as alive; returns (and adopts) the live replica ids."""
-        info = orjson.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+        info = orjson.dumps({"pid": os.getpid(), "host": socket.gethostname(), "schema": SCHEMA,
                              "credentials_usable": self._usable_credentials()}).decode()
         now = self.db.now_sql
 
@@ -257,6 +270,11 @@ class Replication:
             "max_concurrent_share": self.capacity.limit(max_concurrent),
             "live": members,
         }
+
+    def live_members(self) -> list[dict[str, Any]]:
+        """The live replicas as of the last heartbeat (no I/O)."""
+        live = set(self.capacity.live)
+        return [m for m in self.members if m["replica_id"] in live]
 
     def replicas(self) -> list[dict[str, Any]]:
         """Every replica row with its age in seconds (for status pages and tests)."""

@@ -9,7 +9,10 @@ replica on PostgreSQL, so a follow-up turn may land on any of them.
 Each row records its ``owner`` (migration 8), the client identity that created it
 (gateway/keys/identity.py); :meth:`ResponseStore.load` answers only its owner, so another client
 key cannot tell the id exists. Rows from before migration 8 have no owner: they are read
-only by :data:`~gateway.keys.identity.ANONYMOUS` (no client key configured), as before.
+as that version read them, by every request a static ``--api-key`` admits (then any valid
+key read any stored response) and by :data:`~gateway.keys.identity.ANONYMOUS` (no client
+key configured); never by a managed key (``key:``), which did not exist then. So an
+upgrade with static keys keeps ``previous_response_id`` working (issue #40).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import orjson
 import structlog
 
 from gateway.errors import GatewayError
-from gateway.keys.identity import ANONYMOUS
+from gateway.keys.identity import ANONYMOUS, is_static_key_identity
 from gateway.store.db import Store, upsert
 from gateway.store.spill import DurableWriter, StoreUnavailable
 
@@ -41,8 +44,12 @@ _LOAD = "SELECT body, owner FROM responses WHERE id = ?"
 
 
 def readable_by(owner: str | None, identity: str) -> bool:
-    """A row is its owner's; a row without one (from before migration 8) is anonymous's."""
-    return owner == identity or (owner is None and identity == ANONYMOUS)
+    """A row is its owner's; a row without one (from before migration 8, when stored
+    responses were not bound to a key) is read as then: without client keys, or with any
+    static one."""
+    if owner is not None:
+        return owner == identity
+    return identity == ANONYMOUS or is_static_key_identity(identity)
 
 
 class ResponseNotSaved(Exception):

@@ -11,6 +11,7 @@ generation copies the log when it reports the request.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
 import time
@@ -155,12 +156,33 @@ class UpstreamAttempts:
         """A credential for the next attempt; while its engine is paused, the call waits in
         the hold (no lease held meanwhile), then picks again."""
         while True:
-            lease = self.pool.acquire(model, tried, self.session, prefix)
+            lease = await self._slot(model, tried, prefix)
             upstream = lease.credential.upstream
             if self.engines is None or not self.engines.hold.holds(upstream.engine_api):
                 return lease
             lease.release()
             await self.engines.hold.wait(upstream.name, self.policy.engine_pause_max)
+
+    async def _slot(self, model: str, tried: set[str], prefix: Sequence[int]) -> Lease:
+        """A lease; while every usable engine runs its ``max_in_flight`` requests, the call
+        waits here for a release (its first-byte timer has not started: a queue in the
+        engine would spend it), up to the upstream's ``queue_timeout``, then the 503."""
+        deadline: float | None = None
+        while True:
+            try:
+                return self.pool.acquire(model, tried, self.session, prefix)
+            except GatewayError as err:
+                bound = self.pool.waits_for_slot(model, tried)
+                if bound is None:
+                    raise
+                now = time.monotonic()
+                deadline = now + bound if deadline is None else deadline
+                if now >= deadline:
+                    raise GatewayError("overloaded", "upstream_capacity", f"every upstream engine ran its max_in_flight"
+                                       f" requests for {bound:g} s (queue_timeout)", retry_after=1) from err
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(deadline - now):
+                        await self.pool.freed().wait()
 
     def _after_failover(self, model: str, tried: set[str], last_error: GatewayError | None) -> GatewayError:
         """Failover is used up: when every credential now cools down, say when to retry."""

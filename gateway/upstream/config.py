@@ -92,6 +92,8 @@ def _upstreams_from_toml(path: Path, allowed_hosts: list[str]) -> list[Credentia
             capture_tokens=entry.capture_tokens or entry.token_in,
             token_in=entry.token_in,
             engine_api=None if entry.engine_api in (None, "none") else entry.engine_api,
+            max_in_flight=entry.max_in_flight,
+            queue_timeout=entry.queue_timeout,
         )
         for key, label in _entry_keys(path, i, entry):
             credentials.append(Credential(upstream, key, label=label))

@@ -51,6 +51,14 @@ class UpstreamEntry(BaseModel):
     engine_api: Literal["vllm", "none"] | None = Field(
         None, description="this engine's control API for weight sync (docs/weight-sync.md; default: --engine-api)"
     )
+    max_in_flight: int | None = Field(
+        None, ge=1, description="requests this engine runs at once (llama-server --parallel N, vLLM --max-num-seqs):"
+        " more wait in the gateway, before their first-byte timer starts, not in the engine's queue (docs/upstreams.md)"
+    )
+    queue_timeout: float = Field(
+        300.0, gt=0, description="seconds a request may wait in the gateway for a free slot of max_in_flight"
+        " (then 503 upstream_capacity)"
+    )
 
     @field_validator("base_url")
     @classmethod

@@ -33,6 +33,9 @@ class Upstream:
     capture_tokens: str | None = None  # this upstream's token source (None: --capture-tokens)
     token_in: str | None = None  # "vllm" | "llamacpp": rollout continuations sent as token ids
     engine_api: str | None = None  # "vllm": paused and resumed for weight updates (gateway/engines/)
+    #: requests this engine runs at once (over all its keys); more wait in the gateway
+    max_in_flight: int | None = None
+    queue_timeout: float = 300.0  # seconds a request waits for one of those slots
 
     def allows(self, model: str) -> bool:
         """Every model when no allow-list is set; else the list and the renamed names."""

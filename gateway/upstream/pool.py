@@ -17,6 +17,8 @@ writer (``pool.state.writer``), so the request path never waits on the store.
 
 from __future__ import annotations
 
+import asyncio
+
 import itertools
 import math
 import re
@@ -94,6 +96,7 @@ class Lease:
             self.credential.in_flight -= 1
             if self.pool.on_lease is not None:
                 self.pool.on_lease(self.credential, -1)
+            self.pool.slot_freed()
 
 
 class UpstreamPool:
@@ -122,6 +125,38 @@ class UpstreamPool:
         #: the learned state's way to and from the store (its ``writer``: the background one)
         self.state = CredentialStateSync(store, clock)
         self.state.restore(self.credentials)
+        #: set when a lease is released (a new one each time): what a request waiting for an
+        #: engine's ``max_in_flight`` slot waits on (gateway/upstream/attempts.py)
+        self._freed: asyncio.Event | None = None
+
+    def slot_freed(self) -> None:
+        if self._freed is not None:
+            self._freed.set()
+            self._freed = None
+
+    def freed(self) -> asyncio.Event:
+        """An event set at the next release of any lease."""
+        if self._freed is None:
+            self._freed = asyncio.Event()
+        return self._freed
+
+    def engine_full(self, credential: Credential) -> bool:
+        """Its upstream runs its ``max_in_flight`` requests already (over all its keys)."""
+        cap = credential.upstream.max_in_flight
+        return bool(cap) and sum(c.in_flight for c in self.credentials if c.upstream is credential.upstream) >= cap
+
+    def waits_for_slot(self, model: str, exclude: set[str] = frozenset()) -> float | None:  # type: ignore[assignment]
+        """When nothing is usable for ``model`` only because engines with ``max_in_flight``
+        are full: how long a request may wait for a slot (the longest ``queue_timeout``
+        among them), else None."""
+        now = self.clock()
+        ready = [c for c in self.credentials if c.upstream.allows(model) and not c.disabled
+                 and not c.cooling_until(model, now) and c.id not in exclude
+                 and (not self.max_in_flight or c.in_flight < self.max_in_flight)]
+        full = [c for c in ready if self.engine_full(c)]
+        if not ready or len(full) < len(ready):
+            return None
+        return max(c.upstream.queue_timeout for c in full)
 
     def twin_of(self, credential: Credential) -> Credential | None:
         """The credential already in the pool with this one's key and base URL (one
@@ -231,7 +266,7 @@ class UpstreamPool:
         usable = [
             c for c in allowed
             if not c.disabled and not c.cooling_until(model, now) and c.id not in exclude
-            and (not self.max_in_flight or c.in_flight < self.max_in_flight)
+            and (not self.max_in_flight or c.in_flight < self.max_in_flight) and not self.engine_full(c)
         ]
         if not usable:
             raise nothing_usable(allowed, model, now, exclude)

@@ -121,18 +121,56 @@ def test_b_cannot_continue_a_response_of_a_over_the_websocket(keyed: Gateway, si
     assert sent["messages"][0] == {"role": "user", "content": "alice's secret plan"}
 
 
-def test_rows_from_before_owners_are_read_only_without_client_keys(
+def legacy_row(gateway: Gateway, key: str, text: str) -> str:
+    """A stored response as a version before migration 8 wrote it: a turn stored through
+    the SDK, its row copied under a new id with the old statement (no owner column then).
+    Returns the new id."""
+    stored = sdk(gateway, key).responses.create(model="echo", input=text, store=True)
+    [(body,)] = gateway.app.state.db.execute("SELECT body FROM responses WHERE id = ?", (stored.id,))
+    legacy = "resp_" + secrets.token_hex(24)
+    gateway.app.state.db.execute("INSERT INTO responses (id, created_at, body) VALUES (?, ?, ?)",
+                                 (legacy, 1.0, body.replace(stored.id, legacy)))
+    return legacy
+
+
+def test_rows_from_before_owners_are_read_as_that_version_read_them(
     server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory, keyed: Gateway
 ) -> None:
-    """A row of migration 2's shape (no owner) is nobody's once client keys exist; a gateway
-    without client keys (every request anonymous) still reads it."""
+    """An upgrade with static ``--api-key``s (issue #40): the previous version's stored
+    responses (no owner) still continue with ``previous_response_id`` and are found by id,
+    for every static key, as then (any valid key read any stored response)."""
+    legacy = legacy_row(keyed, KEY_A, "the plan from before the upgrade")
+    [(owner,)] = keyed.app.state.db.execute("SELECT owner FROM responses WHERE id = ?", (legacy,))
+    assert owner is None
+    for key in (KEY_A, KEY_B):
+        simulator.clear()
+        with sdk(keyed, key).responses.stream(model="echo", input="and now?", previous_response_id=legacy) as stream:
+            final = stream.get_final_response()
+        assert final.output_text == "You said: and now?" and final.previous_response_id == legacy
+        [sent] = upstream_bodies(simulator)
+        assert sent["messages"][:2] == [{"role": "user", "content": "the plan from before the upgrade"},
+                                        {"role": "assistant", "content": "You said: the plan from before the upgrade"}]
+        assert sdk(keyed, key).responses.retrieve(legacy).output_text == "You said: the plan from before the upgrade"
+
+
+def test_rows_from_before_owners_are_read_without_client_keys_and_never_by_a_managed_key(
+    server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A gateway without client keys (every request anonymous) reads them as before; a
+    managed key (which that version did not have) gets the unknown-id answer."""
     body = json.dumps({"response": {"id": "resp_legacy"}, "history": [], "output": []})
-    keyed.app.state.db.execute("INSERT INTO responses (id, created_at, body) VALUES (?, ?, ?)", ("resp_legacy", 1.0, body))
-    assert httpx.get(f"{keyed.base_url}/responses/resp_legacy", headers=auth(KEY_A)).status_code == 404
     open_gateway = start_gateway(server_loop, simulator, tmp_path_factory)
     open_gateway.app.state.db.execute("INSERT INTO responses (id, created_at, body) VALUES (?, ?, ?)", ("resp_legacy", 1.0, body))
     legacy = httpx.get(f"{open_gateway.base_url}/responses/resp_legacy")
     assert legacy.status_code == 200 and legacy.json() == {"id": "resp_legacy"}
+    managed = httpx.post(open_gateway.url + "/admin/api/keys", json={"name": "after-the-upgrade"}, headers=open_gateway.admin)
+    assert managed.status_code == 201, managed.text
+    secret = managed.json()["key"]
+    with pytest.raises(openai.NotFoundError):
+        sdk(open_gateway, secret).responses.retrieve("resp_legacy")
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk(open_gateway, secret).responses.create(model="echo", input="go on", previous_response_id="resp_legacy")
+    assert caught.value.code == "previous_response_not_found"
 
 
 # -- envelopes -----------------------------------------------------------------------------

@@ -55,6 +55,12 @@ def test_a_fork_copies_the_chain_up_to_the_call_it_extends() -> None:
     chain = chain_of([call("a", [1], [2]), call("b", [1, 2, 3], [4]), call("retry", [1, 2, 5], [6])])
     assert continuity(chain, "retry") == ("a", "exact", None)
     assert [s["call_ids"] for s in chain.segments()] == [["a", "b"], ["a", "retry"]]
+    assert chain.forks == [("retry", "a")]
+
+
+def test_an_append_only_chain_and_a_side_call_are_no_fork() -> None:
+    chain = chain_of([call("a", [1], [2]), call("title", [8], [9]), call("b", [1, 2, 3], [4])])
+    assert chain.forks == []
 
 
 def test_calls_without_token_ids_are_unknown_and_in_no_segment() -> None:

@@ -83,6 +83,8 @@ class Seen:
         assert len(snap["calls"]) == len(self.snapshots), "the call's record is not readable at the terminal event"
         last = snap["calls"][-1]
         assert last["outcome"] == "success" and last["seq"] == len(self.snapshots) - 1
+        # the terminal was handed over before the client could read it: delivered at once
+        assert last["delivered"] is True and snap["undelivered"] == [] and snap["forked"] is False
         assert last["answer"]["text"] == answer["text"]
         assert [(c["name"], json.loads(c["arguments"])) for c in last["answer"]["tool_calls"]] == answer["tool_calls"]
 

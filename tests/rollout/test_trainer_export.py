@@ -350,10 +350,17 @@ def test_the_bulk_export_filters_pages_and_resumes(trainer_gateway: Gateway, mon
 @pytest.mark.parametrize("params,param", [
     ({"shape": "openrlhf"}, "shape"), ({"format": "parquet"}, "format"), ({"frozen": "maybe"}, "frozen"),
     ({"group": "a b"}, "group"), ({"cursor": "not-a-cursor"}, "cursor"), ({"since": "yesterday"}, "since"),
+    ({"undelivered": "drop"}, "undelivered"),
 ])
 def test_bad_bulk_export_parameters_are_a_400(trainer_gateway: Gateway, params: dict[str, str], param: str) -> None:
     response = httpx.get(trainer_gateway.url + "/admin/api/rollouts/export", params=params, headers=trainer_gateway.admin)
     assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_a_bad_undelivered_choice_on_a_trajectory_is_a_400(trainer_gateway: Gateway) -> None:
+    response = httpx.get(trainer_gateway.url + "/admin/api/rollouts/any-rollout/trajectory",
+                         params={"undelivered": "drop"}, headers=trainer_gateway.admin)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "undelivered"
 
 
 def test_a_rollout_without_token_ids_has_no_segment_lines(trainer_gateway: Gateway) -> None:

@@ -333,3 +333,43 @@ def test_a_store_outage_keeps_requests_flowing(server_loop: ServerLoop, postgres
             server_loop.run(stop_embedded(*server))
             admin.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
             admin.execute(f"DROP SCHEMA IF EXISTS {schema}_away CASCADE")
+
+
+def test_managed_keys_wait_until_no_replica_of_an_older_version_is_alive(
+    server_loop: ServerLoop, postgres_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A mixed rolling upgrade (issue #40): a replica of a version that does not enforce
+    managed keys (its heartbeat says no schema) is alive, so no managed key is created
+    (409, the replica named); once it is gone, keys are created and both new replicas
+    enforce them."""
+    with replica_pair(server_loop, postgres_url, tmp_path_factory, ("upgrade-a", "upgrade-b")) as (a, b, _):
+        db = a.app.state.db
+        old_info = json.dumps({"pid": 4242, "host": "old-node"})  # the heartbeat of a version from before
+
+        def old_beats() -> None:
+            db.execute(f"INSERT INTO replicas (replica_id, started_at, heartbeat_at, in_flight, info) "
+                       f"VALUES (?, 1.0, {db.now_sql}, 0, ?) ON CONFLICT (replica_id) DO UPDATE SET "
+                       f"heartbeat_at = excluded.heartbeat_at", ("old-replica", old_info))
+
+        def members(gateway: Gateway) -> set[str]:
+            old_beats()
+            return {m["replica_id"] for m in gateway.app.state.replication.live_members()}
+
+        wait_for(lambda: members(a) == {"upgrade-a", "upgrade-b", "old-replica"}, timeout=15)
+        refused = httpx.post(a.url + "/admin/api/keys", json={"name": "too-early"}, headers=a.admin)
+        assert refused.status_code == 409, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "replicas_without_managed_keys" and "old-node pid 4242" in error["message"]
+        assert httpx.get(a.url + "/admin/api/keys", headers=a.admin).json()["keys"] == []
+        assert chat(b).status_code == 200  # nothing changed: no key is required yet
+
+        db.execute("DELETE FROM replicas WHERE replica_id = ?", ("old-replica",))  # its last pod is gone
+        wait_for(lambda: {m["replica_id"] for m in a.app.state.replication.live_members()} == {"upgrade-a", "upgrade-b"},
+                 timeout=15)
+        created = httpx.post(a.url + "/admin/api/keys", json={"name": "after-the-upgrade"}, headers=a.admin)
+        assert created.status_code == 201, created.text
+        secret = created.json()["key"]
+        wait_for(lambda: chat(b).status_code == 401, timeout=10)  # B enforces keys too (it loads them within 1 s)
+        keyed = httpx.post(b.base_url + "/chat/completions", json={"model": "text", "messages": MESSAGES},
+                           headers={"authorization": f"Bearer {secret}"}, timeout=30)
+        assert keyed.status_code == 200 and keyed.json()["choices"][0]["message"]["content"]
