@@ -149,7 +149,8 @@ class UpstreamAttempts:
         """A chat attempt; with weight sync, its aborts continued (gateway/engines/continuation.py)."""
         if self.engines is None:
             return self.client.stream_chat
-        return continuing(self.client.stream_chat, self.engines.accepting, self.engines.on_continued, trail)
+        return continuing(self.client.stream_chat, self.engines.accepting, self.engines.on_continued, trail,
+                          self.client.stream_path("/completions"))
 
     async def _acquire(self, model: str, tried: set[str], prefix: Sequence[int] = ()) -> Lease:
         """A credential for the next attempt; while its engine is paused, the call waits in

@@ -31,10 +31,12 @@ def _held(text: str, tag: str) -> int:
 
 
 class HermesParser:
-    def __init__(self) -> None:
+    def __init__(self, first_index: int = 0) -> None:
+        """``first_index``: the index of the first call (after calls said before: a
+        continuation of a cut answer)."""
         self._buffer = ""
         self._in_call = False
-        self._calls = 0
+        self._calls = first_index
         self._pending_space = ""  # white space between tool calls, emitted only before text
 
     @property

@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 import structlog
 
+from gateway.engines.seam import CutTail
 from gateway.errors import GatewayError
 from gateway.generation.policy import StreamPolicy
 from gateway.rollout.chain import TokenInPlan, splice
@@ -117,10 +118,11 @@ class EngineStream:
     """One engine answer -> canonical chat chunks (pure: ``handle`` per engine chunk,
     ``finish`` at the end of the stream)."""
 
-    def __init__(self, engine: str, prompt: list[int]) -> None:
+    def __init__(self, engine: str, prompt: list[int], parser: HermesParser | CutTail | None = None) -> None:
+        """``parser``: the reader of the engine's text (a continuation's, after a cut)."""
         self.engine = engine
         self.prompt = prompt
-        self.parser = HermesParser()
+        self.parser = parser if parser is not None else HermesParser()
         self.finished = False
         self._first = True
         self._completion_tokens = 0

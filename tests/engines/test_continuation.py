@@ -52,6 +52,7 @@ def test_an_abort_after_text_is_held_back_and_the_next_leg_continues_it() -> Non
         "model": "m", "stream": True, "continue_final_message": True, "add_generation_prompt": False,
         "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]}
     assert body["messages"] == [{"role": "user", "content": "hi"}]  # the call's own body is untouched
+    partial.next_leg()
     # the continuation leg: no second role, no second prompt ids, usage over both legs
     assert partial.feed(chunk(" world", delta={"role": "assistant"}, prompt_token_ids=[1, 2])) == chunk(" world")
     assert partial.feed(chunk(finish="stop")) == chunk(finish="stop")
@@ -71,11 +72,13 @@ def test_a_client_prefill_grows_and_an_empty_partial_is_asked_again() -> None:
 
 
 @pytest.mark.parametrize(("delta", "why"), [
-    ({"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "f", "arguments": "{\"a"}}]}, "tool_call"),
-    ({"reasoning_content": "hmm"}, "reasoning"),
+    ({"tool_calls": [{"index": 1, "id": "c2", "function": {"name": "g", "arguments": "{"}},
+                     {"index": 0, "function": {"arguments": " "}}]}, "interleaved_tool_calls"),
+    ({"content": "after a call"}, "text_after_tool_call"),
 ])
-def test_a_partial_that_cannot_be_prefilled_keeps_its_abort(delta: dict[str, Any], why: str) -> None:
+def test_a_partial_that_cannot_be_said_again_keeps_its_abort(delta: dict[str, Any], why: str) -> None:
     partial = PartialAnswer()
+    partial.feed(chunk(delta={"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "f", "arguments": "{}"}}]}))
     partial.feed(chunk(delta=delta))
     aborted = chunk(finish="abort")
     assert partial.feed(aborted) == aborted and not partial.aborted and partial.blocked == why
@@ -87,6 +90,7 @@ def test_continuations_are_bounded() -> None:
         partial.feed(chunk("x", finish="abort"))
         assert partial.aborted
         partial.continuation_body({"messages": []})
+        partial.next_leg()
     last = chunk("x", finish="abort")
     assert partial.feed(last) == last and not partial.aborted
 
