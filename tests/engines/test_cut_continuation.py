@@ -75,8 +75,7 @@ def responses(base: str, model: str, tools: bool) -> dict[str, Any]:
                                         "parameters": WEATHER["function"]["parameters"]}]} if tools else {}
     with client.responses.stream(model=model, input="hi", **extra) as stream:
         final = stream.get_final_response()
-    reasoning = "".join(part.text for item in final.output if item.type == "reasoning"
-                        for part in (item.content or []))
+    reasoning = "".join(part.text for item in final.output if item.type == "reasoning" for part in item.summary)
     return {"text": final.output_text, "reasoning": reasoning,
             "calls": [(i.name, i.arguments) for i in final.output if i.type == "function_call"],
             "finish": final.status}
@@ -132,3 +131,42 @@ def test_a_token_in_continuation_records_exactly_what_was_sampled(
     assert continued["body"]["prompt"] == tokens["prompt_ids"] + tokens["completion_ids"][: new["from_token"]]
     assert continued["body"]["return_token_ids"] is True and "messages" not in continued["body"]
     assert continued["headers"]["x-request-id"] == first["headers"]["x-request-id"]
+
+
+#: What the uncut answer of each cut scenario is (text, reasoning, calls).
+WHOLE = {"reasoning": {"text": TEXT, "reasoning": REASONING, "calls": []},
+         "tool": {"text": "", "reasoning": "", "calls": [("get_weather", ARGUMENTS)]}}
+SAMPLED = {"reasoning": REASONING + TEXT, "tool": ARGUMENTS}  # the chat stream's ids, one per character
+
+
+@pytest.mark.parametrize("path", ["token_in", "prefill"])
+@pytest.mark.parametrize("scenario", ["reasoning", "tool"])
+@pytest.mark.parametrize("mode", ["compatible", "realtime"])
+@pytest.mark.parametrize("protocol", list(PROTOCOLS))
+def test_a_cut_reasoning_or_tool_call_goes_on_where_it_was_cut(
+    server_loop: ServerLoop, tmp_path_factory: pytest.TempPathFactory, protocol: str, mode: str, scenario: str,
+    path: str,
+) -> None:
+    tokens = {"capture_tokens": "vllm"} if path == "token_in" else {}
+    gateway, simulator = engine_gateway(server_loop, tmp_path_factory, stream_mode=mode, **tokens)
+    rollout = f"ws.{secrets.token_hex(4)}:r-1"
+    base = f"{gateway.url}/rollouts/{rollout}" if path == "token_in" else gateway.url
+    answer = run_cut(gateway, simulator, protocol, scenario, base)
+    assert answer == {**WHOLE[scenario], "finish": FINISHED[(protocol, scenario == "tool")]}
+    first, continued = simulator.requests()
+    if path == "token_in":
+        assert continued["path"] == "/v1/completions"
+        call = the_call(gateway, rollout)
+        assert call["tokens"]["completion_ids"] == [ord(ch) for ch in SAMPLED[scenario]] + [END]
+        cut = call["weight_versions"][1]["from_token"]
+        assert 0 < cut < len(SAMPLED[scenario])
+        assert continued["body"]["prompt"] == call["tokens"]["prompt_ids"] + call["tokens"]["completion_ids"][:cut]
+        return
+    assert continued["path"] == "/v1/chat/completions" and continued["body"]["continue_final_message"] is True
+    prefill = continued["body"]["messages"][-1]
+    assert prefill["role"] == "assistant"
+    # the partial in the markup the model writes, left open where it was cut
+    opening = "<think>" if scenario == "reasoning" else '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert prefill["content"].startswith(opening)
+    so_far = prefill["content"][len(opening):]
+    assert so_far and so_far != SAMPLED[scenario] and SAMPLED[scenario].startswith(so_far)
