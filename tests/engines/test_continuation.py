@@ -214,3 +214,40 @@ async def test_an_engine_that_stays_paused_fails_the_call_after_the_partial() ->
         async for item in continuing(send, resumed)(None, {"messages": []}, None):  # type: ignore[arg-type]
             seen.append(item)
     assert caught.value.code == "engine_paused" and seen == [ANSWERED, chunk("Hel")] and len(bodies) == 1
+
+
+@pytest.mark.parametrize("mode", ["compatible", "realtime"])
+def test_responses_websocket_turns_straddle_a_held_pause_and_an_engine_abort(
+    server_loop: ServerLoop, tmp_path_factory: pytest.TempPathFactory, mode: str
+) -> None:
+    """Two Codex connections: one turn is mid-answer when the engine aborts it (the gateway
+    not told) and a gateway-held pause follows; the other is sent while paused and waits in
+    the gateway's hold. After the resume both end ``response.completed`` with the whole answer, and
+    nothing reached the engine while it was paused."""
+    gateway, simulator = engine_gateway(server_loop, tmp_path_factory, stream_mode=mode)
+    turn = {"type": "response.create", "model": SLOW, "input": "hi"}
+    with ThreadPoolExecutor(2) as pool, open_ws(gateway) as cut_ws, open_ws(gateway) as held_ws:
+        cut = pool.submit(exchange, cut_ws, turn)
+        wait_for(lambda: engine_state(simulator)["in_flight"] == 1, timeout=15)
+        time.sleep(0.1)  # a few chunks into the answer
+        assert httpx.post(simulator.url + "/pause", params={"mode": "abort"}).json() == {"status": "paused"}
+        paused = httpx.post(gateway.url + "/admin/api/engines/pause", json={}, headers=gateway.admin, timeout=30)
+        assert paused.status_code == 200, paused.text
+        held = pool.submit(exchange, held_ws, turn)
+        # the new turn waits in the hold; the cut turn's continuation waits for the engine's
+        # /is_paused (it began waiting before the hold closed)
+        wait_for(lambda: engines(gateway)["held"] == 1, timeout=15)
+        time.sleep(0.3)
+        assert len(simulator.requests()) == 1 and not cut.done() and not held.done()
+        resumed = httpx.post(gateway.url + "/admin/api/engines/resume", json={"weight_version": "v2"},
+                             headers=gateway.admin, timeout=30)
+        assert resumed.json()["released"] == 1
+        results = [cut.result(timeout=60), held.result(timeout=60)]
+    for events in results:
+        assert events[-1]["type"] == "response.completed"
+        [message] = events[-1]["response"]["output"]
+        assert message["content"][0]["text"] == TEXT
+        assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == TEXT
+        assert not any(e["type"] == "error" for e in events)
+    kinds = sorted(bool(r["body"].get("continue_final_message")) for r in simulator.requests())
+    assert kinds == [False, False, True]  # the cut turn, the held turn, the cut turn's continuation
