@@ -91,7 +91,12 @@ def continuing(send: Send, resumed: Resumed, on_continued: Callable[[], None] | 
                         continue
                     if trail is not None:
                         trail.count(item)  # type: ignore[arg-type]
-                    for chunk in through_tail(item, tail) if tail is not None else [item]:  # type: ignore[arg-type]
+                    if tail is None:
+                        out = partial.feed(item)  # type: ignore[arg-type]
+                        if out is not None:
+                            yield out
+                        continue
+                    for chunk in through_tail(item, tail):  # type: ignore[arg-type]
                         out = partial.feed(chunk)
                         if out is not None:
                             yield out

@@ -73,19 +73,22 @@ class PartialAnswer:
         if choice.get("index", 0) != 0:
             self.blocked = "choices"  # n > 1: one answer per call is continued
         said = False
-        for key in ("reasoning_content", "reasoning"):
-            if isinstance(delta.get(key), str) and delta[key]:
-                self.reasoning += delta[key]
+        for key, value in delta.items():  # one pass: a delta has one or two keys
+            if not value or key == "role":
+                continue
+            if key == "content" and isinstance(value, str):
+                self.text += value
+                self._into(TEXT)
+            elif key in ("reasoning_content", "reasoning") and isinstance(value, str):
+                self.reasoning += value
                 self._into(REASONING)
-                said = True
-        if isinstance(delta.get("content"), str) and delta["content"]:
-            self.text += delta["content"]
-            self._into(TEXT)
+            elif key == "tool_calls" and isinstance(value, list):
+                for call in value:
+                    if isinstance(call, dict):
+                        self._call(call)
+            else:
+                continue
             said = True
-        for call in delta.get("tool_calls") or []:
-            if isinstance(call, dict):
-                self._call(call)
-                said = True
         ids = choice.get("token_ids")
         if isinstance(ids, list):
             if self.completion_ids is not None:
@@ -94,6 +97,8 @@ class PartialAnswer:
             self.completion_ids = None
 
     def _into(self, kind: str) -> None:
+        if kind == self.kind:
+            return
         if kind != TOOL_CALL and self.calls:
             self.blocked = self.blocked or "text_after_tool_call"
         if kind == REASONING and self.text:
