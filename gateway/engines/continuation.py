@@ -56,6 +56,8 @@ def through_tail(chunk: dict[str, Any], tail: CutTail) -> list[dict[str, Any]]:
     choice = choices[0]
     delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
     finish = choice.get("finish_reason")
+    if delta.get("reasoning_content") or delta.get("reasoning"):
+        tail.parsed_upstream()
     text = delta.get("content")
     deltas = tail.feed(text) if isinstance(text, str) and text else []
     if finish:

@@ -79,6 +79,12 @@ class CutTail:
     def calls(self) -> int:
         return self.rest.calls
 
+    def parsed_upstream(self) -> None:
+        """The engine sent reasoning parsed (its reasoning parser reads a prefill's open
+        ``<think>`` as reasoning on its own): its text is then the answer's text."""
+        if self.state == REASONING:
+            self.state, self._held = TEXT, ""
+
     def feed(self, text: str) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         text = self._held + text

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from gateway.engines.continuation import through_tail
 from gateway.engines.partial import PartialAnswer
 from gateway.engines.seam import REASONING, TEXT, TOOL_CALL, CutTail, JsonValueEnd
 
@@ -80,3 +81,14 @@ def test_a_cut_tool_call_is_prefilled_as_its_markup_after_the_reasoning_and_text
                        '<tool_call>\n{"name": "g", "arguments": {"a')
     tail = partial.tail()
     assert (tail.state, tail.cut_index) == (TOOL_CALL, 1)
+
+
+def test_an_engine_that_parses_the_continued_reasoning_itself_is_trusted() -> None:
+    """vLLM's qwen3 / deepseek_r1 parsers read output before ``</think>`` as reasoning even
+    when ``<think>`` was in the prompt: then its ``content`` is the text, not reasoning."""
+    tail = CutTail(REASONING)
+    legs = through_tail({"choices": [{"index": 0, "delta": {"reasoning_content": "ly."}, "finish_reason": None}]}, tail)
+    legs += through_tail({"choices": [{"index": 0, "delta": {"content": "Hello"}, "finish_reason": "stop"}]}, tail)
+    deltas = [c["choices"][0]["delta"] for c in legs if c["choices"][0]["delta"]]
+    assert deltas == [{"reasoning_content": "ly."}, {"content": "Hello"}]
+    assert legs[-1]["choices"][0]["finish_reason"] == "stop"
