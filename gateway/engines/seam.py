@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.upstream.hermes import CLOSE, HermesParser, _held
+from gateway.upstream.hermes import CLOSE, HermesParser, tag_start_held
 
 THINK_CLOSE = "</think>"
 TEXT, REASONING, TOOL_CALL = "text", "reasoning", "tool_call"
@@ -93,7 +93,7 @@ class CutTail:
             if self.state == REASONING:
                 end = text.find(THINK_CLOSE)
                 if end < 0:
-                    keep = _held(text, THINK_CLOSE)
+                    keep = tag_start_held(text, THINK_CLOSE)
                     text, self._held = text[: len(text) - keep], text[len(text) - keep :]
                     if text:
                         out.append({"reasoning_content": text})
@@ -112,7 +112,7 @@ class CutTail:
             elif self.state == "closing":  # the call object's "}" and </tool_call>: not said
                 end = text.find(CLOSE)
                 if end < 0:
-                    keep = _held(text, CLOSE)
+                    keep = tag_start_held(text, CLOSE)
                     self._held = text[len(text) - keep :] if keep else ""
                     return out
                 text, self.state = text[end + len(CLOSE) :], TEXT
