@@ -84,6 +84,7 @@ def continuing(send: Send, resumed: Resumed, on_continued: Callable[[], None] | 
         partial = PartialAnswer()
         leg = send(credential, body, policy, headers)
         tail: CutTail | None = None
+        token_tail: list[CutTail] = []  # the last token-in leg's reader: an abort leaves its state in it
         while True:
             async with contextlib.aclosing(leg) as items:  # type: ignore[type-var]
                 async for item in items:
@@ -107,7 +108,7 @@ def continuing(send: Send, resumed: Resumed, on_continued: Callable[[], None] | 
             version = await resumed(credential, policy)
             if trail is not None:
                 trail.switch(version)
-            leg, tail = _next_leg(partial, send, token_send, credential, body, policy, headers)
+            leg, tail = _next_leg(partial, send, token_send, credential, body, policy, headers, token_tail)
             partial.next_leg()
             if on_continued is not None:
                 on_continued()
@@ -116,15 +117,18 @@ def continuing(send: Send, resumed: Resumed, on_continued: Callable[[], None] | 
 
 
 def _next_leg(partial: PartialAnswer, send: Send, token_send: Send | None, credential: Credential,
-              body: dict[str, Any], policy: StreamPolicy,
-              headers: dict[str, str] | None) -> tuple[AsyncIterator[UpstreamItem], CutTail | None]:
+              body: dict[str, Any], policy: StreamPolicy, headers: dict[str, str] | None,
+              token_tail: list[CutTail]) -> tuple[AsyncIterator[UpstreamItem], CutTail | None]:
     """The continuation's items, and the reader its chat chunks' text needs (None: none,
-    or the token-in leg reads it itself)."""
+    or the token-in leg reads it itself). A token-in leg after a token-in leg goes on
+    with that leg's reader (a call it had begun is held there, not yet said)."""
     prompt = partial.token_prompt() if token_send is not None else None
     if prompt is not None and token_send is not None:
         sampled = len(prompt) - len(partial.prompt_ids or [])
         request = token_in_body(body, prompt, sampled)
-        return _token_in_leg(token_send(credential, request, policy, headers), prompt, partial.tail()), None
+        reader = token_tail[-1] if token_tail else partial.tail()
+        token_tail[:] = [reader]
+        return _token_in_leg(token_send(credential, request, policy, headers), prompt, reader), None
     tail = partial.tail() if partial.needs_tail() else None
     return send(credential, partial.continuation_body(body), policy, headers), tail
 
@@ -132,7 +136,7 @@ def _next_leg(partial: PartialAnswer, send: Send, token_send: Send | None, crede
 async def _token_in_leg(items: AsyncIterator[UpstreamItem], prompt: list[int],
                         tail: CutTail) -> AsyncIterator[UpstreamItem]:
     """The engine's completion chunks as chat chunks (its text read by ``tail``)."""
-    stream = EngineStream("vllm", prompt, parser=tail)
+    stream = EngineStream("vllm", prompt, parser=tail, continued=True)
     async with contextlib.aclosing(items) as engine_items:  # type: ignore[type-var]
         async for item in engine_items:
             if item is ANSWERED:

@@ -118,9 +118,13 @@ class EngineStream:
     """One engine answer -> canonical chat chunks (pure: ``handle`` per engine chunk,
     ``finish`` at the end of the stream)."""
 
-    def __init__(self, engine: str, prompt: list[int], parser: HermesParser | CutTail | None = None) -> None:
-        """``parser``: the reader of the engine's text (a continuation's, after a cut)."""
+    def __init__(self, engine: str, prompt: list[int], parser: HermesParser | CutTail | None = None,
+                 continued: bool = False) -> None:
+        """``parser``: the reader of the engine's text (a continuation's, after a cut);
+        ``continued``: an abort leaves what the parser holds in it (the next leg goes on
+        from it), not flushed as text."""
         self.engine = engine
+        self.continued = continued
         self.prompt = prompt
         self.parser = parser if parser is not None else HermesParser()
         self.finished = False
@@ -193,7 +197,7 @@ class EngineStream:
         if self.finished:
             return []
         self.finished = True
-        out = [self._chunk(d) for d in self.parser.finish()]
+        out = [] if self.continued and reason == "abort" else [self._chunk(d) for d in self.parser.finish()]
         if reason is None:
             return out
         if self.parser.calls and reason == "stop":

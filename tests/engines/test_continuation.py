@@ -251,3 +251,37 @@ def test_responses_websocket_turns_straddle_a_held_pause_and_an_engine_abort(
         assert not any(e["type"] == "error" for e in events)
     kinds = sorted(bool(r["body"].get("continue_final_message")) for r in simulator.requests())
     assert kinds == [False, False, True]  # the cut turn, the held turn, the cut turn's continuation
+
+
+def _completion(text: str, ids: list[int], finish: str | None = None) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}]}
+
+
+async def test_a_token_in_leg_cut_inside_a_call_it_began_goes_on_from_its_reader() -> None:
+    """Chat leg cut inside a call's arguments, token-in leg that closes it and begins a
+    second call, cut again, token-in leg that ends it: two whole calls, no markup as text,
+    the second token-in prompt = prompt ids + every id sampled."""
+    first_chunks = [ANSWERED, {"choices": [{"index": 0, "token_ids": [10, 11], "finish_reason": None, "delta": {
+        "role": "assistant", "tool_calls": [{"index": 0, "id": "c0", "type": "function",
+                                             "function": {"name": "f", "arguments": '{"a'}}]}}],
+        "prompt_token_ids": [1, 2]}, chunk(finish="abort"), DONE]
+    chat_send, _ = _legs(first_chunks)
+    token_send, prompts = _legs(
+        [ANSWERED, _completion('": 1}}\n</tool_call>\n<tool_call>\n{"name": "g", "argu', [12, 13, 14]),
+         _completion("", [], "abort"), DONE],
+        [ANSWERED, _completion('ments": {}}\n</tool_call>', [15, 16]), _completion("", [17], "stop"), DONE],
+    )
+
+    async def resumed(credential: Any, policy: Any) -> None:
+        return None
+
+    items = await _collect(continuing(chat_send, resumed, token_send=token_send)(None, {"messages": []}, None))  # type: ignore[arg-type]
+    deltas = [i["choices"][0]["delta"] for i in items if isinstance(i, dict) and i.get("choices")]
+    assert not any(d.get("content") for d in deltas)  # no markup reached the client as text
+    calls = [c for d in deltas for c in d.get("tool_calls") or []]
+    assert "".join(c["function"].get("arguments", "") for c in calls if c["index"] == 0) == '{"a": 1}'
+    [second] = [c for c in calls if c["index"] == 1]
+    assert second["function"] == {"name": "g", "arguments": "{}"}
+    assert [p["prompt"] for p in prompts] == [[1, 2, 10, 11], [1, 2, 10, 11, 12, 13, 14]]
+    finishes = [i["choices"][0]["finish_reason"] for i in items if isinstance(i, dict) and i.get("choices")]
+    assert [f for f in finishes if f] == ["tool_calls"]
