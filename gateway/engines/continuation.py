@@ -27,10 +27,13 @@ from gateway.generation.policy import StreamPolicy
 from gateway.stream.answer import DONE
 from gateway.upstream.client import ANSWERED, Send, UpstreamItem
 from gateway.upstream.credential import Credential
+from gateway.upstream.hermes import HermesParser
 from gateway.upstream.token_in import EngineStream, engine_body
 
 __all__ = ["ABORT", "MAX_CONTINUATIONS", "PartialAnswer", "continuing", "token_in_body"]
 
+#: What reads a token-in leg's raw text (its state goes on into the next leg).
+Reader = HermesParser | CutTail
 #: Waits until the credential's engine accepts again (bounded; raises engine_paused): its
 #: weight version then, when known.
 Resumed = Callable[[Credential, StreamPolicy], Awaitable["str | None"]]
@@ -73,18 +76,20 @@ def through_tail(chunk: dict[str, Any], tail: CutTail) -> list[dict[str, Any]]:
 
 
 def continuing(send: Send, resumed: Resumed, on_continued: Callable[[], None] | None = None,
-               trail: VersionTrail | None = None, token_send: Send | None = None) -> Send:
+               trail: VersionTrail | None = None, token_send: Send | None = None,
+               first_reader: Callable[[], Reader | None] | None = None) -> Send:
     """``send`` (a chat attempt) with its aborts continued on the same credential;
     ``trail``: the attempt's weight versions (fed every chunk, told the version a
     continuation runs on); ``token_send``: the engine's ``/completions`` (a continuation
-    with token ids goes there)."""
+    with token ids goes there); ``first_reader``: the text reader of a first leg that was
+    itself token-in (a rollout call's), which the continuation goes on with."""
 
     async def attempt(credential: Credential, body: dict[str, Any], policy: StreamPolicy,
                       headers: dict[str, str] | None = None) -> AsyncIterator[UpstreamItem]:
         partial = PartialAnswer()
         leg = send(credential, body, policy, headers)
         tail: CutTail | None = None
-        token_tail: list[CutTail] = []  # the last token-in leg's reader: an abort leaves its state in it
+        token_tail: list[Reader] = []  # the last token-in leg's reader: an abort leaves its state in it
         while True:
             async with contextlib.aclosing(leg) as items:  # type: ignore[type-var]
                 async for item in items:
@@ -108,6 +113,8 @@ def continuing(send: Send, resumed: Resumed, on_continued: Callable[[], None] | 
             version = await resumed(credential, policy)
             if trail is not None:
                 trail.switch(version)
+            if not token_tail and not partial.legs and first_reader is not None:
+                token_tail[:] = [r for r in (first_reader(),) if r is not None]
             leg, tail = _next_leg(partial, send, token_send, credential, body, policy, headers, token_tail)
             partial.next_leg()
             if on_continued is not None:
@@ -118,7 +125,7 @@ def continuing(send: Send, resumed: Resumed, on_continued: Callable[[], None] | 
 
 def _next_leg(partial: PartialAnswer, send: Send, token_send: Send | None, credential: Credential,
               body: dict[str, Any], policy: StreamPolicy, headers: dict[str, str] | None,
-              token_tail: list[CutTail]) -> tuple[AsyncIterator[UpstreamItem], CutTail | None]:
+              token_tail: list[Reader]) -> tuple[AsyncIterator[UpstreamItem], CutTail | None]:
     """The continuation's items, and the reader its chat chunks' text needs (None: none,
     or the token-in leg reads it itself). A token-in leg after a token-in leg goes on
     with that leg's reader (a call it had begun is held there, not yet said)."""
@@ -134,7 +141,7 @@ def _next_leg(partial: PartialAnswer, send: Send, token_send: Send | None, crede
 
 
 async def _token_in_leg(items: AsyncIterator[UpstreamItem], prompt: list[int],
-                        tail: CutTail) -> AsyncIterator[UpstreamItem]:
+                        tail: Reader) -> AsyncIterator[UpstreamItem]:
     """The engine's completion chunks as chat chunks (its text read by ``tail``)."""
     stream = EngineStream("vllm", prompt, parser=tail, continued=True)
     async with contextlib.aclosing(items) as engine_items:  # type: ignore[type-var]

@@ -136,8 +136,8 @@ class PartialAnswer:
     def token_prompt(self) -> list[int] | None:
         """The next leg's token-in prompt: the prompt ids plus every completion id so far
         (None: the engine did not send them all)."""
-        if self.prompt_ids is None or not self.completion_ids or self.kind is None:
-            return None  # nothing said yet: the same chat request again
+        if self.prompt_ids is None or not self.completion_ids:
+            return None  # nothing sampled yet: the same request again
         return self.prompt_ids + list(self.completion_ids or [])
 
     def tail(self) -> CutTail:

@@ -146,6 +146,8 @@ class StreamGate:
         for key in ("content", "reasoning_content", "reasoning", "tool_calls"):
             if isinstance(delta, dict) and delta.get(key):
                 self.ticket.said[key] = self.ticket.said.get(key, 0) + 1
+        if choice.get("text"):  # a token-in (/v1/completions) chunk
+            self.ticket.said["text"] = self.ticket.said.get("text", 0) + 1
         self.finished = self.finished or bool(choice.get("finish_reason"))
         return True
 

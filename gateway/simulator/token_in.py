@@ -130,7 +130,11 @@ def completion_chunks(body: dict[str, Any], answer_id: str, created: int) -> lis
     partial = partial_of(prompt)
     chat = {**decode(prompt[: len(prompt) - len(partial)]), "model": model, "stream": True}
     folded = assemble_completion(build_plan(model, chat).frames, model)
-    rest = continued(folded["choices"][0]["message"], partial) if partial else None
+    message = folded["choices"][0]["message"]
+    rest = continued(message, partial) if partial else None
+    whole = [(ord(ch), ch) for ch in hermes_text(message)]
+    if partial and rest is None and [tid for tid, _ in whole[: len(partial)]] == partial:
+        rest = list(whole[len(partial) :])  # a token-in answer cut: its own ids go on
     if rest is not None:
         sampled: list[tuple[int | None, str]] = [*rest, (sim_tokens.END, "")]
     else:

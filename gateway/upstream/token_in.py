@@ -224,6 +224,9 @@ class TokenIn:
         self.prompt_ids: list[int] | None = None
         self.render_calls = 0
         self.render_ms = 0.0
+        #: the last token-in attempt's text reader: an abort leaves a call it had begun in
+        #: it, for the continuation (gateway/engines/continuation.py); None after a chat attempt
+        self.reader: HermesParser | CutTail | None = None
 
     def describe(self) -> dict[str, Any] | None:
         if self.status is None:
@@ -250,12 +253,14 @@ class TokenIn:
             else:
                 prompt = await self._prompt(engine, credential, body, policy)
                 self.status = "used" if isinstance(prompt, list) else "skipped: " + str(prompt)
+        self.reader = None
         if not isinstance(prompt, list):
             async for item in self.client.stream_chat(credential, body, policy, extra_headers):
                 yield item
             return
         self.prompt_ids = prompt
-        stream = EngineStream(str(engine), prompt)
+        stream = EngineStream(str(engine), prompt, continued=True)
+        self.reader = stream.parser
         path, root = ("/completions", False) if engine == "vllm" else ("/completion", True)
         async for item in self.client.stream_path(path, root=root)(credential, engine_body(str(engine), body, prompt),
                                                                    policy, extra_headers):

@@ -30,6 +30,7 @@ from gateway.simulator.server import TEXT
 from gateway.simulator.tokens import END, prompt_ids
 from tests.conftest import Gateway, ServerLoop, Simulator, wait_for
 from tests.engines.test_versions import the_call
+from tests.upstream.test_token_in import PLAN
 from tests.engines.test_weight_sync import engine_gateway, engine_state
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -170,3 +171,54 @@ def test_a_cut_reasoning_or_tool_call_goes_on_where_it_was_cut(
     assert prefill["content"].startswith(opening)
     so_far = prefill["content"][len(opening):]
     assert so_far and so_far != SAMPLED[scenario] and SAMPLED[scenario].startswith(so_far)
+
+
+@pytest.mark.parametrize("mode", ["compatible", "realtime"])
+def test_a_token_in_rollout_turn_cut_inside_its_call_goes_on_from_its_ids(
+    server_loop: ServerLoop, tmp_path_factory: pytest.TempPathFactory, mode: str
+) -> None:
+    """A rollout call sent through token-in (``token_in = "vllm"``: its second turn), aborted
+    while the engine writes its Hermes tool call (held in the gateway's reader, nothing of
+    the call said yet): the continuation sends the turn's prompt ids + the partial ids, the
+    reader goes on, the client gets the one call, the record the ids exactly as sampled."""
+    gateway, simulator = engine_gateway(server_loop, tmp_path_factory, stream_mode=mode, token_in="vllm")
+    rollout, nonce = f"ws.{secrets.token_hex(4)}:r-1", secrets.token_hex(6)
+    client = openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rollout}/v1", api_key="x", max_retries=0, timeout=60,
+                           _strict_response_validation=True)
+    model = "agent;chunk=7;delay=0.05"
+    tools = [WEATHER, {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": f"{nonce}: {PLAN}"}]
+
+    def turn() -> Any:
+        with client.chat.completions.stream(model=model, messages=messages, tools=tools) as stream:  # type: ignore[arg-type]
+            return stream.get_final_completion().choices[0].message
+
+    first = turn()
+    messages.append(first.model_dump(exclude_none=True, exclude={"parsed"}))
+    messages.append({"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "18 C"})
+    with ThreadPoolExecutor(1) as pool:
+        second = pool.submit(turn)
+        cut_and_continue(simulator, "text")
+        message = second.result(timeout=90)
+    assert not message.content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_time", {"timezone": "Europe/Paris"})]
+    legs = [r["body"] for r in simulator.requests() if r["path"] == "/v1/completions"]
+    assert len(legs) == 2  # the token-in turn and its continuation
+    call = the_calls(gateway, rollout, 2)[1]
+    assert call["token_in"]["status"] == "used"
+    sampled = '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "Europe/Paris"}}\n</tool_call>'
+    assert call["tokens"]["completion_ids"] == [ord(ch) for ch in sampled] + [END]
+    assert call["tokens"]["prompt_ids"] == legs[0]["prompt"]
+    old, new = call["weight_versions"]
+    assert old == {"version": "default", "from_token": 0} and new["version"] == "v2"
+    assert legs[1]["prompt"] == legs[0]["prompt"] + call["tokens"]["completion_ids"][: new["from_token"]]
+
+
+def the_calls(gateway: Gateway, rollout: str, count: int) -> list[dict[str, Any]]:
+    def calls() -> list[dict[str, Any]]:
+        response = httpx.get(f"{gateway.url}/admin/api/rollouts/{rollout}", headers=gateway.admin)
+        return response.json()["calls"] if response.status_code == 200 else []  # type: ignore[no-any-return]
+
+    wait_for(lambda: len(calls()) == count, timeout=10)
+    return calls()
