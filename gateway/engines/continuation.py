@@ -129,7 +129,9 @@ def _next_leg(partial: PartialAnswer, send: Send, token_send: Send | None, crede
     """The continuation's items, and the reader its chat chunks' text needs (None: none,
     or the token-in leg reads it itself). A token-in leg after a token-in leg goes on
     with that leg's reader (a call it had begun is held there, not yet said)."""
-    prompt = partial.token_prompt() if token_send is not None else None
+    upstream = getattr(credential, "upstream", None)
+    vllm = getattr(upstream, "token_in", None) in (None, "vllm")  # llama.cpp's /completion is not vLLM's: through chat
+    prompt = partial.token_prompt() if token_send is not None and vllm else None
     if prompt is not None and token_send is not None:
         sampled = len(prompt) - len(partial.prompt_ids or [])
         request = token_in_body(body, prompt, sampled)
