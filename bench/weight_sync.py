@@ -8,6 +8,11 @@ the simulator (vLLM's dev RL API) behind an in-process gateway with ``--engine-a
   ``/resume`` at once, on the simulator directly): its whole time minus the same answer's
   time without the abort (its continuation waits for the ``/is_paused`` poll, then sends
   the prompt + partial answer again).
+- **seam**: the same abort (paused 50 ms, then resumed), behind a realtime gateway without
+  token ids (the continuation goes through chat with the partial answer as a prefill) and
+  one with ``--capture-tokens vllm`` (through the engine's ``/v1/completions`` with the
+  prompt ids + the partial answer's ids): the time from the resume's answer to the first
+  byte of the continuation at the client.
 
 ``python bench/weight_sync.py`` prints one JSON object (milliseconds, medians of ROUNDS).
 """
@@ -60,21 +65,58 @@ async def _timed(client: httpx.AsyncClient, url: str, model: str) -> float:
     return (await _call(client, url, model)) - start
 
 
+def _gateway_app(simulator_url: str, data: str, **overrides: Any) -> Any:
+    settings = Settings(upstream_url=[simulator_url + "/v1"], engine_api="vllm", data_dir=Path(data),
+                        keepalive_interval=5.0, spill_max_bytes=1 << 20, **overrides)
+    return create_app(settings, {name: "default" for name in Settings.model_fields})  # type: ignore[arg-type]
+
+
 async def main() -> dict[str, Any]:
     configure_logging("warning")  # no request line per call
     simulator_url, simulator = await _serve(create_simulator_app())
-    with tempfile.TemporaryDirectory() as data:
-        settings = Settings(upstream_url=[simulator_url + "/v1"], engine_api="vllm", data_dir=Path(data),
-                            keepalive_interval=5.0, spill_max_bytes=1 << 20)
-        app = create_app(settings, {name: "default" for name in Settings.model_fields})  # type: ignore[arg-type]
+    with tempfile.TemporaryDirectory() as data, tempfile.TemporaryDirectory() as data2, \
+            tempfile.TemporaryDirectory() as data3:
+        app = _gateway_app(simulator_url, data)
         gateway_url, gateway = await _serve(app)
+        prefill_url, prefill = await _serve(_gateway_app(simulator_url, data2, stream_mode="realtime"))
+        token_url, token = await _serve(_gateway_app(simulator_url, data3, stream_mode="realtime",
+                                                     capture_tokens="vllm"))
         admin = {"authorization": f"Bearer {app.state.admin_access.token}"}
         try:
             async with httpx.AsyncClient(timeout=30) as client:
-                return await _measure(client, gateway_url, simulator_url, admin, app)
+                out = await _measure(client, gateway_url, simulator_url, admin, app)
+                for name, url in (("prefill", prefill_url), ("token_in", token_url)):
+                    seams = [await _seam(client, url, simulator_url) for _ in range(3 + ROUNDS)][3:]
+                    out[f"seam_{name}_ms"] = round(statistics.median(seams) * 1000.0, 1)
+                    out[f"seam_{name}_ms_p90"] = round(sorted(seams)[int(0.9 * (ROUNDS - 1))] * 1000.0, 1)
+                return out
         finally:
-            await stop_embedded(*gateway)
+            for server in (gateway, prefill, token):
+                await stop_embedded(*server)
             await stop_embedded(*simulator)
+
+
+async def _seam(client: httpx.AsyncClient, url: str, engine: str) -> float:
+    """One slow call aborted halfway: seconds from the resume's answer to the next
+    content byte the client reads (the continuation's first)."""
+    body = {"model": SLOW, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    arrivals: list[float] = []
+
+    async def read() -> None:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {") and '"content"' in line:
+                    arrivals.append(time.monotonic())
+
+    call = asyncio.create_task(read())
+    while len(arrivals) < 20:
+        await asyncio.sleep(0.002)
+    await client.post(engine + "/pause", params={"mode": "abort"})
+    await asyncio.sleep(0.05)
+    await client.post(engine + "/resume")
+    resumed = time.monotonic()
+    await call
+    return min(t for t in arrivals if t > resumed) - resumed
 
 
 async def _measure(client: httpx.AsyncClient, url: str, engine: str, admin: dict[str, str], app: Any) -> dict[str, Any]:

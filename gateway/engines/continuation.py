@@ -1,14 +1,17 @@
 """Transparent continuation: a chat answer the engine ended with ``finish_reason: "abort"``
 (a weight-update pause, or an abort the gateway was not told about) is continued, not
-shown to the client. Once the engine accepts again, the same call goes on through chat with
-the partial answer as an assistant prefill (vLLM ``continue_final_message: true,
-add_generation_prompt: false``); what comes back follows the partial answer, so the client
-sees one answer (in realtime, the deltas already sent stay and the continuation follows).
+shown to the client. Once the engine accepts again, the same call goes on: with token ids
+(the engine sent ``prompt_token_ids`` and every chunk's ``token_ids``: ``--capture-tokens
+vllm``), through the engine's token-in endpoint with the prompt ids plus the completion
+ids so far; else through chat with the answer so far as an assistant prefill (vLLM
+``continue_final_message: true, add_generation_prompt: false``). What comes back follows
+the partial answer, so the client sees one answer (in realtime, the deltas already sent
+stay and the continuation follows) — a cut reasoning goes on as reasoning, a cut tool
+call's arguments go on in the same call.
 
-``PartialAnswer`` is the pure part, fed one chunk at a time; ``continue_after_abort`` is
-the I/O shell around one attempt's send. Only a text answer is continued: a partial with
-reasoning or a tool call (neither can be prefilled through chat) keeps its abort, as
-without the gateway.
+The pure parts are :class:`~gateway.engines.partial.PartialAnswer` (what was said) and
+:class:`~gateway.engines.seam.CutTail` (the raw text after the cut); ``continuing`` is the
+I/O shell around one attempt's send.
 """
 
 from __future__ import annotations
@@ -17,116 +20,78 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from gateway.engines.partial import ABORT, MAX_CONTINUATIONS, PartialAnswer
+from gateway.engines.seam import CutTail
 from gateway.engines.versions import VersionTrail
 from gateway.generation.policy import StreamPolicy
 from gateway.stream.answer import DONE
 from gateway.upstream.client import ANSWERED, Send, UpstreamItem
 from gateway.upstream.credential import Credential
+from gateway.upstream.hermes import HermesParser
+from gateway.upstream.token_in import EngineStream, engine_body
 
-ABORT = "abort"
-#: Continuations of one call at most (each after an abort): a bound on a flapping engine.
-MAX_CONTINUATIONS = 8
+__all__ = ["ABORT", "MAX_CONTINUATIONS", "PartialAnswer", "continuing", "token_in_body"]
 
-
-class PartialAnswer:
-    """What one call's engine legs said so far: the text, whether the last leg ended in an
-    abort that can be continued, and the usage of the legs before."""
-
-    def __init__(self) -> None:
-        self._pieces: list[str] = []  # joined only for a continuation (a str grown by += copied it whole per chunk)
-        self.blocked: str | None = None  # why this answer cannot be continued (reasoning, tool_call)
-        self.aborted = False  # the current leg ended in an abort that will be continued
-        self.legs = 0  # continuations sent so far
-        self.earlier_usage: dict[str, Any] | None = None  # the aborted legs' usage, summed
-
-    def feed(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
-        """The chunk to pass on (None: held back): an abort to continue is taken out of its
-        chunk; a continuation leg's role and prompt token ids are dropped (the client and
-        the record have them from the first leg); its usage counts every leg."""
-        if self.aborted:  # after a continued abort: its usage is kept, nothing else passes
-            self._keep_usage(chunk.get("usage"))
-            return None
-        choices = chunk.get("choices") if isinstance(chunk.get("choices"), list) else []
-        choice = choices[0] if choices and isinstance(choices[0], dict) else {}
-        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
-        self._note(delta)
-        if choice.get("finish_reason") == ABORT and self.blocked is None and self.legs < MAX_CONTINUATIONS:
-            self.aborted = True
-            self._keep_usage(chunk.get("usage"))
-            if not delta.get("content"):
-                return None
-            return {**{k: v for k, v in chunk.items() if k != "usage"}, "choices": [{**choice, "finish_reason": None}]}
-        if self.legs:
-            chunk = self._as_continued(chunk, choice, delta)
-        return chunk
-
-    def _note(self, delta: dict[str, Any]) -> None:
-        if isinstance(delta.get("content"), str):
-            self._pieces.append(delta["content"])
-        if delta.get("reasoning_content") or delta.get("reasoning"):
-            self.blocked = self.blocked or "reasoning"
-        if delta.get("tool_calls"):
-            self.blocked = self.blocked or "tool_call"
-
-    @property
-    def text(self) -> str:
-        """The answer's text so far."""
-        return "".join(self._pieces)
-
-    def _keep_usage(self, usage: Any) -> None:
-        if isinstance(usage, dict):
-            self.earlier_usage = _summed(self.earlier_usage, usage, keep_prompt=True)
-
-    def _as_continued(self, chunk: dict[str, Any], choice: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
-        out = {k: v for k, v in chunk.items() if k != "prompt_token_ids"}
-        if "role" in delta:
-            out["choices"] = [{**choice, "delta": {k: v for k, v in delta.items() if k != "role"}}]
-        if isinstance(chunk.get("usage"), dict) and self.earlier_usage is not None:
-            out["usage"] = _summed(self.earlier_usage, chunk["usage"], keep_prompt=True)
-        return out
-
-    def continuation_body(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The next leg's request: the call's own, with the answer so far as an assistant
-        prefill the engine continues (a client's own prefill grows by it)."""
-        self.aborted, self.legs = False, self.legs + 1
-        text = self.text
-        if not text:  # nothing said yet: the same request again
-            return body
-        messages = list(body.get("messages") or [])
-        last = messages[-1] if messages and isinstance(messages[-1], dict) else None
-        if last is not None and last.get("role") == "assistant" and isinstance(last.get("content"), str):
-            messages[-1] = {**last, "content": last["content"] + text}
-        else:
-            messages.append({"role": "assistant", "content": text})
-        return {**body, "messages": messages, "continue_final_message": True, "add_generation_prompt": False}
-
-
-def _summed(first: dict[str, Any] | None, then: dict[str, Any], keep_prompt: bool) -> dict[str, Any]:
-    """Usage over legs: the first leg's prompt, every leg's completion."""
-    if first is None:
-        return dict(then)
-    prompt = first.get("prompt_tokens", 0) if keep_prompt else then.get("prompt_tokens", 0)
-    completion = int(first.get("completion_tokens") or 0) + int(then.get("completion_tokens") or 0)
-    return {**then, "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": int(prompt or 0) + completion}
-
-
+#: What reads a token-in leg's raw text (its state goes on into the next leg).
+Reader = HermesParser | CutTail
 #: Waits until the credential's engine accepts again (bounded; raises engine_paused): its
 #: weight version then, when known.
 Resumed = Callable[[Credential, StreamPolicy], Awaitable["str | None"]]
 
 
+def token_in_body(body: dict[str, Any], prompt: list[int], sampled: int) -> dict[str, Any]:
+    """vLLM's ``/v1/completions`` request continuing chat ``body`` from ``prompt`` (the
+    prompt ids plus the ``sampled`` completion ids): the same sampling, the token budget
+    that is left."""
+    out = engine_body("vllm", body, prompt)
+    if isinstance(out.get("max_tokens"), int):
+        out["max_tokens"] = max(1, out["max_tokens"] - sampled)
+    return out
+
+
+def through_tail(chunk: dict[str, Any], tail: CutTail) -> list[dict[str, Any]]:
+    """A chat continuation's chunk with its text read by ``tail`` (a markup prefill): the
+    chunk (its token data, no text) then one chunk per delta; the finish last, a tool
+    call's ``stop`` as ``tool_calls``."""
+    choices = chunk.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return [chunk]
+    choice = choices[0]
+    delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+    finish = choice.get("finish_reason")
+    if delta.get("reasoning_content") or delta.get("reasoning"):
+        tail.parsed_upstream()
+    text = delta.get("content")
+    deltas = tail.feed(text) if isinstance(text, str) and text else []
+    if finish:
+        deltas += tail.finish()
+        if finish == "stop" and tail.calls:
+            finish = "tool_calls"
+    head = {**chunk, "choices": [{**choice, "delta": {k: v for k, v in delta.items() if k != "content"},
+                                  "finish_reason": None}]}
+    out = [head] + [{"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    if finish:
+        out.append({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+    return out
+
+
 def continuing(send: Send, resumed: Resumed, on_continued: Callable[[], None] | None = None,
-               trail: VersionTrail | None = None) -> Send:
+               trail: VersionTrail | None = None, token_send: Send | None = None,
+               first_reader: Callable[[], Reader | None] | None = None) -> Send:
     """``send`` (a chat attempt) with its aborts continued on the same credential;
     ``trail``: the attempt's weight versions (fed every chunk, told the version a
-    continuation runs on)."""
+    continuation runs on); ``token_send``: the engine's ``/completions`` (a continuation
+    with token ids goes there); ``first_reader``: the text reader of a first leg that was
+    itself token-in (a rollout call's), which the continuation goes on with."""
 
     async def attempt(credential: Credential, body: dict[str, Any], policy: StreamPolicy,
                       headers: dict[str, str] | None = None) -> AsyncIterator[UpstreamItem]:
         partial = PartialAnswer()
-        leg_body = body
+        leg = send(credential, body, policy, headers)
+        tail: CutTail | None = None
+        token_tail: list[Reader] = []  # the last token-in leg's reader: an abort leaves its state in it
         while True:
-            async with contextlib.aclosing(send(credential, leg_body, policy, headers)) as items:  # type: ignore[type-var]
+            async with contextlib.aclosing(leg) as items:  # type: ignore[type-var]
                 async for item in items:
                     if item is ANSWERED or item is DONE:
                         if (item is ANSWERED and not partial.legs) or (item is DONE and not partial.aborted):
@@ -134,16 +99,63 @@ def continuing(send: Send, resumed: Resumed, on_continued: Callable[[], None] | 
                         continue
                     if trail is not None:
                         trail.count(item)  # type: ignore[arg-type]
-                    out = partial.feed(item)  # type: ignore[arg-type]
-                    if out is not None:
-                        yield out
+                    if tail is None:
+                        out = partial.feed(item)  # type: ignore[arg-type]
+                        if out is not None:
+                            yield out
+                        continue
+                    for chunk in through_tail(item, tail):  # type: ignore[arg-type]
+                        out = partial.feed(chunk)
+                        if out is not None:
+                            yield out
             if not partial.aborted:
                 return
             version = await resumed(credential, policy)
             if trail is not None:
                 trail.switch(version)
-            leg_body = partial.continuation_body(body)
+            if not token_tail and not partial.legs and first_reader is not None:
+                token_tail[:] = [r for r in (first_reader(),) if r is not None]
+            leg, tail = _next_leg(partial, send, token_send, credential, body, policy, headers, token_tail)
+            partial.next_leg()
             if on_continued is not None:
                 on_continued()
 
     return attempt  # type: ignore[return-value]
+
+
+def _next_leg(partial: PartialAnswer, send: Send, token_send: Send | None, credential: Credential,
+              body: dict[str, Any], policy: StreamPolicy, headers: dict[str, str] | None,
+              token_tail: list[Reader]) -> tuple[AsyncIterator[UpstreamItem], CutTail | None]:
+    """The continuation's items, and the reader its chat chunks' text needs (None: none,
+    or the token-in leg reads it itself). A token-in leg after a token-in leg goes on
+    with that leg's reader (a call it had begun is held there, not yet said)."""
+    upstream = getattr(credential, "upstream", None)
+    vllm = getattr(upstream, "token_in", None) in (None, "vllm")  # llama.cpp's /completion is not vLLM's: through chat
+    prompt = partial.token_prompt() if token_send is not None and vllm else None
+    if prompt is not None and token_send is not None:
+        sampled = len(prompt) - len(partial.prompt_ids or [])
+        request = token_in_body(body, prompt, sampled)
+        reader = token_tail[-1] if token_tail else partial.tail()
+        token_tail[:] = [reader]
+        return _token_in_leg(token_send(credential, request, policy, headers), prompt, reader), None
+    tail = partial.tail() if partial.needs_tail() else None
+    return send(credential, partial.continuation_body(body), policy, headers), tail
+
+
+async def _token_in_leg(items: AsyncIterator[UpstreamItem], prompt: list[int],
+                        tail: Reader) -> AsyncIterator[UpstreamItem]:
+    """The engine's completion chunks as chat chunks (its text read by ``tail``)."""
+    stream = EngineStream("vllm", prompt, parser=tail, continued=True)
+    async with contextlib.aclosing(items) as engine_items:  # type: ignore[type-var]
+        async for item in engine_items:
+            if item is ANSWERED:
+                yield item
+            elif item is DONE:
+                for chunk in stream.finish():
+                    yield chunk
+                yield DONE
+            elif isinstance(item, dict):
+                for chunk in stream.handle(item):
+                    yield chunk
+    for chunk in stream.finish():
+        yield chunk

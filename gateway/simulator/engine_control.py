@@ -44,6 +44,8 @@ class Ticket:
     request_id: str
     aborted: bool = False
     serial: int = 0
+    #: chunks sent so far per kind of output (content, reasoning_content, tool_calls): for tests
+    said: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -150,6 +152,11 @@ class StreamGate:
         choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
         delta = choice.get("delta")
         self.sent.append(delta if isinstance(delta, dict) else {})
+        for key in ("content", "reasoning_content", "reasoning", "tool_calls"):
+            if isinstance(delta, dict) and delta.get(key):
+                self.ticket.said[key] = self.ticket.said.get(key, 0) + 1
+        if choice.get("text"):  # a token-in (/v1/completions) chunk
+            self.ticket.said["text"] = self.ticket.said.get("text", 0) + 1
         self.finished = self.finished or bool(choice.get("finish_reason"))
         return True
 
@@ -235,7 +242,8 @@ async def engine_stats(request: Request) -> Response:
     return JSONResponse({"paused_mode": control.paused_mode, "in_flight": len(control.in_flight),
                          "pauses": control.pauses, "aborted": control.aborted,
                          "weight_version": control.weight_version,
-                         "abort_requested": control.abort_requested})
+                         "abort_requested": control.abort_requested,
+                         "said": [dict(t.said) for t in control.in_flight.values()]})
 
 
 async def metrics(request: Request) -> Response:

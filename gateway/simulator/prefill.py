@@ -10,7 +10,9 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
+from gateway.simulator import token_in as sim_token_in
 from gateway.simulator.reply import Frame, chat_messages
+from gateway.simulator.scenarios import assemble_completion
 
 
 def prefill_of(body: Mapping[str, Any]) -> str | None:
@@ -31,7 +33,10 @@ def refusal(body: Mapping[str, Any]) -> str | None:
 
 
 def continued(frames: list[Frame], prefill: str) -> list[Frame]:
-    """``frames`` with ``prefill`` taken off the start of their content."""
+    """``frames`` with ``prefill`` taken off the start of their content (a prefill in
+    Hermes markup: :func:`markup_continued`)."""
+    if prefill.startswith("<think>") or "<tool_call>" in prefill:
+        return markup_continued(frames, prefill)
     text = "".join(_content(f) for f in frames)
     if not prefill or not text.startswith(prefill):
         return frames
@@ -49,6 +54,32 @@ def continued(frames: list[Frame], prefill: str) -> list[Frame]:
             usage = frame["usage"]
             usage["completion_tokens"] = (len(text) - len(prefill)) // 4 + 1
             usage["total_tokens"] = usage.get("prompt_tokens", 0) + usage["completion_tokens"]
+    return out
+
+
+#: Characters per chunk of a markup continuation.
+MARKUP_CHUNK = 4
+
+
+def markup_continued(frames: list[Frame], prefill: str) -> list[Frame]:
+    """A prefill in the Hermes / Qwen markup the model writes (a cut reasoning: ``<think>``
+    and the reasoning so far; a cut tool call: ``<tool_call>\n{"name": ..., "arguments": ``
+    and the arguments so far): the model goes on in raw text from where it ends, and the
+    engine's parsers, which never saw the opening tag in the output, pass it all as
+    ``content`` (the gateway reads it). Finish ``stop``: no call was parsed."""
+    message = assemble_completion(frames, "sim")["choices"][0]["message"]
+    whole = "".join(text for _, text in sim_token_in.chat_sampled(message))
+    if not whole.startswith(prefill):
+        return frames
+    rest = whole[len(prefill) :]
+    out: list[Frame] = [{"choices": [{"index": 0, "delta": {"content": rest[at : at + MARKUP_CHUNK]},
+                                      "finish_reason": None}]} for at in range(0, len(rest), MARKUP_CHUNK)]
+    out = out or [{"choices": [{"index": 0, "delta": {}, "finish_reason": None}]}]
+    out[0]["choices"][0]["delta"] = {"role": "assistant", **out[0]["choices"][0]["delta"]}
+    out.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    for frame in frames:  # the usage and [DONE] as the script sends them
+        if frame.get("_op") == "done" or frame.get("choices") == [] and isinstance(frame.get("usage"), dict):
+            out.append(frame)
     return out
 
 

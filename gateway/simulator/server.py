@@ -381,6 +381,27 @@ async def _relayed_body(request: Request, required: str, named: str) -> dict[str
     return body
 
 
+def _delay_of(body: dict[str, Any]) -> float:
+    try:
+        return parse_model(str(body.get("model") or "")).delay
+    except ValueError:
+        return 0.0
+
+
+async def _gated_completion(chunks: list[dict[str, Any]], delay: float, gate: StreamGate) -> AsyncIterator[bytes]:
+    """A token-in answer under the engine's pause state, ``delay`` (the model's option)
+    between chunks: frozen by ``keep``, ended by an abort with ``finish_reason: "abort"``."""
+    for n, chunk in enumerate(chunks):
+        if n and delay > 0:
+            await asyncio.sleep(delay)
+        if not await gate.allows(chunk):
+            yield f"data: {json.dumps({'choices': [{'index': 0, 'text': '', 'finish_reason': 'abort'}]})}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+            return
+        yield f"data: {json.dumps(chunk)}\n\n".encode()
+    yield b"data: [DONE]\n\n"
+
+
 def _completion_stream(chunks: list[dict[str, Any]]) -> StreamingResponse:
     frames = [f"data: {json.dumps(c)}\n\n".encode() for c in chunks] + [b"data: [DONE]\n\n"]
     return StreamingResponse(iter(frames), media_type="text/event-stream")
@@ -394,9 +415,12 @@ async def text_completions(request: Request) -> Response:
         return body
     answer_id, created = "cmpl-sim" + uuid.uuid4().hex[:12], int(time.time())
     engine = _engine(request)
-    engine.release(await engine.admit(answer_id))  # waits while paused (no mid-answer freeze here)
     if sim_token_in.is_token_in(body) and body.get("stream") is True:  # vLLM token-in (a rollout continuation)
-        return _completion_stream(sim_token_in.completion_chunks(body, answer_id, created))
+        chunks = sim_token_in.completion_chunks(body, answer_id, created)
+        request_id = request.headers.get("x-request-id") or answer_id
+        return StreamingResponse(engine_control.gated(engine, request_id, body, lambda gate: _gated_completion(
+            chunks, _delay_of(body), gate)), media_type="text/event-stream")
+    engine.release(await engine.admit(answer_id))  # waits while paused (no mid-answer freeze here)
     if body.get("stream") is not True:
         return JSONResponse(sim_completions.completion_answer(body, answer_id, created))
     return _completion_stream(sim_completions.completion_chunks(body, answer_id, created))

@@ -41,6 +41,15 @@ def tokenize(body: dict[str, Any]) -> dict[str, Any]:
     return {"count": len(ids), "max_model_len": 1 << 20, "tokens": ids}
 
 
+def partial_of(ids: list[int]) -> list[int]:
+    """The completion ids a prompt ends with after its generation prompt (a continuation:
+    prompt ids + the partial answer's ids), else none."""
+    last = max((i for i, t in enumerate(ids) if t == sim_tokens.ROLES["assistant"]), default=None)
+    if last is None or sim_tokens.END in ids[last + 1 :]:
+        return []
+    return ids[last + 1 :]
+
+
 def decode(ids: list[int]) -> dict[str, Any]:
     """A token-id prompt back to the chat body it renders (tool names only)."""
     tools: list[str] = []
@@ -79,28 +88,73 @@ def hermes_text(message: dict[str, Any]) -> str:
     return text
 
 
+def chat_sampled(message: dict[str, Any]) -> list[tuple[int | None, str]]:
+    """The answer as the chat endpoint samples it (sim_tokens: the reasoning, text and
+    arguments, one id per character) with its Hermes markup between, as text without ids
+    (the chat stream reports none for it)."""
+    pieces: list[tuple[int | None, str]] = []
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if reasoning:
+        pieces += [(None, "<think>"), *[(ord(ch), ch) for ch in reasoning], (None, "</think>")]
+    pieces += [(ord(ch), ch) for ch in message.get("content") or ""]
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        pieces.append((None, '<tool_call>\n{"name": ' + json.dumps(function.get("name")) + ', "arguments": '))
+        pieces += [(ord(ch), ch) for ch in function.get("arguments") or ""]
+        pieces.append((None, "}\n</tool_call>"))
+    return pieces
+
+
+def continued(message: dict[str, Any], partial: list[int]) -> list[tuple[int | None, str]] | None:
+    """What follows ``partial`` (the chat-sampled ids of a cut answer) in ``message``:
+    the rest of its pieces (None: the partial is not how this answer begins)."""
+    pieces = chat_sampled(message)
+    said = 0
+    for at, (tid, _) in enumerate(pieces):
+        if said == len(partial):
+            return pieces[at:]
+        if tid is not None:
+            if tid != partial[said]:
+                return None
+            said += 1
+    return [] if said == len(partial) else None
+
+
 def completion_chunks(body: dict[str, Any], answer_id: str, created: int) -> list[dict[str, Any]]:
     """The streamed answer to a token-in ``/v1/completions`` request (usage last when
-    ``stream_options.include_usage``)."""
+    ``stream_options.include_usage``). A prompt that ends inside the assistant's answer
+    (a continuation after an abort) gets the rest of that answer as the chat endpoint
+    samples it (:func:`continued`): exactly the ids an uncut chat stream has."""
     prompt = [int(t) for t in body["prompt"]]
     model = str(body.get("model") or "echo")
-    chat = {**decode(prompt), "model": model, "stream": True}
+    partial = partial_of(prompt)
+    chat = {**decode(prompt[: len(prompt) - len(partial)]), "model": model, "stream": True}
     folded = assemble_completion(build_plan(model, chat).frames, model)
-    text = hermes_text(folded["choices"][0]["message"])
-    sampled: list[tuple[int, str]] = [(ord(ch), ch) for ch in text] + [(sim_tokens.END, "")]
+    message = folded["choices"][0]["message"]
+    rest = continued(message, partial) if partial else None
+    whole = [(ord(ch), ch) for ch in hermes_text(message)]
+    if partial and rest is None and [tid for tid, _ in whole[: len(partial)]] == partial:
+        rest = list(whole[len(partial) :])  # a token-in answer cut: its own ids go on
+    if rest is not None:
+        sampled: list[tuple[int | None, str]] = [*rest, (sim_tokens.END, "")]
+    else:
+        text = hermes_text(folded["choices"][0]["message"])
+        sampled = [(ord(ch), ch) for ch in text] + [(sim_tokens.END, "")]
     finish = "stop"
     limit = body.get("max_tokens")
     if isinstance(limit, int) and len(sampled) > limit:
         sampled, finish = sampled[:limit], "length"
     logprobs = body.get("logprobs")
+    ids_of = [tid for tid, _ in sampled if tid is not None]
     chunks: list[dict[str, Any]] = []
     for start in range(0, len(sampled), CHUNK_TOKENS):
         piece = sampled[start : start + CHUNK_TOKENS]
+        ids = [(tid, t) for tid, t in piece if tid is not None]
         choice: dict[str, Any] = {"index": 0, "text": "".join(t for _, t in piece), "finish_reason": None,
-                                  "token_ids": [tid for tid, _ in piece]}
+                                  "token_ids": [tid for tid, _ in ids]}
         if logprobs is not None:
-            choice["logprobs"] = {"tokens": [t for _, t in piece],
-                                  "token_logprobs": [sim_tokens.logprob(tid, start + k) for k, (tid, _) in enumerate(piece)],
+            choice["logprobs"] = {"tokens": [t for _, t in ids],
+                                  "token_logprobs": [sim_tokens.logprob(tid, start + k) for k, (tid, _) in enumerate(ids)],
                                   "top_logprobs": None, "text_offset": []}
         if start == 0:
             choice["prompt_token_ids"] = prompt
@@ -109,6 +163,6 @@ def completion_chunks(body: dict[str, Any], answer_id: str, created: int) -> lis
     chunks[-1]["choices"][0]["finish_reason"] = finish
     if (body.get("stream_options") or {}).get("include_usage"):
         chunks.append({"id": answer_id, "object": "text_completion", "created": created, "model": model, "choices": [],
-                       "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(sampled),
-                                 "total_tokens": len(prompt) + len(sampled)}})
+                       "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids_of),
+                                 "total_tokens": len(prompt) + len(ids_of)}})
     return chunks

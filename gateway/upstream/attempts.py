@@ -77,7 +77,6 @@ class UpstreamAttempts:
         the request of one attempt (default: a chat completion; the relayed routes pass
         the client's ``stream_path``/``json_path``)."""
         chat = send is None
-        plain_chat = chat and self.token_in is None  # continued after an abort, versions tracked
         send = send or (self.token_in.send if self.token_in is not None else self.client.stream_chat)
         pool = self.pool
         model = str(body.get("model", ""))
@@ -106,7 +105,7 @@ class UpstreamAttempts:
                 "started_at": time.time(),  # wall clock, for the trace's attempt span
             }
             self.log.append(attempt)
-            trail = self.engines.track(credential) if self.engines is not None and plain_chat else None
+            trail = self.engines.track(credential) if self.engines is not None and chat else None
             if trail is not None:  # the answer's weight versions per token range (gateway/engines/versions.py)
                 attempt["weight_versions"] = trail.versions
             headers = dict(self.upstream_headers) if self.upstream_headers else None
@@ -122,7 +121,7 @@ class UpstreamAttempts:
             answered = False
             try:
                 # closed here, at once, when this generator is (not whenever it is collected)
-                attempt_send = self._chat(trail) if plain_chat else send
+                attempt_send = self._chat(trail) if chat else send
                 async with contextlib.aclosing(attempt_send(credential, upstream_body, self.policy, headers)) as items:  # type: ignore[type-var]
                     async for item in items:
                         if item is ANSWERED:
@@ -147,10 +146,15 @@ class UpstreamAttempts:
         raise self._after_failover(model, tried, last_error)
 
     def _chat(self, trail: VersionTrail | None) -> Send:
-        """A chat attempt; with weight sync, its aborts continued (gateway/engines/continuation.py)."""
+        """A chat attempt (through token-in for a rollout call that has it); with weight
+        sync, its aborts continued (gateway/engines/continuation.py)."""
+        token_in = self.token_in
+        first = token_in.send if token_in is not None else self.client.stream_chat
         if self.engines is None:
-            return self.client.stream_chat
-        return continuing(self.client.stream_chat, self.engines.accepting, self.engines.on_continued, trail)
+            return first
+        return continuing(first, self.engines.accepting, self.engines.on_continued, trail,
+                          self.client.stream_path("/completions"),
+                          (lambda: token_in.reader) if token_in is not None else None)
 
     async def _acquire(self, model: str, tried: set[str], prefix: Sequence[int] = ()) -> Lease:
         """A credential for the next attempt; while its engine is paused, the call waits in

@@ -22,7 +22,7 @@ _NAME = re.compile(r'"name"\s*:\s*"([^"]+)"')
 _ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
 
 
-def _held(text: str, tag: str) -> int:
+def tag_start_held(text: str, tag: str) -> int:
     """How many trailing characters of ``text`` may begin ``tag``."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
@@ -31,10 +31,12 @@ def _held(text: str, tag: str) -> int:
 
 
 class HermesParser:
-    def __init__(self) -> None:
+    def __init__(self, first_index: int = 0) -> None:
+        """``first_index``: the index of the first call (after calls said before: a
+        continuation of a cut answer)."""
         self._buffer = ""
         self._in_call = False
-        self._calls = 0
+        self._calls = first_index
         self._pending_space = ""  # white space between tool calls, emitted only before text
 
     @property
@@ -59,7 +61,7 @@ class HermesParser:
                 self._buffer = self._buffer[start + len(OPEN) :]
                 self._in_call = True
                 continue
-            keep = _held(self._buffer, OPEN)
+            keep = tag_start_held(self._buffer, OPEN)
             self._text(self._buffer[: len(self._buffer) - keep], out)
             self._buffer = self._buffer[len(self._buffer) - keep :]
             return out

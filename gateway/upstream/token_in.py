@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 import structlog
 
+from gateway.engines.seam import CutTail
 from gateway.errors import GatewayError
 from gateway.generation.policy import StreamPolicy
 from gateway.rollout.chain import TokenInPlan, splice
@@ -117,10 +118,15 @@ class EngineStream:
     """One engine answer -> canonical chat chunks (pure: ``handle`` per engine chunk,
     ``finish`` at the end of the stream)."""
 
-    def __init__(self, engine: str, prompt: list[int]) -> None:
+    def __init__(self, engine: str, prompt: list[int], parser: HermesParser | CutTail | None = None,
+                 continued: bool = False) -> None:
+        """``parser``: the reader of the engine's text (a continuation's, after a cut);
+        ``continued``: an abort leaves what the parser holds in it (the next leg goes on
+        from it), not flushed as text."""
         self.engine = engine
+        self.continued = continued
         self.prompt = prompt
-        self.parser = HermesParser()
+        self.parser = parser if parser is not None else HermesParser()
         self.finished = False
         self._first = True
         self._completion_tokens = 0
@@ -191,7 +197,7 @@ class EngineStream:
         if self.finished:
             return []
         self.finished = True
-        out = [self._chunk(d) for d in self.parser.finish()]
+        out = [] if self.continued and reason == "abort" else [self._chunk(d) for d in self.parser.finish()]
         if reason is None:
             return out
         if self.parser.calls and reason == "stop":
@@ -218,6 +224,9 @@ class TokenIn:
         self.prompt_ids: list[int] | None = None
         self.render_calls = 0
         self.render_ms = 0.0
+        #: the last token-in attempt's text reader: an abort leaves a call it had begun in
+        #: it, for the continuation (gateway/engines/continuation.py); None after a chat attempt
+        self.reader: HermesParser | CutTail | None = None
 
     def describe(self) -> dict[str, Any] | None:
         if self.status is None:
@@ -244,12 +253,14 @@ class TokenIn:
             else:
                 prompt = await self._prompt(engine, credential, body, policy)
                 self.status = "used" if isinstance(prompt, list) else "skipped: " + str(prompt)
+        self.reader = None
         if not isinstance(prompt, list):
             async for item in self.client.stream_chat(credential, body, policy, extra_headers):
                 yield item
             return
         self.prompt_ids = prompt
-        stream = EngineStream(str(engine), prompt)
+        stream = EngineStream(str(engine), prompt, continued=True)
+        self.reader = stream.parser
         path, root = ("/completions", False) if engine == "vllm" else ("/completion", True)
         async for item in self.client.stream_path(path, root=root)(credential, engine_body(str(engine), body, prompt),
                                                                    policy, extra_headers):

@@ -52,6 +52,7 @@ def test_an_abort_after_text_is_held_back_and_the_next_leg_continues_it() -> Non
         "model": "m", "stream": True, "continue_final_message": True, "add_generation_prompt": False,
         "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]}
     assert body["messages"] == [{"role": "user", "content": "hi"}]  # the call's own body is untouched
+    partial.next_leg()
     # the continuation leg: no second role, no second prompt ids, usage over both legs
     assert partial.feed(chunk(" world", delta={"role": "assistant"}, prompt_token_ids=[1, 2])) == chunk(" world")
     assert partial.feed(chunk(finish="stop")) == chunk(finish="stop")
@@ -71,11 +72,13 @@ def test_a_client_prefill_grows_and_an_empty_partial_is_asked_again() -> None:
 
 
 @pytest.mark.parametrize(("delta", "why"), [
-    ({"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "f", "arguments": "{\"a"}}]}, "tool_call"),
-    ({"reasoning_content": "hmm"}, "reasoning"),
+    ({"tool_calls": [{"index": 1, "id": "c2", "function": {"name": "g", "arguments": "{"}},
+                     {"index": 0, "function": {"arguments": " "}}]}, "interleaved_tool_calls"),
+    ({"content": "after a call"}, "text_after_tool_call"),
 ])
-def test_a_partial_that_cannot_be_prefilled_keeps_its_abort(delta: dict[str, Any], why: str) -> None:
+def test_a_partial_that_cannot_be_said_again_keeps_its_abort(delta: dict[str, Any], why: str) -> None:
     partial = PartialAnswer()
+    partial.feed(chunk(delta={"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "f", "arguments": "{}"}}]}))
     partial.feed(chunk(delta=delta))
     aborted = chunk(finish="abort")
     assert partial.feed(aborted) == aborted and not partial.aborted and partial.blocked == why
@@ -87,6 +90,7 @@ def test_continuations_are_bounded() -> None:
         partial.feed(chunk("x", finish="abort"))
         assert partial.aborted
         partial.continuation_body({"messages": []})
+        partial.next_leg()
     last = chunk("x", finish="abort")
     assert partial.feed(last) == last and not partial.aborted
 
@@ -210,3 +214,74 @@ async def test_an_engine_that_stays_paused_fails_the_call_after_the_partial() ->
         async for item in continuing(send, resumed)(None, {"messages": []}, None):  # type: ignore[arg-type]
             seen.append(item)
     assert caught.value.code == "engine_paused" and seen == [ANSWERED, chunk("Hel")] and len(bodies) == 1
+
+
+@pytest.mark.parametrize("mode", ["compatible", "realtime"])
+def test_responses_websocket_turns_straddle_a_held_pause_and_an_engine_abort(
+    server_loop: ServerLoop, tmp_path_factory: pytest.TempPathFactory, mode: str
+) -> None:
+    """Two Codex connections: one turn is mid-answer when the engine aborts it (the gateway
+    not told) and a gateway-held pause follows; the other is sent while paused and waits in
+    the gateway's hold. After the resume both end ``response.completed`` with the whole answer, and
+    nothing reached the engine while it was paused."""
+    gateway, simulator = engine_gateway(server_loop, tmp_path_factory, stream_mode=mode)
+    turn = {"type": "response.create", "model": SLOW, "input": "hi"}
+    with ThreadPoolExecutor(2) as pool, open_ws(gateway) as cut_ws, open_ws(gateway) as held_ws:
+        cut = pool.submit(exchange, cut_ws, turn)
+        wait_for(lambda: engine_state(simulator)["in_flight"] == 1, timeout=15)
+        time.sleep(0.1)  # a few chunks into the answer
+        assert httpx.post(simulator.url + "/pause", params={"mode": "abort"}).json() == {"status": "paused"}
+        paused = httpx.post(gateway.url + "/admin/api/engines/pause", json={}, headers=gateway.admin, timeout=30)
+        assert paused.status_code == 200, paused.text
+        held = pool.submit(exchange, held_ws, turn)
+        # the new turn waits in the hold; the cut turn's continuation waits for the engine's
+        # /is_paused (it began waiting before the hold closed)
+        wait_for(lambda: engines(gateway)["held"] == 1, timeout=15)
+        time.sleep(0.3)
+        assert len(simulator.requests()) == 1 and not cut.done() and not held.done()
+        resumed = httpx.post(gateway.url + "/admin/api/engines/resume", json={"weight_version": "v2"},
+                             headers=gateway.admin, timeout=30)
+        assert resumed.json()["released"] == 1
+        results = [cut.result(timeout=60), held.result(timeout=60)]
+    for events in results:
+        assert events[-1]["type"] == "response.completed"
+        [message] = events[-1]["response"]["output"]
+        assert message["content"][0]["text"] == TEXT
+        assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == TEXT
+        assert not any(e["type"] == "error" for e in events)
+    kinds = sorted(bool(r["body"].get("continue_final_message")) for r in simulator.requests())
+    assert kinds == [False, False, True]  # the cut turn, the held turn, the cut turn's continuation
+
+
+def _completion(text: str, ids: list[int], finish: str | None = None) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}]}
+
+
+async def test_a_token_in_leg_cut_inside_a_call_it_began_goes_on_from_its_reader() -> None:
+    """Chat leg cut inside a call's arguments, token-in leg that closes it and begins a
+    second call, cut again, token-in leg that ends it: two whole calls, no markup as text,
+    the second token-in prompt = prompt ids + every id sampled."""
+    first_chunks = [ANSWERED, {"choices": [{"index": 0, "token_ids": [10, 11], "finish_reason": None, "delta": {
+        "role": "assistant", "tool_calls": [{"index": 0, "id": "c0", "type": "function",
+                                             "function": {"name": "f", "arguments": '{"a'}}]}}],
+        "prompt_token_ids": [1, 2]}, chunk(finish="abort"), DONE]
+    chat_send, _ = _legs(first_chunks)
+    token_send, prompts = _legs(
+        [ANSWERED, _completion('": 1}}\n</tool_call>\n<tool_call>\n{"name": "g", "argu', [12, 13, 14]),
+         _completion("", [], "abort"), DONE],
+        [ANSWERED, _completion('ments": {}}\n</tool_call>', [15, 16]), _completion("", [17], "stop"), DONE],
+    )
+
+    async def resumed(credential: Any, policy: Any) -> None:
+        return None
+
+    items = await _collect(continuing(chat_send, resumed, token_send=token_send)(None, {"messages": []}, None))  # type: ignore[arg-type]
+    deltas = [i["choices"][0]["delta"] for i in items if isinstance(i, dict) and i.get("choices")]
+    assert not any(d.get("content") for d in deltas)  # no markup reached the client as text
+    calls = [c for d in deltas for c in d.get("tool_calls") or []]
+    assert "".join(c["function"].get("arguments", "") for c in calls if c["index"] == 0) == '{"a": 1}'
+    [second] = [c for c in calls if c["index"] == 1]
+    assert second["function"] == {"name": "g", "arguments": "{}"}
+    assert [p["prompt"] for p in prompts] == [[1, 2, 10, 11], [1, 2, 10, 11, 12, 13, 14]]
+    finishes = [i["choices"][0]["finish_reason"] for i in items if isinstance(i, dict) and i.get("choices")]
+    assert [f for f in finishes if f] == ["tool_calls"]

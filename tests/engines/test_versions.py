@@ -16,6 +16,7 @@ import pytest
 
 from gateway.engines.versions import VersionTrail
 from gateway.simulator.server import TEXT
+from gateway.simulator.tokens import END
 from tests.conftest import Gateway, ServerLoop, wait_for
 from tests.engines.test_weight_sync import SLOW, USER, engine_gateway, engine_state
 
@@ -96,7 +97,9 @@ def test_a_call_across_a_weight_update_records_both_versions(
         assert future.result(timeout=60) == TEXT
     call = the_call(gateway, rollout)
     completion = call["tokens"]["completion_ids"]
-    assert completion == [ord(ch) for ch in TEXT]  # prompt + partial + continuation, exactly as sampled
+    # prompt + partial + continuation, exactly as sampled (a token-in continuation ends
+    # with the end-of-turn id the engine samples, which a chat stream does not report)
+    assert completion == [ord(ch) for ch in TEXT] + ([END] if who_pauses == "engine abort" else [])
     first, second = call["weight_versions"]
     assert first == {"version": "default", "from_token": 0}
     assert second["version"] == "v2" and 0 < second["from_token"] < len(completion)
@@ -104,9 +107,10 @@ def test_a_call_across_a_weight_update_records_both_versions(
     assert trajectory_versions(gateway, rollout) == [
         {"call_id": call["call_id"], "version": "default", "from_token": prompt},
         {"call_id": call["call_id"], "version": "v2", "from_token": prompt + second["from_token"]}]
-    continued = [r["body"] for r in simulator.requests() if r["body"].get("continue_final_message")]
-    if who_pauses == "engine abort":  # where v2 begins is where the partial answer ended
+    continued = [r["body"] for r in simulator.requests() if r["path"] == "/v1/completions"]
+    assert not any(r["body"].get("continue_final_message") for r in simulator.requests())
+    if who_pauses == "engine abort":  # token-in: where v2 begins is where the partial answer ended
         [body] = continued
-        assert len(body["messages"][-1]["content"]) == second["from_token"]
+        assert body["prompt"] == call["tokens"]["prompt_ids"] + completion[: second["from_token"]]
     else:
         assert continued == []

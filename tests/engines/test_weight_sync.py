@@ -110,7 +110,7 @@ def test_a_held_pause_mid_run_is_invisible_to_clients(
     assert len(simulator.requests()) == 12
     assert engine_state(simulator) | {"pauses": 0} == {
         "paused_mode": None, "in_flight": 0, "pauses": 0, "aborted": 0, "weight_version": "v2",
-        "abort_requested": []}
+        "abort_requested": [], "said": []}
     assert engines(gateway)["engines"][0] | {"in_flight": 0} == {
         "name": "upstream", "url": simulator.url, "paused": False, "weight_version": "v2", "in_flight": 0,
         "held": 0, "error": None}
