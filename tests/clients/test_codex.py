@@ -15,6 +15,7 @@ import pytest
 from pydantic import SecretStr
 
 from gateway.protocols.responses.compaction import SUMMARY_PROMPT
+from gateway.routes.codex_catalog import BASE_INSTRUCTIONS
 from tests.clients.conftest import ClientGateway
 from tests.conftest import ServerLoop, Simulator, start_gateway
 from tests.test_recipes import DOC_URL, recipes
@@ -189,3 +190,4 @@ def test_codex_through_the_docs_recipe_finds_its_model_metadata(
     [body] = [r["body"] for r in simulator.requests() if r["path"].endswith("/chat/completions")]
     assert body["model"] == "my-model"
     assert "apply_patch" in {t["function"]["name"] for t in body["tools"]}  # from the gateway's entry
+    assert BASE_INSTRUCTIONS.splitlines()[0] in json.dumps(body["messages"][0])  # and its prompt
