@@ -191,3 +191,11 @@ def test_codex_through_the_docs_recipe_finds_its_model_metadata(
     assert body["model"] == "my-model"
     assert "apply_patch" in {t["function"]["name"] for t in body["tools"]}  # from the gateway's entry
     assert BASE_INSTRUCTIONS.splitlines()[0] in json.dumps(body["messages"][0])  # and its prompt
+    # the entry as Codex parsed it (its catalog, re-serialised by the binary)
+    dump = subprocess.run(
+        [str(codex_bin), "debug", "models"], env={**os.environ, "CODEX_HOME": str(home), "CODEBUDDY2API_CLIENT_KEY": RECIPE_KEY},
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, check=True,
+    )
+    [entry] = [m for m in json.loads(dump.stdout)["models"] if m["slug"] == "my-model"]
+    assert (entry["context_window"], entry["max_context_window"], entry["effective_context_window_percent"]) == (131072, 131072, 87)
+    assert (entry["apply_patch_tool_type"], entry["default_reasoning_level"], entry["base_instructions"]) == ("freeform", "medium", BASE_INSTRUCTIONS)
