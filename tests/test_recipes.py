@@ -84,10 +84,17 @@ def test_codex_provider(keyed: Gateway, monkeypatch: pytest.MonkeyPatch) -> None
     config = tomllib.loads(code)
     provider = config["model_providers"][config["model_provider"]]
     assert lang == "toml" and provider["wire_api"] == "responses" and provider["base_url"] == DOC_URL + "/v1"
-    monkeypatch.setenv(provider["env_key"], KEY)
-    client = openai.OpenAI(base_url=provider["base_url"].replace(DOC_URL, keyed.url), api_key=os.environ[provider["env_key"]], _strict_response_validation=True, max_retries=0)
+    assert "env_key" not in provider  # Codex asks the gateway for its model metadata only with auth.command
+    monkeypatch.setenv("CODEBUDDY2API_CLIENT_KEY", KEY)
+    printed = subprocess.run([provider["auth"]["command"], *provider["auth"]["args"]], capture_output=True, text=True, check=True)
+    token = printed.stdout.strip()  # what Codex sends as the Bearer token
+    assert token == KEY
+    base_url = provider["base_url"].replace(DOC_URL, keyed.url)
+    client = openai.OpenAI(base_url=base_url, api_key=token, _strict_response_validation=True, max_retries=0)
     with client.responses.stream(model=config["model"], input="hi from codex") as stream:
         assert stream.get_final_response().output_text == "You said: hi from codex"
+    catalog = client.get("/models", cast_to=object, options={"params": {"client_version": "0.171.0"}})
+    assert isinstance(catalog, dict) and [m["slug"] for m in catalog["models"]]  # Codex's shape
 
 
 def run_recipe(name: str, keyed: Gateway, tmp_path: Path) -> list[str]:

@@ -23,6 +23,7 @@ from gateway.keys.identity import check_client_key
 from gateway.keys.registry import managed_key
 from gateway.protocols.messages.room import error_json as anthropic_error
 from gateway.protocols.openai_shapes import error_json as openai_error
+from gateway.routes.codex_catalog import codex_catalog
 from gateway.routes.model_info import ModelInfo
 from gateway.upstream.config_file import model_entries
 
@@ -90,9 +91,13 @@ def _model(name: str, owner: str, info: ModelInfo, anthropic: bool) -> dict[str,
 
 
 async def list_models(request: Request) -> Response:
-    """``GET /v1/models`` (a managed key sees only the models its globs allow)."""
+    """``GET /v1/models`` (a managed key sees only the models its globs allow): the
+    Anthropic shape for the Anthropic SDKs, Codex's catalog for Codex (it adds
+    ``client_version``: gateway/routes/codex_catalog.py), else the OpenAI list."""
     key = managed_key(request)
     names = sorted((n, o) for n, o in (await model_names(request)).items() if key is None or key.allows(n))
+    if "client_version" in request.query_params:
+        return JSONResponse(codex_catalog((n, owner, info) for n, (owner, info) in names))
     anthropic = _anthropic_client(request)
     data = [_model(n, owner, info, anthropic) for n, (owner, info) in names]
     if anthropic:

@@ -12,10 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import SecretStr
 
 from gateway.protocols.responses.compaction import SUMMARY_PROMPT
+from gateway.routes.codex_catalog import BASE_INSTRUCTIONS
 from tests.clients.conftest import ClientGateway
-from tests.conftest import Simulator
+from tests.conftest import ServerLoop, Simulator, start_gateway
+from tests.test_recipes import DOC_URL, recipes
+
+#: the client key the recipe's environment variable carries
+RECIPE_KEY = "sk-your-client-key"
 
 
 def run_codex(
@@ -144,3 +150,52 @@ def test_codex_tool_turn_under_a_rollout_base_url(
     final = calls[-1]
     assert "hello-from-rollout" in final["answer"]["text"]
     assert final["continuity"]["previous_call_id"] == tool["call_id"]
+
+
+def test_codex_through_the_docs_recipe_finds_its_model_metadata(
+    codex_bin: Path, server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """docs/clients.md's Codex recipe, as written (only the host replaced), against a keyed
+    gateway whose ``--config`` states the model's limits: Codex reads the model from the
+    gateway's catalog (``/v1/models?client_version=``), so it prints no "Model metadata
+    for `my-model` not found" warning, and the entry's fields reach the request (the
+    freeform ``apply_patch`` a ``tools`` model gets)."""
+    lang, code = recipes()["codex"]
+    assert lang == "toml"
+    config = tmp_path_factory.mktemp("codex-recipe") / "gateway.toml"
+    config.write_text(
+        f'[[upstreams]]\nname = "sim"\nbase_url = "{simulator.url}/v1"\nmodels = ["my-model"]\n\n'
+        '[models."my-model"]\nmax_input_tokens = 131072\nmax_output_tokens = 16384\n'
+        "capabilities = { tools = true, reasoning = true }\n"
+    )
+    gw = start_gateway(server_loop, simulator, tmp_path_factory, config=config, api_key=[SecretStr(RECIPE_KEY)])
+    home = tmp_path / "codex-home"
+    home.mkdir()
+    (home / "config.toml").write_text(code.replace(DOC_URL, gw.url))
+    work = tmp_path / "work"
+    work.mkdir()
+    simulator.clear()
+    done = subprocess.run(
+        [str(codex_bin), "exec", "--json", "--skip-git-repo-check", "hello from the codex recipe"],
+        cwd=work, env={**os.environ, "CODEX_HOME": str(home), "CODEBUDDY2API_CLIENT_KEY": RECIPE_KEY},
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Model metadata" not in done.stdout + done.stderr, (done.stdout + done.stderr)[-3000:]
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    errors = [e for e in events if e.get("type") == "error" or (e.get("item") or {}).get("type") == "error"]
+    assert errors == [], errors
+    [answer] = items(events, "agent_message")
+    assert "hello from the codex recipe" in answer["text"]
+    [body] = [r["body"] for r in simulator.requests() if r["path"].endswith("/chat/completions")]
+    assert body["model"] == "my-model"
+    assert "apply_patch" in {t["function"]["name"] for t in body["tools"]}  # from the gateway's entry
+    assert BASE_INSTRUCTIONS.splitlines()[0] in json.dumps(body["messages"][0])  # and its prompt
+    # the entry as Codex parsed it (its catalog, re-serialised by the binary)
+    dump = subprocess.run(
+        [str(codex_bin), "debug", "models"], env={**os.environ, "CODEX_HOME": str(home), "CODEBUDDY2API_CLIENT_KEY": RECIPE_KEY},
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, check=True,
+    )
+    [entry] = [m for m in json.loads(dump.stdout)["models"] if m["slug"] == "my-model"]
+    assert (entry["context_window"], entry["max_context_window"], entry["effective_context_window_percent"]) == (131072, 131072, 87)
+    assert (entry["apply_patch_tool_type"], entry["default_reasoning_level"], entry["base_instructions"]) == ("freeform", "medium", BASE_INSTRUCTIONS)
