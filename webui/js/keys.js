@@ -61,6 +61,8 @@ export function mount(main) {
     h("button.primary#save-key-button", { type: "submit" }, "Save limits"),
     h("button.small#cancel-edit", { type: "button", onclick: () => { editCard.hidden = true; editing = null; } }, "Cancel"));
   const editCard = h("section.card#edit-card", { hidden: true }, editTitle, editForm);
+  // what a (first) key does to /v1 (GET /admin/api/status client_auth), said where the key is made
+  const lockNotice = h("p.notice#keys-lock-notice", { role: "status", hidden: true });
   replace(main,
     h("div.page-head", null, h("h1", null, "Keys"), total),
     status, secretBox,
@@ -74,9 +76,34 @@ export function mount(main) {
     h("section.card", null, h("h2", null, "Create a client key"),
       h("p.muted", null, "The key is shown once, right after it is created; the gateway keeps only its hash. "
         + "Empty limits mean no limit."),
-      createForm));
+      lockNotice, createForm));
+
+  async function loadLock() {
+    let auth;
+    try {
+      auth = (await get("/admin/api/status?window=60")).client_auth;
+    } catch {
+      return;
+    }
+    lockNotice.dataset.state = auth.locked ? "locked" : auth.key_required ? "required" : "open";
+    if (!auth.key_required) {
+      lockNotice.className = "notice warn";
+      replace(lockNotice, h("strong", null, "Creating the first key locks /v1. "),
+        "From then on every /v1 request needs a key, loopback calls included (a curl without one gets 401), "
+        + "and revoking the keys later does not open it again.");
+    } else if (auth.locked) {
+      lockNotice.className = "notice error";
+      replace(lockNotice, h("strong", null, "/v1 is locked: "),
+        "every request needs a key and none is usable (revoked or expired). Create one here.");
+    } else {
+      lockNotice.className = "notice";
+      replace(lockNotice, "Every /v1 request needs a key, loopback calls included.");
+    }
+    lockNotice.hidden = false;
+  }
 
   async function load() {
+    loadLock();
     let answer;
     try {
       answer = await get("/admin/api/keys");
