@@ -216,7 +216,7 @@ def create_app(
     client_keys.on_load = observability.metrics.declare_keys
     client_keys.load()  # before serving: requests authenticate against the in-memory keys
     observability.durable.statements.update(key_store.statements(db))  # settlements, journaled too
-    relay.limiter = KeyLimiter(db, observability.durable)
+    relay.limiter = KeyLimiter(db, observability.durable, price=observability.observer.price)  # money budgets
     credential_state = CredentialState(db)
     # several processes on one store (PostgreSQL replicas, --workers): shared cap and health
     replication = Replication(db, settings.replica_id, lambda: relay.in_flight) if db.shared or settings.workers > 1 else None

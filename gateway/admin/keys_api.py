@@ -20,11 +20,12 @@ from starlette.routing import BaseRoute, Route
 from gateway.admin.common import BAD_BODY, NotAnObject, admin_error, json_object
 from gateway.keys import store
 from gateway.keys.model import (
-    PREFIX_CHARS, InvalidField, ManagedKey, hash_secret, limits_from, metadata_of, name_of, new_key_id, new_secret,
+    PREFIX_CHARS, InvalidField, KeyLimits, ManagedKey, hash_secret, limits_from, metadata_of, name_of, new_key_id, new_secret,
 )
 from gateway.keys import usage_window
 from gateway.keys.registry import KeyRegistry
 from gateway.store import audit_queries
+from gateway.upstream.config_file import model_entries
 
 
 def _registry(request: Request) -> KeyRegistry:
@@ -37,6 +38,19 @@ def _invalid(exc: InvalidField) -> Response:
 
 async def _keys(request: Request) -> list[ManagedKey]:
     return await request.app.state.db.acall(store.load_all, request.app.state.db)
+
+
+def _unpriced(request: Request, limits: KeyLimits) -> Response | None:
+    """A money budget needs prices: refused (400 naming ``budget_cost``) when no
+    ``[models."<glob>"]`` table of ``--config`` has one, since every request would then be
+    refused as unpriced."""
+    if limits.budget_cost is None:
+        return None
+    if any(entry.price is not None for _, entry in model_entries(request.app.state.live.current.config)):
+        return None
+    return admin_error(400, "invalid_value", "budget_cost needs prices: no [models.\"<glob>\"] table of the gateway's "
+                       "--config has a price (a request of a model without one is refused for a key with budget_cost)",
+                       "budget_cost")
 
 
 def _name_taken(keys: list[ManagedKey], name: str, except_id: str | None = None) -> bool:
@@ -54,6 +68,8 @@ async def create_key(request: Request) -> Response:
         metadata = metadata_of(payload.get("metadata"))
     except InvalidField as exc:
         return _invalid(exc)
+    if (unpriced := _unpriced(request, limits)) is not None:
+        return unpriced
     if _name_taken(await _keys(request), name):
         return admin_error(409, "key_name_taken", f"a key named {name!r} exists already (names label the metrics)", "name")
     secret = new_secret()
@@ -88,6 +104,8 @@ async def change_key(request: Request) -> Response:
         metadata = metadata_of(payload["metadata"]) if "metadata" in payload else key.metadata
     except InvalidField as exc:
         return _invalid(exc)
+    if limits.budget_cost != key.limits.budget_cost and (unpriced := _unpriced(request, limits)) is not None:
+        return unpriced
     if _name_taken(keys, name, except_id=key_id):
         return admin_error(409, "key_name_taken", f"a key named {name!r} exists already", "name")
     changed = ManagedKey(key.key_id, name, key.prefix, key.secret_hash, limits, key.created_at, key.revoked_at, metadata)
