@@ -23,6 +23,8 @@ from gateway.keys.model import (
     PREFIX_CHARS, InvalidField, KeyLimits, ManagedKey, hash_secret, limits_from, metadata_of, name_of, new_key_id, new_secret,
 )
 from gateway.keys import usage_window
+from gateway.keys.budget_left import left_of
+from gateway.keys.quota import Counts
 from gateway.keys.registry import KeyRegistry
 from gateway.store import audit_queries
 from gateway.upstream.config_file import model_entries
@@ -83,8 +85,19 @@ async def list_keys(request: Request) -> Response:
     """Every key (revoked ones too), never a secret, with today's usage (UTC day)."""
     db = request.app.state.db
     keys, usage = await asyncio.gather(_keys(request), db.acall(store.usage_today, db))
+    budgeted = [k for k in keys if k.revoked_at is None and left_of(k, Counts(0.0))]
+    _, counts = await db.acall(store.budget_counts, db, budgeted) if budgeted else (0.0, {})
     zero = {"requests_today": 0, "tokens_today": 0}
-    return JSONResponse({"keys": [k.public() | {"usage": usage.get(k.key_id, zero)} for k in keys]})
+
+    def shown(key: ManagedKey) -> dict[str, Any]:
+        out = key.public() | {"usage": usage.get(key.key_id, zero)}
+        if key.key_id in counts:  # what is left of each budget now (settled plus held)
+            left = left_of(key, counts[key.key_id])
+            out["budget_left"] = {"daily_tokens": left.get("daily_tokens"), "tokens": left.get("budget_tokens"),
+                                  "cost": left.get("budget_cost")}
+        return out
+
+    return JSONResponse({"keys": [shown(k) for k in keys]})
 
 
 async def change_key(request: Request) -> Response:

@@ -175,6 +175,8 @@ class KeyLimiter:
                  renew_every: float = store.RENEW_EVERY, price: PriceOf = lambda model: None) -> None:
         self.db = db
         self.price = price
+        #: told a key's id once a settlement of it is recorded (the budget-left gauge)
+        self.on_settled: Callable[[str], None] | None = None
         self.durable = durable
         self.reserve_timeout = reserve_timeout
         self._open: set[str] = set()
@@ -270,6 +272,8 @@ class KeyLimiter:
             except Exception as exc:  # the reservation is settled to what the usage said
                 log.warning("client_key_charge_failed", request_id=head[0], error=f"{type(exc).__name__}: {exc}")
         await self._record(kind, (*head, used, cost_nanos(record, price, used if charge is not None else None)))
+        if self.on_settled is not None and record.key_id:
+            self.on_settled(record.key_id)
 
     async def _record(self, kind: str, row: tuple[Any, ...]) -> None:
         """Store the settlement, else journal it (replayed when the store is back)."""

@@ -134,6 +134,25 @@ def usage_today(db: Store) -> dict[str, dict[str, int]]:
     return db.run_tx(run, write=False)
 
 
+def budget_counts(db: Store, keys: list[ManagedKey]) -> tuple[float, dict[str, Counts]]:
+    """The database's clock and, for each key, what its budgets have taken: the day's tokens
+    and its ``budget_period``'s tokens and cost (settled plus held), one read transaction."""
+
+    def run(conn: Any) -> tuple[float, dict[str, Counts]]:
+        now = _clock(conn, db)
+        day = day_of(now)
+        out: dict[str, Counts] = {}
+        for key in keys:
+            row = conn.execute(_DAY_TOKENS, (key.key_id, day)).fetchone()
+            first, last = period_days(now, key.limits.budget_period)
+            tokens, cost = conn.execute(_PERIOD_USAGE, (key.key_id, first, last)).fetchone()
+            out[key.key_id] = Counts(now, day_tokens=int(row[0] if row else 0), period_tokens=int(tokens or 0),
+                                     period_cost=int(cost or 0))
+        return now, out
+
+    return db.run_tx(run, write=False)
+
+
 #: One scan of the key's recent rows (ended ones are deleted after KEEP_ENDED, so the
 #: scan holds the last two minutes and the held ones): requests and tokens in the window
 #: (a reclaimed row's ``used`` is what it reserved), its oldest request, the held

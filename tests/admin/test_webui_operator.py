@@ -240,3 +240,71 @@ def test_the_keys_page_warns_before_the_first_key_locks_v1(
     page.locator("#key-rows tr[data-key-name='first'] button[data-action=revoke]").click()
     page.wait_for_selector("#keys-lock-notice[data-state=locked]")
     assert "none is usable" in page.text_content("#keys-lock-notice")
+
+
+@pytest.fixture
+def priced(server_loop: ServerLoop, simulator: Simulator, tmp_path: Path) -> Gateway:
+    from gateway.app import create_app
+
+    config = tmp_path / "prices.toml"
+    config.write_text(f'[[upstreams]]\nname = "sim"\nbase_url = "{simulator.url}/v1"\n\n'
+                      '[models."text"]\nprice = { input = 3.0, output = 15.0 }\n')
+    settings = Settings(data_dir=tmp_path / "data", keepalive_interval=0.5, admin_token=TOKEN, config=config)
+    app = create_app(settings, {name: "default" for name in Settings.model_fields})  # type: ignore[arg-type]
+    return Gateway(server_loop.serve(app), app)
+
+
+@pytest.mark.parametrize("screen", SCREENS, indirect=True)
+def test_the_keys_page_sets_and_shows_a_money_budget_and_what_is_left(
+    browser: Any, priced: Gateway, screen: dict[str, int], shots: Path  # noqa: F811
+) -> None:
+    context = browser.new_context(viewport=screen, bypass_csp=True)
+    page = context.new_page()
+    page.set_default_timeout(15_000)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        login(page, priced, "#/keys")
+        page.fill("#key-name", "money-ui")
+        page.fill("#key-budget-tokens", "500000")
+        page.fill("#key-budget-cost", "2.5")
+        page.select_option("#key-budget-period", "month")
+        page.click("#create-key-button")
+        secret = page.wait_for_selector("#key-secret-value").input_value()
+        row = page.locator("#key-rows tr[data-key-name='money-ui'] td.budget")
+        row.wait_for()
+        assert row.evaluate("e => e.firstChild.textContent") == "500,000 tokens, 2.50 / month"
+        assert row.locator(".budget-left").text_content() == "left: 500,000 tokens, 2.5000"
+        [listed] = httpx.get(priced.url + "/admin/api/keys", headers=AUTH).json()["keys"]
+        assert (listed["budget_tokens"], listed["budget_cost"], listed["budget_period"]) == (500_000, 2.5, "month")
+
+        client = openai.OpenAI(base_url=priced.base_url, api_key=secret, max_retries=0, _strict_response_validation=True)
+        answer = client.chat.completions.create(model="text", messages=[{"role": "user", "content": "hi"}])  # type: ignore[list-item]
+        assert answer.usage is not None
+        spent = (answer.usage.prompt_tokens * 3.0 + answer.usage.completion_tokens * 15.0) / 1e6
+        page.click("#dismiss-key")
+        expected = f"left: {500_000 - answer.usage.total_tokens:,} tokens, {2.5 - spent:.4f}"
+        deadline = time.monotonic() + 10
+        while row.locator(".budget-left").text_content() != expected:  # settled after the answer
+            assert time.monotonic() < deadline, row.locator(".budget-left").text_content()
+            page.reload()
+            row.wait_for()
+        on_screen(page.locator("#create-key-button").bounding_box(), screen)
+        no_page_scroll(page, screen)
+        shot(page, shots, f"keys-money-{screen['width']}", full_page=True)
+
+        # a change through the edit form, and a bad value named by the API
+        page.locator("#key-rows tr[data-key-name='money-ui'] button[data-action=edit]").click()
+        assert page.input_value("#edit-budget-cost") == "2.5" and page.input_value("#edit-budget-period") == "month"
+        page.fill("#edit-budget-cost", "4")
+        page.select_option("#edit-budget-period", "week")
+        page.click("#save-key-button")
+        page.wait_for_selector(".notice.ok:has-text('Saved the limits of money-ui')")
+        page.wait_for_selector("#key-rows tr[data-key-name='money-ui'] td.budget:has-text('4.00 / week')")
+        page.fill("#key-name", "bad-money")
+        page.fill("#key-budget-cost", "10000000000")  # over the API's bound (the field stops negatives itself)
+        page.click("#create-key-button")
+        page.wait_for_selector(".notice.error:has-text('budget_cost must be a number')")
+    finally:
+        context.close()
+    assert not errors, errors

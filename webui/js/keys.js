@@ -62,7 +62,7 @@ function budgetText(k) {
 }
 
 function spentText(k) {
-  const left = k.usage && k.usage.budget_left;
+  const left = k.budget_left;
   if (!left) return "";
   const parts = [];
   if (left.tokens !== null && left.tokens !== undefined) parts.push(`${fmtNumber(left.tokens)} tokens`);
