@@ -254,7 +254,8 @@ class KeyLimiter:
         does it."""
         used = used_tokens(record)
         charge = arrived if used == 0 and arrived is not None else None
-        price = self.price(record.model) if record.model else None
+        money = key is not None and key.limits.budget_cost is not None and record.model
+        price = self.price(record.model) if money else None  # only a money budget needs the cost
         if record.request_id in self._open:
             self._open.discard(record.request_id)
             self._spawn(self._settle(store.SETTLE_KIND, (record.request_id,), used, charge, record, price))
