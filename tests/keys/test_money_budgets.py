@@ -115,6 +115,24 @@ def test_the_store_holds_the_priced_reservation_and_settles_to_the_cost(db: Any)
     assert int(spent) == 450_000 + third.cost
 
 
+def test_settlements_journaled_before_money_budgets_replay(db: Any) -> None:
+    """A spill journal written by the version before (rows without a cost) replays: the
+    tokens settle, what the reservation held in money stays spent (the safe side)."""
+    key = ManagedKey("key_old", "old", "sk-cb2a-yyyy", "h", KeyLimits(budget_cost=1.0), time.time())
+    key_store.insert(db, key)
+    grant = key_store.admit(db, key, "old-1", Ask(input_tokens=10, cap=10, rates=RATES))
+    assert isinstance(grant, Grant) and grant.cost == 10 * 3_000 + 10 * 15_000
+    settle_rows = key_store.statements(db)[key_store.SETTLE_KIND]
+    db.run_tx(lambda conn: settle_rows(conn, [("old-1", 12)]))  # (request_id, used): no cost
+    row = db.execute("SELECT tokens, cost_nanos FROM client_key_usage WHERE key_id = 'key_old'")[0]
+    assert (int(row[0]), int(row[1])) == (12, grant.cost)
+    grant = key_store.admit(db, key, "new-1", Ask(input_tokens=10, cap=10, rates=RATES))
+    assert isinstance(grant, Grant)
+    db.run_tx(lambda conn: settle_rows(conn, [("new-1", 15, 7_000)]))  # (request_id, used, cost)
+    row = db.execute("SELECT tokens, cost_nanos FROM client_key_usage WHERE key_id = 'key_old'")[0]
+    assert (int(row[0]), int(row[1])) == (27, 180_000 + 7_000)
+
+
 # -- through the gateway, with the official SDKs ------------------------------------------------
 
 
