@@ -36,8 +36,10 @@ from gateway.http.body_limit import BodyLimit
 from gateway.http.cross_site import CrossSiteGuard
 from gateway.http.servers import bind_loopback, on_hangup, on_server_exit, start_embedded, stop_embedded
 from gateway.http.shutdown import GracefulShutdown
+from gateway.keys.budget_left import BudgetLeft
 from gateway.keys import store as key_store
 from gateway.keys.limiter import KeyLimiter
+from gateway.keys.model import ManagedKey
 from gateway.keys.registry import KeyRegistry
 from gateway.live_settings import LiveSettings
 from gateway.observability.loop_lag import LoopLagMonitor, publish_samples
@@ -214,10 +216,17 @@ def create_app(
     envelope_keys.load()  # before serving: requests only read the in-memory keyring
     relay.envelope_keys = envelope_keys
     client_keys = relay.keys = KeyRegistry(db)
-    client_keys.on_load = observability.metrics.declare_keys
+    budget_left = BudgetLeft(observability.metrics.key_budget_left, db)  # codebuddy2api_key_budget_left
+
+    def keys_loaded(keys: list[ManagedKey]) -> None:
+        observability.metrics.declare_keys(keys)
+        budget_left.reloaded(keys)
+
+    client_keys.on_load = keys_loaded
     client_keys.load()  # before serving: requests authenticate against the in-memory keys
     observability.durable.statements.update(key_store.statements(db))  # settlements, journaled too
-    relay.limiter = KeyLimiter(db, observability.durable)
+    relay.limiter = KeyLimiter(db, observability.durable, price=observability.observer.price)  # money budgets
+    relay.limiter.on_settled = budget_left.settled
     credential_state = CredentialState(db)
     # several processes on one store (PostgreSQL replicas, --workers): shared cap and health
     replication = Replication(db, settings.replica_id, lambda: relay.in_flight) if db.shared or settings.workers > 1 else None
@@ -323,6 +332,7 @@ def create_app(
             if relay.capture is not None:
                 relay.capture.close()  # drains: every finished call is on disk
             await relay.limiter.aclose()  # settlements under way, before the writer closes
+            await budget_left.aclose()
             await relay.rollouts.aclose()  # failed calls' records, before the writer closes
             await observability.aclose()  # drains the audit queue
             await state_writer.aclose()

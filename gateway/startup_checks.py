@@ -24,7 +24,7 @@ NOT_SETTINGS: frozenset[str] = frozenset({
     "CODEBUDDY2API_RECIPES_DIR", "CODEBUDDY2API_CLIENT_KEY",
 })
 
-#: deploy/.env.example and deploy/kubernetes/secret.yaml ship these; kept, they are known to all.
+#: deploy/.env.example and deploy/kubernetes/base/secret.yaml ship these; kept, they are known to all.
 PLACEHOLDER_PREFIX = "change-me"
 
 #: Secret settings a placeholder may be left in.

@@ -1,7 +1,9 @@
-"""deploy/kubernetes/: every manifest validates against a pinned Kubernetes version's schemas
+"""deploy/kubernetes/base/: every manifest validates against a pinned Kubernetes version's schemas
 (kubernetes-validate ships them: no cluster, no network), and the manifests agree with the
 gateway: probe paths that exist, a grace period above --shutdown-timeout, every writable
-path on a volume, every referenced Secret/ConfigMap key present, a config.toml that loads."""
+path on a volume, every referenced Secret/ConfigMap key present, a config.toml that loads.
+The overlays (deploy/kubernetes/overlays/dev, prod) are rendered with ``kubectl kustomize``
+(kustomize v5 built into kubectl: offline) and validated the same way."""
 
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from gateway.upstream.config_file import load_config_file
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 REPO = Path(__file__).resolve().parent.parent
-KUBE = REPO / "deploy" / "kubernetes"
+KUBE = REPO / "deploy" / "kubernetes" / "base"
+OVERLAYS = REPO / "deploy" / "kubernetes" / "overlays"
 #: The Kubernetes version the manifests are checked against (the oldest still supported
 #: upstream when this was written; the manifests use nothing newer).
 KUBERNETES_VERSION = "1.33.0"
@@ -252,3 +255,63 @@ def test_kustomize_renders_the_named_image(tmp_path: Path) -> None:
     assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example.com/t/codebuddy2api:" + \
         MANIFESTS["Kustomization"]["images"][0]["newTag"]
     assert {d["kind"] for d in docs} == {m["kind"] for m in MANIFESTS.values()} - {"Kustomization", "ServiceMonitor"}
+
+
+def _render(folder: Path) -> list[dict[str, Any]]:
+    rendered = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
+    assert rendered.returncode == 0, rendered.stderr
+    return list(yaml.safe_load_all(rendered.stdout))
+
+
+def _one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    [doc] = [d for d in docs if d["kind"] == kind]
+    return doc
+
+
+#: What each overlay changes: namespace, replicas, HPA range, image, requests, ConfigMap values.
+OVERLAY_FACTS = {
+    "dev": {"namespace": "codebuddy2api-dev", "replicas": 1, "hpa": (1, 2), "image": "codebuddy2api:0.1.0",
+            "cpu": "100m", "config": {"CODEBUDDY2API_LOG_LEVEL": "debug", "CODEBUDDY2API_MAX_CONCURRENT": "16"}},
+    "prod": {"namespace": "codebuddy2api", "replicas": 3, "hpa": (3, 10),
+             "image": "registry.example.com/team/codebuddy2api:0.1.0", "cpu": "1",
+             "config": {"CODEBUDDY2API_LOG_LEVEL": "info", "CODEBUDDY2API_MAX_CONCURRENT": "64"}},
+}
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+@pytest.mark.parametrize("overlay", sorted(OVERLAY_FACTS))
+def test_each_overlay_renders_validates_and_changes_only_what_it_says(overlay: str) -> None:
+    """Offline: the overlay renders over the base, every document validates strictly, and it
+    differs from the base in its namespace and its patched fields only (the rest, probes,
+    security context, volumes, env, is the base's)."""
+    facts = OVERLAY_FACTS[overlay]
+    docs = _render(OVERLAYS / overlay)
+    base = {d["kind"]: d for d in _render(KUBE)}
+    assert {d["kind"] for d in docs} == set(base)
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        assert doc["metadata"]["namespace"] == facts["namespace"], doc["kind"]
+    deployment = _one(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == facts["replicas"]
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == facts["image"] and container["resources"]["requests"]["cpu"] == facts["cpu"]
+    [base_container] = base["Deployment"]["spec"]["template"]["spec"]["containers"]
+    for field in ("env", "readinessProbe", "livenessProbe", "startupProbe", "securityContext", "volumeMounts", "args"):
+        assert container[field] == base_container[field], field  # a patch sets fields, it drops none
+    hpa = _one(docs, "HorizontalPodAutoscaler")["spec"]
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == facts["hpa"]
+    data = _one(docs, "ConfigMap")["data"]
+    assert {k: data[k] for k in facts["config"]} == facts["config"]
+    assert data["config.toml"] == base["ConfigMap"]["data"]["config.toml"]
+    assert int(data["CODEBUDDY2API_MAX_CONCURRENT"]) >= hpa["maxReplicas"]  # no pod with a share of 0
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    for kind in ("Service", "PodDisruptionBudget"):
+        doc = _one(docs, kind)["spec"]
+        assert (doc.get("selector", {}).get("matchLabels") or doc.get("selector")) == selector, kind
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_the_top_level_kustomization_is_the_base() -> None:
+    """``kubectl apply -k deploy/kubernetes/`` (what the docs said before the overlays) still
+    applies the base as it is."""
+    assert _render(KUBE.parent) == _render(KUBE)

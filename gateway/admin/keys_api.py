@@ -20,12 +20,15 @@ from starlette.routing import BaseRoute, Route
 from gateway.admin.common import BAD_BODY, NotAnObject, admin_error, json_object
 from gateway.keys import store
 from gateway.keys.model import (
-    PREFIX_CHARS, InvalidField, ManagedKey, hash_secret, limits_from, metadata_of, name_of, new_key_id, new_secret,
+    PREFIX_CHARS, InvalidField, KeyLimits, ManagedKey, hash_secret, limits_from, metadata_of, name_of, new_key_id, new_secret,
 )
 from gateway.keys import usage_window
+from gateway.keys.budget_left import left_of
+from gateway.keys.quota import Counts
 from gateway.keys.registry import KeyRegistry
 from gateway.store import audit_queries
 from gateway.store.replicas import without_managed_keys
+from gateway.upstream.config_file import model_entries
 
 
 def _registry(request: Request) -> KeyRegistry:
@@ -38,6 +41,19 @@ def _invalid(exc: InvalidField) -> Response:
 
 async def _keys(request: Request) -> list[ManagedKey]:
     return await request.app.state.db.acall(store.load_all, request.app.state.db)
+
+
+def _unpriced(request: Request, limits: KeyLimits) -> Response | None:
+    """A money budget needs prices: refused (400 naming ``budget_cost``) when no
+    ``[models."<glob>"]`` table of ``--config`` has one, since every request would then be
+    refused as unpriced."""
+    if limits.budget_cost is None:
+        return None
+    if any(entry.price is not None for _, entry in model_entries(request.app.state.live.current.config)):
+        return None
+    return admin_error(400, "invalid_value", "budget_cost needs prices: no [models.\"<glob>\"] table of the gateway's "
+                       "--config has a price (a request of a model without one is refused for a key with budget_cost)",
+                       "budget_cost")
 
 
 def _name_taken(keys: list[ManagedKey], name: str, except_id: str | None = None) -> bool:
@@ -68,6 +84,8 @@ async def create_key(request: Request) -> Response:
         return admin_error(409, "replicas_without_managed_keys",
                            f"{len(older)} live replica(s) of an older version may not enforce managed keys ({named}):"
                            " finish the rolling upgrade, then create keys (docs/operations.md, Upgrades)")
+    if (unpriced := _unpriced(request, limits)) is not None:
+        return unpriced
     if _name_taken(await _keys(request), name):
         return admin_error(409, "key_name_taken", f"a key named {name!r} exists already (names label the metrics)", "name")
     secret = new_secret()
@@ -81,8 +99,19 @@ async def list_keys(request: Request) -> Response:
     """Every key (revoked ones too), never a secret, with today's usage (UTC day)."""
     db = request.app.state.db
     keys, usage = await asyncio.gather(_keys(request), db.acall(store.usage_today, db))
+    budgeted = [k for k in keys if k.revoked_at is None and left_of(k, Counts(0.0))]
+    _, counts = await db.acall(store.budget_counts, db, budgeted) if budgeted else (0.0, {})
     zero = {"requests_today": 0, "tokens_today": 0}
-    return JSONResponse({"keys": [k.public() | {"usage": usage.get(k.key_id, zero)} for k in keys]})
+
+    def shown(key: ManagedKey) -> dict[str, Any]:
+        out = key.public() | {"usage": usage.get(key.key_id, zero)}
+        if key.key_id in counts:  # what is left of each budget now (settled plus held)
+            left = left_of(key, counts[key.key_id])
+            out["budget_left"] = {"daily_tokens": left.get("daily_tokens"), "tokens": left.get("budget_tokens"),
+                                  "cost": left.get("budget_cost")}
+        return out
+
+    return JSONResponse({"keys": [shown(k) for k in keys]})
 
 
 async def change_key(request: Request) -> Response:
@@ -102,6 +131,8 @@ async def change_key(request: Request) -> Response:
         metadata = metadata_of(payload["metadata"]) if "metadata" in payload else key.metadata
     except InvalidField as exc:
         return _invalid(exc)
+    if limits.budget_cost != key.limits.budget_cost and (unpriced := _unpriced(request, limits)) is not None:
+        return unpriced
     if _name_taken(keys, name, except_id=key_id):
         return admin_error(409, "key_name_taken", f"a key named {name!r} exists already", "name")
     changed = ManagedKey(key.key_id, name, key.prefix, key.secret_hash, limits, key.created_at, key.revoked_at, metadata)

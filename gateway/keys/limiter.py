@@ -23,6 +23,11 @@ the request runs, its reservation's lease is renewed every
 :data:`~gateway.keys.store.RENEW_EVERY` seconds; one whose settlement is still in the
 journal (or whose process died) is reclaimed by the key's next reservation once its lease
 (:data:`~gateway.keys.store.LEASE`) has run out.
+
+A key with a money budget (``budget_cost``) prices the reservation at the model's ``price``
+from ``--config`` and settles it to the request's cost. A model without a price is refused
+(403 ``model_not_priced``) for such a key: counting it as free would let it spend without
+limit under a cap meant to stop spending.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import asyncio
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -46,11 +52,16 @@ from gateway.keys.full_windows import FullWindows
 from gateway.keys.media import media_adjustment
 from gateway.keys.model import DEFAULT_OUTPUT_CAP, ManagedKey
 from gateway.keys.output_cap import answers_of, capped, requested_cap
-from gateway.keys.quota import Ask, Grant, Refusal
+from gateway.keys.quota import NANOS, Ask, Grant, Rates, Refusal
+from gateway.observability.pricing import cost as priced
 from gateway.protocols.base import ParsedRequest
 from gateway.store.db import Store
 from gateway.store.refresher import Refresher
 from gateway.store.spill import DurableWriter
+from gateway.upstream.config_file import ModelPrice
+
+#: The price of a model (its ``[models."<glob>"]`` table's ``price``), or None.
+PriceOf = Callable[[str], "ModelPrice | None"]
 
 log = structlog.get_logger("gateway.keys")
 
@@ -85,20 +96,27 @@ def repair_answers(parsed: ParsedRequest, policy: StreamPolicy) -> int:
     return 1
 
 
-def ask_of(key: ManagedKey, parsed: ParsedRequest, policy: StreamPolicy) -> Ask:
+def rates_of(price: ModelPrice) -> Rates:
+    """A reservation's rates: cached input is not known before the answer, so all input is
+    held at the dearer of ``input`` and ``cached_input``."""
+    return Rates.of(max(price.input, price.cached_input or 0.0), price.output)
+
+
+def ask_of(key: ManagedKey, parsed: ParsedRequest, policy: StreamPolicy, price: ModelPrice | None = None) -> Ask:
     """What a request asks to hold: nothing for a key without token limits; else its input
     bound, and its own output cap (the smallest length it names in any engine's field) or,
     when it names none, the key's ``max_output_tokens``, which the gateway may lower to
-    what remains."""
+    what remains; priced at ``price`` for a key with a money budget."""
     if not key.limits.token_limited:
         return Ask()
+    rates = rates_of(price) if price is not None and key.limits.budget_cost is not None else None
     body = parsed.upstream_body
     if parsed.protocol == "embeddings":
-        return Ask(input_bound(body))
+        return Ask(input_bound(body), rates=rates)
     requested = requested_cap(body)
     cap = requested if requested is not None else key.limits.max_output_tokens or DEFAULT_OUTPUT_CAP
     answers = repair_answers(parsed, policy) * answers_of(body, parsed.protocol)
-    return Ask(input_bound(body), cap, answers, flexible=requested is None)
+    return Ask(input_bound(body), cap, answers, flexible=requested is None, rates=rates)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,8 +174,11 @@ class KeyLimiter:
     and renews their leases (:meth:`start`)."""
 
     def __init__(self, db: Store, durable: DurableWriter, reserve_timeout: float = RESERVE_TIMEOUT,
-                 renew_every: float = store.RENEW_EVERY) -> None:
+                 renew_every: float = store.RENEW_EVERY, price: PriceOf = lambda model: None) -> None:
         self.db = db
+        self.price = price
+        #: told a key's id once a settlement of it is recorded (the budget-left gauge)
+        self.on_settled: Callable[[str], None] | None = None
         self.durable = durable
         self.reserve_timeout = reserve_timeout
         self._open: set[str] = set()
@@ -184,8 +205,13 @@ class KeyLimiter:
         key.check_model(parsed.model)
         if not key.limits.counted:
             return Admission(parsed, {})
+        price = self.price(parsed.model) if key.limits.budget_cost is not None else None
+        if key.limits.budget_cost is not None and price is None:
+            raise GatewayError("permission", "model_not_priced",
+                               f"this API key has a budget in money (budget_cost) and the model {parsed.model!r} has no "
+                               "price in the gateway's --config", param="model")
         grant = await self._decide(key, request_id,
-                                   lambda: store.admit(self.db, key, request_id, ask_of(key, parsed, policy)))
+                                   lambda: store.admit(self.db, key, request_id, ask_of(key, parsed, policy, price)))
         self._open.add(request_id)
         if key.limits.token_limited and parsed.protocol != "embeddings":
             parsed = dataclasses.replace(parsed, upstream_body=capped(parsed.upstream_body, grant.cap),
@@ -232,7 +258,7 @@ class KeyLimiter:
 
     def _late(self, job: asyncio.Future[Any], request_id: str) -> None:
         if not job.cancelled() and job.exception() is None and isinstance(job.result(), Grant):
-            self._spawn(self._record(store.SETTLE_KIND, (request_id, 0)))
+            self._spawn(self._record(store.SETTLE_KIND, (request_id, 0, 0)))
 
     def finished(self, key: ManagedKey | None, record: RequestRecord, arrived: Arrived | None = None) -> None:
         """At the request's one report: settle its reservation to what it used (or count
@@ -241,22 +267,27 @@ class KeyLimiter:
         does it."""
         used = used_tokens(record)
         charge = arrived if used == 0 and arrived is not None else None
+        money = key is not None and key.limits.budget_cost is not None and record.model
+        price = self.price(record.model) if money else None  # only a money budget needs the cost
         if record.request_id in self._open:
             self._open.discard(record.request_id)
-            self._spawn(self._settle(store.SETTLE_KIND, (record.request_id,), used, charge))
+            self._spawn(self._settle(store.SETTLE_KIND, (record.request_id,), used, charge, record, price))
         elif key is not None and not key.limits.counted and record.outcome not in ("refused", "invalid"):
-            self._spawn(self._settle(store.COUNT_KIND, (record.request_id, key.key_id), used, charge))
+            self._spawn(self._settle(store.COUNT_KIND, (record.request_id, key.key_id), used, charge, record, price))
 
-    async def _settle(self, kind: str, head: tuple[Any, ...], used: int, charge: Arrived | None) -> None:
+    async def _settle(self, kind: str, head: tuple[Any, ...], used: int, charge: Arrived | None,
+                      record: RequestRecord, price: ModelPrice | None) -> None:
         """The usage (counted from what arrived, in a worker thread, when the upstream sent
-        none), then its settlement recorded durably."""
+        none) and its cost, then its settlement recorded durably."""
         if charge is not None:
             try:
                 async with asyncio.timeout(SETTLE_TIMEOUT):
                     used = await asyncio.to_thread(charge.tokens)
             except Exception as exc:  # the reservation is settled to what the usage said
                 log.warning("client_key_charge_failed", request_id=head[0], error=f"{type(exc).__name__}: {exc}")
-        await self._record(kind, (*head, used))
+        await self._record(kind, (*head, used, cost_nanos(record, price, used if charge is not None else None)))
+        if self.on_settled is not None and record.key_id:
+            self.on_settled(record.key_id)
 
     async def _record(self, kind: str, row: tuple[Any, ...]) -> None:
         """Store the settlement, else journal it (replayed when the store is back)."""
@@ -281,6 +312,18 @@ class KeyLimiter:
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         self._lease_thread.shutdown(wait=False)
+
+
+def cost_nanos(record: RequestRecord, price: ModelPrice | None, charged: int | None) -> int | None:
+    """What a request cost, in nano-units: its usage priced (as its audit record's ``cost``);
+    tokens counted from what arrived (``charged``) at the dearest rate (they mix prompt and
+    answer); 0 for nothing used; None without a price (the reservation's hold then stays)."""
+    if price is None:
+        return None
+    if charged is not None:
+        return charged * max(rates_of(price).input, rates_of(price).output)
+    spent = priced(record.usage, price) if record.usage else None
+    return 0 if spent is None else round(spent * NANOS)
 
 
 def _unavailable(message: str) -> GatewayError:

@@ -30,6 +30,8 @@ MAX_LIMIT = 10**12
 MAX_NAME = 100
 MAX_GLOBS = 100
 MAX_METADATA_BYTES = 4096
+#: A money budget is at most this, in the price table's currency (nano-units fit 64 bits).
+MAX_BUDGET_COST = 10**9
 
 LIMIT_FIELDS = ("rpm", "tpm", "max_concurrent", "daily_tokens", "budget_tokens", "max_output_tokens")
 
@@ -60,6 +62,9 @@ class KeyLimits:
     #: tokens per ``budget_period`` (a UTC day, ISO week or calendar month: gateway/keys/periods.py)
     budget_tokens: int | None = None
     budget_period: str = "day"
+    #: money per ``budget_period``, in the currency of the ``price`` tables of ``--config``
+    #: (a request's reservation priced at its model's price, settled to its cost)
+    budget_cost: float | None = None
     #: a streamed answer whose client goes away: "cancel" stops the upstream at once (charged
     #: what arrived), "drain" reads it to its end, unsent, so its usage bills exactly
     on_disconnect: str = "cancel"
@@ -67,11 +72,13 @@ class KeyLimits:
     @property
     def counted(self) -> bool:
         """Whether requests must reserve in the store before going upstream."""
-        return any(v is not None for v in (self.rpm, self.tpm, self.max_concurrent, self.daily_tokens, self.budget_tokens))
+        return any(v is not None for v in (self.rpm, self.tpm, self.max_concurrent, self.daily_tokens, self.budget_tokens,
+                                           self.budget_cost))
 
     @property
     def token_limited(self) -> bool:
-        return self.tpm is not None or self.daily_tokens is not None or self.budget_tokens is not None
+        """Whether a request reserves tokens (and an output cap): a money budget prices them."""
+        return any(v is not None for v in (self.tpm, self.daily_tokens, self.budget_tokens, self.budget_cost))
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +119,8 @@ class ManagedKey:
             "models": list(limits.models) if limits.models is not None else None,
             "rpm": limits.rpm, "tpm": limits.tpm, "max_concurrent": limits.max_concurrent,
             "daily_tokens": limits.daily_tokens, "budget_tokens": limits.budget_tokens,
-            "budget_period": limits.budget_period, "max_output_tokens": limits.max_output_tokens,
+            "budget_period": limits.budget_period, "budget_cost": limits.budget_cost,
+            "max_output_tokens": limits.max_output_tokens,
             "on_disconnect": limits.on_disconnect,
             "expires_at": rfc3339(limits.expires_at), "created_at": rfc3339(self.created_at),
             "revoked_at": rfc3339(self.revoked_at), "metadata": self.metadata,
@@ -197,13 +205,24 @@ def metadata_of(value: Any) -> dict[str, Any]:
 #: What a streamed answer of a key does when its client goes away (``None``: the default).
 DISCONNECT_POLICIES = ("cancel", "drain")
 #: Fields a create or a change may carry.
-KNOWN_FIELDS = frozenset({"name", "models", *LIMIT_FIELDS, "budget_period", "expires_at", "metadata", "on_disconnect"})
+KNOWN_FIELDS = frozenset({"name", "models", *LIMIT_FIELDS, "budget_period", "budget_cost", "expires_at", "metadata",
+                          "on_disconnect"})
 
 
 def _period(value: Any) -> str:
     if value not in PERIODS:
         raise InvalidField("budget_period", f"budget_period must be one of {', '.join(PERIODS)}")
     return str(value)
+
+
+def _budget_cost(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+            or not 0 <= value <= MAX_BUDGET_COST:
+        raise InvalidField("budget_cost", f"budget_cost must be a number from 0 to {MAX_BUDGET_COST} (money per "
+                                          "budget_period, in the currency of the --config prices), or null")
+    return float(value)
 
 
 def _on_disconnect(value: Any) -> str:
@@ -226,6 +245,7 @@ def limits_from(payload: dict[str, Any], base: KeyLimits | None = None) -> KeyLi
     values["models"] = _globs(payload["models"]) if "models" in payload else current.models
     values["expires_at"] = _expires(payload["expires_at"]) if "expires_at" in payload else current.expires_at
     values["budget_period"] = _period(payload["budget_period"]) if "budget_period" in payload else current.budget_period
+    values["budget_cost"] = _budget_cost(payload["budget_cost"]) if "budget_cost" in payload else current.budget_cost
     values["on_disconnect"] = (_on_disconnect(payload["on_disconnect"]) if "on_disconnect" in payload
                                else current.on_disconnect)
     return KeyLimits(**values)

@@ -8,6 +8,10 @@ Budgets tell the truth: a request that named no output cap is granted what remai
 (``min(cap, remaining)``, then sent upstream as its cap), instead of being refused for a
 default cap it never asked for; a request whose own cap does not fit is refused with the
 largest ``max_tokens`` that would.
+
+A money budget (``budget_cost``) prices the same reservation at the model's :class:`Rates`
+(nano-units per token, rounded up: the hold is never below what the tokens can cost) and
+holds it against what the period has cost; it lowers a flexible cap the same way.
 """
 
 from __future__ import annotations
@@ -22,6 +26,22 @@ from gateway.keys.periods import period_days, seconds_to_period_end
 WINDOW = 60.0
 
 
+#: Money is counted in nano-units of the price table's currency (integers in the store).
+NANOS = 10**9
+
+
+@dataclass(frozen=True, slots=True)
+class Rates:
+    """A model's price in nano-units per token (``price`` is per million tokens)."""
+
+    input: int
+    output: int
+
+    @classmethod
+    def of(cls, input_per_million: float, output_per_million: float) -> Rates:
+        return cls(math.ceil(input_per_million * NANOS / 1_000_000), math.ceil(output_per_million * NANOS / 1_000_000))
+
+
 @dataclass(frozen=True, slots=True)
 class Ask:
     """What one request asks to hold: its input bound, the output cap of one answer, how
@@ -33,10 +53,17 @@ class Ask:
     answers: int = 1
     flexible: bool = False
     generates: bool = True  # False: count_tokens, a warm-up frame: only rpm applies
+    rates: Rates | None = None  # the model's price, for a key with a money budget
 
     @property
     def tokens(self) -> int:
         return self.input_tokens + self.cap * self.answers
+
+    def cost(self, cap: int) -> int:
+        """Nano-units held with this output cap (0 without rates)."""
+        if self.rates is None:
+            return 0
+        return self.input_tokens * self.rates.input + cap * self.answers * self.rates.output
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +77,7 @@ class Counts:
     open_requests: int = 0
     day_tokens: int = 0  # settled plus held today
     period_tokens: int = 0  # settled plus held in the current budget_period
+    period_cost: int = 0  # nano-units settled plus held in the current budget_period
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +112,7 @@ class Grant:
     cap: int
     tokens: int
     quota: Quota
+    cost: int = 0  # nano-units held (a money budget)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,8 +212,53 @@ def decide(limits: KeyLimits, counts: Counts, ask: Ask) -> Grant | Refusal:
             cap = fits
         else:
             return _refusal(tokens, counts, ask, fits, limits)
+    money = _money_room(limits, counts)
+    if money is not None and ask.cost(cap) > money:
+        fits = _money_fits(ask, money)
+        if ask.flexible and fits >= 1:
+            cap = fits
+        else:
+            return _money_refusal(limits, counts, ask, fits)
     held = ask.input_tokens + cap * ask.answers
-    return Grant(cap, held, quota(limits, counts, held, 1))
+    return Grant(cap, held, quota(limits, counts, held, 1), ask.cost(cap))
+
+
+def _money_room(limits: KeyLimits, counts: Counts) -> int | None:
+    """Nano-units the money budget holds now (None: no money budget)."""
+    if limits.budget_cost is None:
+        return None
+    return round(limits.budget_cost * NANOS) - counts.period_cost
+
+
+def _money_fits(ask: Ask, room: int) -> int:
+    """The largest output cap whose cost fits ``room``."""
+    rates = ask.rates or Rates(0, 0)
+    left = room - ask.input_tokens * rates.input
+    if rates.output == 0:
+        return ask.cap if left >= 0 else 0
+    return left // (ask.answers * rates.output)
+
+
+def money(nanos: int) -> str:
+    """Nano-units as the price table's currency (up to 6 decimals, no trailing zeros)."""
+    return f"{nanos / NANOS:.6f}".rstrip("0").rstrip(".")
+
+
+def _money_refusal(limits: KeyLimits, counts: Counts, ask: Ask, fits: int) -> Refusal:
+    """The money budget refuses: it names itself; Retry-After only when the request (at its
+    smallest) fits the budget empty."""
+    assert limits.budget_cost is not None
+    budget = round(limits.budget_cost * NANOS)
+    smallest = ask.cost(1 if ask.flexible else ask.cap)
+    since = period_days(counts.now, limits.budget_period)[0]
+    message = (f"this API key's budget of {money(budget)} per {limits.budget_period} (since {since}, budget_cost) "
+               f"cannot hold this request's {money(ask.cost(ask.cap))} (spent or held: {money(counts.period_cost)})")
+    if fits >= 1:
+        message += f"; send max_tokens <= {fits}"
+    retry_after = seconds_to_period_end(counts.now, limits.budget_period) if smallest <= budget else None
+    if retry_after is None:
+        message += "; waiting will not help"
+    return Refusal("budget_exceeded", message, retry_after, quota(limits, counts))
 
 
 def _refusal(tokens: list[_TokenLimit], counts: Counts, ask: Ask, fits: int, limits: KeyLimits) -> Refusal:

@@ -134,6 +134,25 @@ def usage_today(db: Store) -> dict[str, dict[str, int]]:
     return db.run_tx(run, write=False)
 
 
+def budget_counts(db: Store, keys: list[ManagedKey]) -> tuple[float, dict[str, Counts]]:
+    """The database's clock and, for each key, what its budgets have taken: the day's tokens
+    and its ``budget_period``'s tokens and cost (settled plus held), one read transaction."""
+
+    def run(conn: Any) -> tuple[float, dict[str, Counts]]:
+        now = _clock(conn, db)
+        day = day_of(now)
+        out: dict[str, Counts] = {}
+        for key in keys:
+            row = conn.execute(_DAY_TOKENS, (key.key_id, day)).fetchone()
+            first, last = period_days(now, key.limits.budget_period)
+            tokens, cost = conn.execute(_PERIOD_USAGE, (key.key_id, first, last)).fetchone()
+            out[key.key_id] = Counts(now, day_tokens=int(row[0] if row else 0), period_tokens=int(tokens or 0),
+                                     period_cost=int(cost or 0))
+        return now, out
+
+    return db.run_tx(run, write=False)
+
+
 #: One scan of the key's recent rows (ended ones are deleted after KEEP_ENDED, so the
 #: scan holds the last two minutes and the held ones): requests and tokens in the window
 #: (a reclaimed row's ``used`` is what it reserved), its oldest request, the held
@@ -150,16 +169,17 @@ _COUNTS = (
 #: reserved counts as used until their settlement arrives). A lease further ahead than any
 #: renewal can set was stamped before the clock stepped back: it has run out too.
 _RECLAIM = (
-    "UPDATE client_key_requests SET open = 0, reclaimed = 1, used = reserved"
+    "UPDATE client_key_requests SET open = 0, reclaimed = 1, used = reserved, used_cost = reserved_cost"
     f" WHERE key_id = ? AND open = 1 AND (COALESCE(lease_until, at + {STALE_OPEN}) < ? OR lease_until > ?)"
 )
 _DAY_TOKENS = "SELECT tokens FROM client_key_usage WHERE key_id = ? AND day = ?"
-#: The tokens of a budget period: its days' rows (days are YYYY-MM-DD: they sort as text).
-_PERIOD_TOKENS = "SELECT COALESCE(SUM(tokens), 0) FROM client_key_usage WHERE key_id = ? AND day >= ? AND day <= ?"
+#: The tokens and the cost of a budget period: its days' rows (days are YYYY-MM-DD: they sort as text).
+_PERIOD_USAGE = ("SELECT COALESCE(SUM(tokens), 0), COALESCE(SUM(cost_nanos), 0) FROM client_key_usage"
+                 " WHERE key_id = ? AND day >= ? AND day <= ?")
 _USAGE_ADD = (
-    "INSERT INTO client_key_usage (key_id, day, requests, tokens) VALUES (?, ?, ?, ?)"
+    "INSERT INTO client_key_usage (key_id, day, requests, tokens, cost_nanos) VALUES (?, ?, ?, ?, ?)"
     " ON CONFLICT (key_id, day) DO UPDATE SET requests = client_key_usage.requests + excluded.requests,"
-    " tokens = client_key_usage.tokens + excluded.tokens"
+    " tokens = client_key_usage.tokens + excluded.tokens, cost_nanos = client_key_usage.cost_nanos + excluded.cost_nanos"
 )
 
 
@@ -196,19 +216,19 @@ def admit(db: Store, key: ManagedKey, request_id: str, ask: Ask) -> Grant | Refu
             ).fetchone()
             counts = Counts(now, int(count), int(window_tokens), None if oldest is None else float(oldest),
                             int(open_now), int(used or 0))
-        if limits.budget_tokens is not None:
+        if limits.budget_tokens is not None or limits.budget_cost is not None:
             first, last = period_days(now, limits.budget_period)
-            period = int(conn.execute(_PERIOD_TOKENS, (k, first, last)).fetchone()[0] or 0)
-            counts = dataclasses.replace(counts, period_tokens=period)
+            tokens, cost = conn.execute(_PERIOD_USAGE, (k, first, last)).fetchone()
+            counts = dataclasses.replace(counts, period_tokens=int(tokens or 0), period_cost=int(cost or 0))
         decision = decide(limits, counts, ask)
         if isinstance(decision, Refusal):
             return decision
         conn.execute(  # a request that generates nothing is ended as it is counted
-            "INSERT INTO client_key_requests (request_id, key_id, at, day, reserved, used, open, lease_until)"
-            " VALUES (?, ?, ?, ?, ?, 0, ?, ?)",
-            (request_id, k, now, day, decision.tokens, 1 if ask.generates else 0, now + LEASE),
+            "INSERT INTO client_key_requests (request_id, key_id, at, day, reserved, used, open, lease_until, reserved_cost)"
+            " VALUES (?, ?, ?, ?, ?, 0, ?, ?, ?)",
+            (request_id, k, now, day, decision.tokens, 1 if ask.generates else 0, now + LEASE, decision.cost),
         )
-        conn.execute(_USAGE_ADD, (k, day, 1, decision.tokens))
+        conn.execute(_USAGE_ADD, (k, day, 1, decision.tokens, decision.cost))
         _purge(conn, k, now)
         return decision
 
@@ -243,54 +263,60 @@ def renew(db: Store, request_ids: list[str]) -> int:
     return db.run_tx(run) if request_ids else 0
 
 
-def settle_in(conn: Any, request_id: str, used: int) -> bool:
+def settle_in(conn: Any, request_id: str, used: int, cost: int | None = None) -> bool:
     """In a transaction: a reservation (held or reclaimed) becomes what the request really
-    used; False if there was none to settle. Idempotent: a replayed settlement finds the
-    row settled and changes nothing."""
+    used and cost (nano-units; ``None``: unknown, what it held stays counted); False if there
+    was none to settle. Idempotent: a replayed settlement finds the row settled and changes
+    nothing."""
     row = conn.execute(
-        "SELECT key_id, day, reserved FROM client_key_requests WHERE request_id = ? AND (open = 1 OR reclaimed = 1)",
+        "SELECT key_id, day, reserved, reserved_cost FROM client_key_requests"
+        " WHERE request_id = ? AND (open = 1 OR reclaimed = 1)",
         (request_id,),
     ).fetchone()
     if row is None:
         return False
-    key_id, day, reserved = row
-    conn.execute("UPDATE client_key_requests SET open = 0, reclaimed = 0, used = ? WHERE request_id = ?", (used, request_id))
+    key_id, day, reserved, reserved_cost = row
+    spent = int(reserved_cost) if cost is None else cost
+    conn.execute("UPDATE client_key_requests SET open = 0, reclaimed = 0, used = ?, used_cost = ? WHERE request_id = ?",
+                 (used, spent, request_id))
     conn.execute(
-        "UPDATE client_key_usage SET tokens = tokens + ? WHERE key_id = ? AND day = ?",
-        (used - int(reserved), key_id, day),
+        "UPDATE client_key_usage SET tokens = tokens + ?, cost_nanos = cost_nanos + ? WHERE key_id = ? AND day = ?",
+        (used - int(reserved), spent - int(reserved_cost), key_id, day),
     )
     return True
 
 
-def settle(db: Store, request_id: str, used: int) -> bool:
+def settle(db: Store, request_id: str, used: int, cost: int | None = None) -> bool:
     """:func:`settle_in` in its own transaction."""
-    return db.run_tx(lambda conn: settle_in(conn, request_id, used))
+    return db.run_tx(lambda conn: settle_in(conn, request_id, used, cost))
 
 
-def count_usage_in(conn: Any, db: Store, request_id: str, key_id: str, used: int) -> bool:
+def count_usage_in(conn: Any, db: Store, request_id: str, key_id: str, used: int, cost: int = 0) -> bool:
     """In a transaction: a request of a key without counted limits, its usage after the
     fact. Kept as an ended request row (keyed by the request id), so a replayed count is
     counted once; False when it was counted already."""
     now = _clock(conn, db)
     cursor = conn.execute(
-        "INSERT INTO client_key_requests (request_id, key_id, at, day, reserved, used, open)"
-        " VALUES (?, ?, ?, ?, 0, ?, 0) ON CONFLICT (request_id) DO NOTHING",
-        (request_id, key_id, now, day_of(now), used),
+        "INSERT INTO client_key_requests (request_id, key_id, at, day, reserved, used, open, used_cost)"
+        " VALUES (?, ?, ?, ?, 0, ?, 0, ?) ON CONFLICT (request_id) DO NOTHING",
+        (request_id, key_id, now, day_of(now), used, cost),
     )
     if cursor.rowcount != 1:
         return False
-    conn.execute(_USAGE_ADD, (key_id, day_of(now), 1, used))
+    conn.execute(_USAGE_ADD, (key_id, day_of(now), 1, used, cost))
     _purge(conn, key_id, now)
     return True
 
 
-def count_usage(db: Store, request_id: str, key_id: str, used: int) -> bool:
+def count_usage(db: Store, request_id: str, key_id: str, used: int, cost: int = 0) -> bool:
     """:func:`count_usage_in` in its own transaction."""
-    return db.run_tx(lambda conn: count_usage_in(conn, db, request_id, key_id, used))
+    return db.run_tx(lambda conn: count_usage_in(conn, db, request_id, key_id, used, cost))
 
 
 #: The spill kinds of settlements (gateway/store/spill.py replays them): a row is
-#: (request_id, used) for a reservation, (request_id, key_id, used) for a count.
+#: (request_id, used, cost) for a reservation, (request_id, key_id, used, cost) for a count
+#: (cost in nano-units, None when unknown; a journal from before money budgets has rows
+#: without it).
 SETTLE_KIND, COUNT_KIND = "key_settle", "key_count"
 
 
@@ -299,11 +325,12 @@ def statements(db: Store) -> dict[str, Any]:
     idempotent, so a replay cut short and retried counts every request once)."""
 
     def settle_rows(conn: Any, rows: Any) -> None:
-        for request_id, used in rows:
-            settle_in(conn, str(request_id), int(used))
+        for request_id, used, *cost in rows:
+            spent = cost[0] if cost else None
+            settle_in(conn, str(request_id), int(used), None if spent is None else int(spent))
 
     def count_rows(conn: Any, rows: Any) -> None:
-        for request_id, key_id, used in rows:
-            count_usage_in(conn, db, str(request_id), str(key_id), int(used))
+        for request_id, key_id, used, *cost in rows:
+            count_usage_in(conn, db, str(request_id), str(key_id), int(used), int(cost[0] or 0) if cost else 0)
 
     return {SETTLE_KIND: settle_rows, COUNT_KIND: count_rows}

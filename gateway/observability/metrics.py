@@ -198,6 +198,11 @@ class Metrics:
             p + "shutdown_cut_requests", "Requests ended by the shutdown deadline", registry=r
         )
         # Responses over WebSocket (gateway/protocols/responses/websocket_slots.py: ConnectionSlots)
+        self.key_budget_left = Gauge(
+            p + "key_budget_left", "What is left of a managed key's budget now (tokens; budget_cost: money), by "
+            "key name and budget (daily_tokens, budget_tokens, budget_cost)", ["key", "budget"],
+            registry=r, multiprocess_mode="livemin",
+        )
         self.websockets_open = Gauge(
             p + "websockets_open", "Responses WebSocket connections open now (--ws-max-connections per process)",
             registry=r, multiprocess_mode="livesum",

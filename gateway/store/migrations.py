@@ -273,6 +273,17 @@ MIGRATIONS: list[Migration] = [
         CREATE INDEX rollout_groups_group ON rollout_groups (group_id);
         """,
     ),
+    (
+        15,
+        # money budgets of managed keys (gateway/keys/quota.py, budget_cost): what each day
+        # cost and what each reservation holds and used, in nano-units of the price table's
+        # currency (integers: sums stay exact on both dialects)
+        """
+        ALTER TABLE client_key_usage ADD COLUMN cost_nanos INTEGER NOT NULL DEFAULT 0;
+        ALTER TABLE client_key_requests ADD COLUMN reserved_cost INTEGER NOT NULL DEFAULT 0;
+        ALTER TABLE client_key_requests ADD COLUMN used_cost INTEGER NOT NULL DEFAULT 0;
+        """,
+    ),
 ]
 
 _PG_TYPES = ((re.compile(r"\bREAL\b"), "DOUBLE PRECISION"), (re.compile(r"\bINTEGER\b"), "BIGINT"))

@@ -20,8 +20,11 @@ export function setUnauthorizedHandler(fn) {
   onUnauthorized = fn;
 }
 
-export async function api(method, path, body) {
+/** options.timeoutMs: give up after that long (an unreachable gateway can leave a fetch hanging);
+ *  the failure is status 0, like a refused connection. */
+export async function api(method, path, body, options = {}) {
   const init = { method, credentials: "same-origin", headers: { accept: "application/json" } };
+  if (options.timeoutMs) init.signal = AbortSignal.timeout(options.timeoutMs);
   if (body !== undefined) {
     init.headers["content-type"] = "application/json";
     init.body = JSON.stringify(body);
@@ -33,7 +36,12 @@ export async function api(method, path, body) {
     throw new ApiError(0, { error: { code: "network", message: `cannot reach the gateway (${exc.message})` } });
   }
   let payload = null;
-  const text = await response.text();
+  let text;
+  try {
+    text = await response.text();
+  } catch (exc) { // cut or timed out while the body was read
+    throw new ApiError(0, { error: { code: "network", message: `cannot reach the gateway (${exc.message})` } });
+  }
   if (text) {
     try { payload = JSON.parse(text); } catch { payload = { error: { message: text.slice(0, 300) } }; }
   }
@@ -45,7 +53,7 @@ export async function api(method, path, body) {
   return payload;
 }
 
-export const get = (path) => api("GET", path);
+export const get = (path, options) => api("GET", path, undefined, options);
 export const post = (path, body) => api("POST", path, body === undefined ? {} : body);
 export const put = (path, body) => api("PUT", path, body);
 // a JSON body: the admin surface wants application/json on every state-changing request

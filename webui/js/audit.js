@@ -17,8 +17,8 @@ const MODES = ["compatible", "realtime"];
 const TRANSPORTS = ["http", "websocket"];
 
 // Kept across visits so "back to the list" keeps the filters and page.
-const state = { outcome: "", protocol: "", transport: "", mode: "", model: "", upstream: "", error_code: "", request_id: "", range: "3600",
-                from: "", to: "", offset: 0 };
+const state = { outcome: "", protocol: "", transport: "", mode: "", model: "", upstream: "", key_id: "", error_code: "", request_id: "",
+                range: "3600", from: "", to: "", offset: 0 };
 
 function select(id, label, options, value) {
   return h("label.filter", null, label,
@@ -68,6 +68,8 @@ export function mount(main) {
   const upstream = h("input#f-upstream.narrow", { type: "text", value: state.upstream, placeholder: "upstream name" });
   const errorCode = h("input#f-error-code.narrow", { type: "text", value: state.error_code, placeholder: "e.g. upstream_error",
                                                      list: "known-error-codes" });
+  // the managed client keys (revoked ones too: their requests stay in the log), by name
+  const keySelect = h("select#f-key", { name: "key_id" }, h("option", { value: "" }, "any"));
   const requestId = h("input#f-request-id", { type: "text", value: state.request_id, placeholder: "req_…" });
   const knownCodes = h("datalist#known-error-codes", null,
     ["upstream_error", "upstream_timeout", "upstream_rate_limited", "upstream_unavailable", "tool_call_invalid",
@@ -81,6 +83,7 @@ export function mount(main) {
   select("f-mode", "Mode", MODES, state.mode),
   h("label.filter", null, "Model", model),
   h("label.filter", null, "Upstream", upstream),
+  h("label.filter", null, "Key", keySelect),
   h("label.filter", null, "Error code", errorCode, knownCodes),
   h("label.filter", null, "Request id", requestId),
   h("label.filter", null, "Time", rangeSelect),
@@ -92,15 +95,17 @@ export function mount(main) {
   const tbody = h("tbody#audit-rows");
   const prev = h("button#audit-prev", { type: "button", onclick: () => { state.offset = Math.max(0, state.offset - PAGE); load(); } }, "← Newer");
   const next = h("button#audit-next", { type: "button", onclick: () => { state.offset += PAGE; load(); } }, "Older →");
-  const columns = ["Started", "Request", "Protocol", "Mode", "Model", "Upstream", "Outcome", "Status", "Error",
-    "TTFB", "TTFT", "Duration", "Tokens"];
+  // TTFB is on the record's page: its room goes to the Model column, whose names wrap
+  // (team-alpha/qwen2.5-coder-32b-instruct reads in full at 1280 px) instead of being cut
+  const columns = ["Started", "Request", "Key", "Protocol", "Mode", "Model", "Upstream", "Outcome", "Error",
+    "TTFT", "Duration", "Tokens"];
   replace(main,
     h("div.page-head", null, h("h1", null, "Audit log"), summary),
     form, status,
     h("section.card.table-card", null,
       h("table.grid.clickable.fixed#audit-table", null,
-        h("colgroup", null, ["c-time", "c-id", "c-proto", "c-mode", "c-model", "c-upstream", "c-outcome", "c-status", "c-error",
-          "c-ms", "c-ms", "c-ms", "c-tokens"].map((c) => h(`col.${c}`))),
+        h("colgroup", null, ["c-time", "c-id", "c-key", "c-proto", "c-mode", "c-model", "c-upstream", "c-outcome", "c-error",
+          "c-ms", "c-ms", "c-tokens"].map((c) => h(`col.${c}`))),
         h("thead", null, h("tr", null, columns.map((c) => h("th", null, c)))), tbody)),
     h("div.pager", null, prev, next));
 
@@ -111,6 +116,7 @@ export function mount(main) {
     state.mode = form.querySelector("#f-mode").value;
     state.model = model.value.trim();
     state.upstream = upstream.value.trim();
+    state.key_id = keySelect.value;
     state.error_code = errorCode.value.trim();
     state.request_id = requestId.value.trim();
     state.range = rangeSelect.value;
@@ -120,7 +126,7 @@ export function mount(main) {
 
   function params() {
     const p = { outcome: state.outcome, protocol: state.protocol, transport: state.transport, mode: state.mode, model: state.model,
-                upstream: state.upstream,
+                upstream: state.upstream, key_id: state.key_id,
                 error_code: state.error_code, request_id: state.request_id, limit: PAGE, offset: state.offset };
     if (state.range === "custom") {
       p.since = toEpoch(state.from);
@@ -158,18 +164,17 @@ export function mount(main) {
       },
       h("td.nowrap", { title: fmtTime(r.started_at) }, shortTime(r.started_at)),
       h("td.mono.cut", { title: r.request_id }, r.request_id),
+      h("td.cut", { title: r.key_name || "no managed key", "data-col": "key" }, r.key_name || h("span.muted", null, "–")),
       h("td", { title: `${r.streamed ? "streamed" : "JSON answer"} over ${r.transport || "?"}`, "data-col": "protocol" },
         r.protocol, r.streamed ? "" : h("span.muted", null, " (json)"),
         r.transport === "websocket" ? h("span.muted", null, " (ws)") : ""),
       h("td", { "data-col": "mode" }, r.mode),
-      h("td.mono.cut", { title: r.model }, r.model),
+      h("td.mono.wrap", { title: r.model, "data-col": "model" }, r.model),
       h("td.mono.cut", { title: upstreamOf(r), "data-col": "upstream" }, upstreamOf(r)),
-      h("td", null, outcomePill(r.outcome)),
-      h("td.num", null, String(r.http_status)),
+      h("td", { title: `HTTP ${r.http_status}` }, outcomePill(r.outcome), h("span.muted.status", null, ` ${r.http_status}`)),
       h("td.cut", { title: [r.error_code, r.error_message].filter(Boolean).join(": "), "data-col": "error" },
         r.error_code ? h("span.mono", null, r.error_code) : "",
         r.error_message ? h("span.muted.error-message", null, r.error_message) : ""),
-      h("td.num", null, fmtMs(r.ttfb_ms)),
       h("td.num", null, fmtMs(r.ttft_ms)),
       h("td.num", null, fmtMs(r.duration_ms)),
       h("td.num", null, usage.prompt_tokens === undefined ? "–"
@@ -177,6 +182,19 @@ export function mount(main) {
     }));
   }
 
+  async function loadKeys() {
+    let answer;
+    try {
+      answer = await get("/admin/api/keys");
+    } catch {
+      return; // the list still works without the names
+    }
+    replace(keySelect, h("option", { value: "" }, "any"), answer.keys.map((k) => h("option", {
+      value: k.id, selected: k.id === state.key_id,
+    }, k.revoked_at ? `${k.name} (revoked)` : k.name)));
+  }
+
+  loadKeys();
   load();
   return null;
 }
@@ -267,6 +285,7 @@ export function mountDetail(main, requestId) {
           ["Model", h("span.mono", null, r.model)],
           ["Upstream model", h("span.mono", null, r.upstream_model || "–")],
           ["Finish reason", r.finish_reason || "–"],
+          ["Managed key", h("span#detail-key", null, r.key_name || "–")],
           ["Client key", r.client_key_fingerprint || "–"],
           ["Trace id", h("span.mono#detail-trace", null, r.trace_context ? r.trace_context.split("-")[1] : "–")],
         ])),

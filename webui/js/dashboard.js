@@ -6,9 +6,12 @@
 // overflows). Polls every POLL_MS (less often for long ranges) while the page is open and the tab visible. Charts: uPlot.
 
 import { get } from "./api.js";
+import { firstRequestCard } from "./first_request.js";
 import { fmtMs, fmtNumber, fmtPercent, h, replace } from "./dom.js";
 
 const POLL_MS = 2500;
+// a poll that has no answer after this long counts as the gateway being unreachable
+const POLL_TIMEOUT_MS = 8000;
 // [seconds, label, bucket seconds, refresh ms]: at most a few hundred points per chart; a
 // long range reads many audit rows, so it refreshes less often (its last bucket moves slowly).
 const RANGES = [
@@ -146,10 +149,15 @@ export function mount(main) {
   const health = h("section.card#credential-health", null, h("h2", null, "Upstream credentials"));
   const byKey = h("section.card#key-usage", null, h("h2", null, "Usage by client key, today"));
   const error = h("p.notice.error", { hidden: true });
+  // the live indicator says what the last poll found: live, or offline (no answer: the gateway
+  // is down or unreachable), never a green dot over stale numbers
+  const liveText = h("span.live-text", null, "connecting…");
+  const live = h("span.live#live-state", { "data-state": "connecting", role: "status" }, h("span.live-dot"), liveText);
+  // no requests in the range: a first request to send instead of a wall of empty charts
+  const firstRequest = h("section.card#first-request", { hidden: true });
   replace(main,
-    h("div.page-head", null, h("h1", null, "Dashboard"), h("span.live-dot", { title: "refreshing live" }), updated,
-      h("span.spacer"), picker),
-    error, stats, facts, charts, h("div.two-col", null, breakdown, health), byKey);
+    h("div.page-head", null, h("h1", null, "Dashboard"), live, updated, h("span.spacer"), picker),
+    error, stats, facts, firstRequest, charts, h("div.two-col", null, breakdown, health), byKey);
 
   const chartRps = new Chart(charts, "chart-rps", "Requests/s by protocol", PROTOCOLS, "req/s");
   const chartModes = new Chart(charts, "chart-modes", "Requests/s by mode", MODES, "req/s");
@@ -187,9 +195,32 @@ export function mount(main) {
     return g ? g[f] : null;
   }
 
+  function setLive(state, text, title) {
+    live.dataset.state = state;
+    live.title = title;
+    liveText.textContent = text;
+  }
+
+  let empty = false;
+  async function showFirstRequest(ts, st, span) {
+    empty = ts.total.summary.requests === 0;
+    charts.hidden = empty;
+    if (!empty) {
+      firstRequest.hidden = true;
+      return;
+    }
+    const shape = `${span}:${st.client_auth.key_required}`;
+    if (firstRequest.dataset.shape !== shape) { // built once per range and key posture, shown once built
+      firstRequest.dataset.shape = shape;
+      await firstRequestCard(firstRequest, span, st.client_auth);
+    }
+    firstRequest.hidden = !empty;
+  }
+
   function render(ts, st) {
     const [seconds, label, bucket] = rangeOf(view.range);
     const span = `last ${label}`;
+    showFirstRequest(ts, st, span);
     const now = st.time;
     const times = ts.times;
     const zeros = times.map(() => 0);
@@ -321,22 +352,28 @@ export function mount(main) {
       try {
         const [seconds, , bucket] = rangeOf(view.range);
         const asked = generation;
+        const bounded = { timeoutMs: POLL_TIMEOUT_MS };
         const [ts, st, ks] = await Promise.all([
-          get(`/admin/api/audit/timeseries?window=${seconds}&bucket=${bucket}`),
-          get(`/admin/api/status?window=${seconds}`),
-          get("/admin/api/keys"),
+          get(`/admin/api/audit/timeseries?window=${seconds}&bucket=${bucket}`, bounded),
+          get(`/admin/api/status?window=${seconds}`, bounded),
+          get("/admin/api/keys", bounded),
         ]);
         if (stopped || asked !== generation) return;
         error.hidden = true;
         render(ts, st);
         renderKeys(ks.keys);
+        setLive("live", "live", `refreshing every ${rangeOf(view.range)[3] / 1000} s`);
       } catch (exc) {
         if (stopped) return;
         error.textContent = `Could not refresh: ${exc.message}`;
         error.hidden = false;
+        const since = new Date().toLocaleTimeString();
+        if (exc.status === 0) setLive("offline", `offline: the gateway does not answer (since ${since})`, exc.message);
+        else setLive("error", `error: ${exc.message}`, exc.message);
       }
     }
-    timer = setTimeout(poll, rangeOf(view.range)[3]);
+    // while offline, look again soon whatever the range: the indicator comes back with the gateway
+    timer = setTimeout(poll, live.dataset.state === "live" ? rangeOf(view.range)[3] : POLL_MS);
   }
 
   poll();

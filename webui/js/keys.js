@@ -8,8 +8,9 @@ import { fmtNumber, fmtTime, h, notice, replace } from "./dom.js";
 
 const LIMITS = [
   ["rpm", "Requests / min"], ["tpm", "Tokens / min"], ["max_concurrent", "Concurrent"],
-  ["daily_tokens", "Tokens / day"], ["max_output_tokens", "Default output cap"],
+  ["daily_tokens", "Tokens / day"], ["budget_tokens", "Token budget"], ["max_output_tokens", "Default output cap"],
 ];
+const PERIODS = ["day", "week", "month"];
 
 /** The form's fields -> a create or change body (empty = no limit; models: comma-separated globs). */
 function bodyOf(inputs) {
@@ -22,6 +23,9 @@ function bodyOf(inputs) {
   body.models = models.length ? models : null;
   const expires = inputs.expires_at.value.trim();
   body.expires_at = expires === "" ? null : expires;
+  const money = inputs.budget_cost.value.trim();
+  body.budget_cost = money === "" ? null : Number(money);
+  body.budget_period = inputs.budget_period.value;
   return body;
 }
 
@@ -29,6 +33,10 @@ function fields(prefix) {
   const inputs = {
     models: h(`input#${prefix}-models`, { type: "text", name: "models", placeholder: "all models (e.g. gpt-4o*, claude-*)" }),
     expires_at: h(`input#${prefix}-expires`, { type: "text", name: "expires_at", placeholder: "never (e.g. 2027-01-01T00:00:00Z)" }),
+    // money per period, in the currency of the --config prices (a model without a price is refused)
+    budget_cost: h(`input#${prefix}-budget-cost`, { type: "number", min: "0", step: "any", name: "budget_cost", placeholder: "no limit" }),
+    budget_period: h(`select#${prefix}-budget-period`, { name: "budget_period" },
+      PERIODS.map((p) => h("option", { value: p }, p))),
   };
   for (const [name] of LIMITS) {
     inputs[name] = h(`input#${prefix}-${name.replaceAll("_", "-")}`, { type: "number", min: "0", step: "1", name, placeholder: "no limit" });
@@ -36,12 +44,31 @@ function fields(prefix) {
   const labels = [
     h("label.filter", null, "Models", inputs.models),
     ...LIMITS.map(([name, label]) => h("label.filter", null, label, inputs[name])),
+    h("label.filter", null, "Money budget", inputs.budget_cost),
+    h("label.filter", null, "Budget period", inputs.budget_period),
     h("label.filter", null, "Expires", inputs.expires_at),
   ];
   return { inputs, labels };
 }
 
 const limitText = (v) => (v === null || v === undefined ? "–" : fmtNumber(v));
+
+/** The budgets per period: "1,000,000 tokens, 25 / month" (spent so far under it when known). */
+function budgetText(k) {
+  const parts = [];
+  if (k.budget_tokens !== null && k.budget_tokens !== undefined) parts.push(`${fmtNumber(k.budget_tokens)} tokens`);
+  if (k.budget_cost !== null && k.budget_cost !== undefined) parts.push(fmtNumber(k.budget_cost, 2));
+  return parts.length ? `${parts.join(", ")} / ${k.budget_period}` : "–";
+}
+
+function spentText(k) {
+  const left = k.budget_left;
+  if (!left) return "";
+  const parts = [];
+  if (left.tokens !== null && left.tokens !== undefined) parts.push(`${fmtNumber(left.tokens)} tokens`);
+  if (left.cost !== null && left.cost !== undefined) parts.push(fmtNumber(left.cost, 4));
+  return parts.length ? `left: ${parts.join(", ")}` : "";
+}
 
 export function mount(main) {
   const status = notice();
@@ -61,22 +88,49 @@ export function mount(main) {
     h("button.primary#save-key-button", { type: "submit" }, "Save limits"),
     h("button.small#cancel-edit", { type: "button", onclick: () => { editCard.hidden = true; editing = null; } }, "Cancel"));
   const editCard = h("section.card#edit-card", { hidden: true }, editTitle, editForm);
+  // what a (first) key does to /v1 (GET /admin/api/status client_auth), said where the key is made
+  const lockNotice = h("p.notice#keys-lock-notice", { role: "status", hidden: true });
   replace(main,
     h("div.page-head", null, h("h1", null, "Keys"), total),
     status, secretBox,
     h("section.card.table-card", null,
       h("table.grid#keys-table", null,
         h("thead", null, h("tr", null,
-          ["Name", "Prefix", "Models", "RPM", "TPM", "Concurrent", "Tokens / day", "Requests today", "Tokens today", "State", ""]
+          ["Name", "Prefix", "Models", "RPM", "TPM", "Concurrent", "Tokens / day", "Budget", "Requests today", "Tokens today", "State", ""]
             .map((t) => h("th", null, t)))),
         tbody)),
     editCard,
     h("section.card", null, h("h2", null, "Create a client key"),
       h("p.muted", null, "The key is shown once, right after it is created; the gateway keeps only its hash. "
         + "Empty limits mean no limit."),
-      createForm));
+      lockNotice, createForm));
+
+  async function loadLock() {
+    let auth;
+    try {
+      auth = (await get("/admin/api/status?window=60")).client_auth;
+    } catch {
+      return;
+    }
+    lockNotice.dataset.state = auth.locked ? "locked" : auth.key_required ? "required" : "open";
+    if (!auth.key_required) {
+      lockNotice.className = "notice warn";
+      replace(lockNotice, h("strong", null, "Creating the first key locks /v1. "),
+        "From then on every /v1 request needs a key, loopback calls included (a curl without one gets 401), "
+        + "and revoking the keys later does not open it again.");
+    } else if (auth.locked) {
+      lockNotice.className = "notice error";
+      replace(lockNotice, h("strong", null, "/v1 is locked: "),
+        "every request needs a key and none is usable (revoked or expired). Create one here.");
+    } else {
+      lockNotice.className = "notice";
+      replace(lockNotice, "Every /v1 request needs a key, loopback calls included.");
+    }
+    lockNotice.hidden = false;
+  }
 
   async function load() {
+    loadLock();
     let answer;
     try {
       answer = await get("/admin/api/keys");
@@ -87,7 +141,7 @@ export function mount(main) {
     const keys = answer.keys;
     total.textContent = `${keys.filter((k) => !k.revoked_at).length} active key(s), ${keys.length} in all`;
     if (!keys.length) {
-      replace(tbody, h("tr", null, h("td.empty", { colspan: 11 }, "No managed keys yet.")));
+      replace(tbody, h("tr", null, h("td.empty", { colspan: 12 }, "No managed keys yet.")));
       return;
     }
     replace(tbody, keys.map((k) => {
@@ -102,6 +156,7 @@ export function mount(main) {
         h("td.num", null, limitText(k.tpm)),
         h("td.num", null, limitText(k.max_concurrent)),
         h("td.num", null, limitText(k.daily_tokens)),
+        h("td.budget", null, budgetText(k), h("span.muted.budget-left", null, spentText(k))),
         h("td.num.requests-today", null, fmtNumber(k.usage.requests_today)),
         h("td.num.tokens-today", null, fmtNumber(k.usage.tokens_today)),
         h("td.key-state", null, state),
@@ -118,6 +173,8 @@ export function mount(main) {
     for (const [limit] of LIMITS) edit.inputs[limit].value = key[limit] ?? "";
     edit.inputs.models.value = key.models ? key.models.join(", ") : "";
     edit.inputs.expires_at.value = key.expires_at || "";
+    edit.inputs.budget_cost.value = key.budget_cost ?? "";
+    edit.inputs.budget_period.value = key.budget_period || "day";
     editCard.hidden = false;
     edit.inputs.rpm.focus();
   }
@@ -151,6 +208,7 @@ export function mount(main) {
       const created = await post("/admin/api/keys", { name: name.value.trim(), ...bodyOf(create.inputs) });
       name.value = "";
       for (const input of Object.values(create.inputs)) input.value = "";
+      create.inputs.budget_period.value = "day";
       showSecret(created);
       status.clear();
     } catch (exc) {
