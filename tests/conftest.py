@@ -109,22 +109,28 @@ class Gateway:
             assert reset.status_code == 200 and reset.json()["cooldowns"] == {}
 
 
+#: Seconds a test's own call to the simulator's control routes may take: the simulator shares
+#: its event loop with the session's gateways, which on a busy machine (a fault suite and busy
+#: loops beside) kept a 5 s default waiting while a 16 MiB answer streamed. A bound, not a speed.
+SIM_CONTROL_TIMEOUT = 60.0
+
+
 @dataclass
 class Simulator:
     url: str
 
     def requests(self) -> list[dict[str, Any]]:
-        return httpx.get(self.url + "/_sim/requests").json()["requests"]
+        return httpx.get(self.url + "/_sim/requests", timeout=SIM_CONTROL_TIMEOUT).json()["requests"]
 
     def clear(self) -> None:
-        httpx.delete(self.url + "/_sim/requests")
+        httpx.delete(self.url + "/_sim/requests", timeout=SIM_CONTROL_TIMEOUT)
 
     def stats(self) -> dict[str, Any]:
-        return httpx.get(self.url + "/_sim/stats").json()
+        return httpx.get(self.url + "/_sim/stats", timeout=SIM_CONTROL_TIMEOUT).json()
 
     def script(self, frames: list[Any], **extra: Any) -> str:
         """Register frames; returns the model name that replays them."""
-        response = httpx.post(self.url + "/_sim/scripts", json={"frames": frames, **extra})
+        response = httpx.post(self.url + "/_sim/scripts", json={"frames": frames, **extra}, timeout=SIM_CONTROL_TIMEOUT)
         response.raise_for_status()
         return "script:" + response.json()["id"]
 
