@@ -152,7 +152,7 @@ def upstream_process(argv: list[str], health_url: str, log_path: Path, timeout: 
 
 _PROBE = """
 import http.client, json, sys, threading, time
-port, took, stop = int(sys.argv[1]), [], threading.Event()
+port, took, stretch, stop = int(sys.argv[1]), [], [], threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
 while not stop.is_set():
     start = time.perf_counter()
@@ -161,9 +161,55 @@ while not stop.is_set():
     status = conn.getresponse().status
     conn.close()
     took.append((time.perf_counter() - start) * 1000 if status == 200 else float("inf"))
+    # the machine's pace now: how long a fixed bit of CPU work takes in wall time over the
+    # CPU time it needs (1 on an idle core; ~10 with twenty runnable processes on two)
+    wall, cpu, n = time.perf_counter(), time.thread_time(), 0
+    while time.thread_time() - cpu < 0.002:
+        n += 1
+    stretch.append((time.perf_counter() - wall) / max(time.thread_time() - cpu, 1e-6))
     time.sleep(0.01)
-print(json.dumps(took))
+print(json.dumps([took, stretch]))
 """
+
+
+class Probes:
+    """One probe process's ``/healthz`` round trips (ms) and, between them, the machine's
+    pace: the wall time of a fixed bit of CPU work over its CPU time (``stretch``). A frozen
+    event loop delays ``/healthz`` whatever the pace; a busy machine slows every process,
+    the gateway's loop too, by about its stretch."""
+
+    def __init__(self) -> None:
+        self.gateway: list[float] = []
+        self.stretch: list[float] = []
+
+    @property
+    def pace(self) -> float:
+        """The median stretch while the probes ran (at least 1)."""
+        ordered = sorted(self.stretch)
+        return max(1.0, ordered[len(ordered) // 2]) if ordered else 1.0
+
+    def stalled(self, bound_ms: float, rank: int) -> float:
+        """How far (ms) the gateway's ``rank``-th worst probe is past ``bound_ms`` at the
+        machine's pace (0: within). A rank, not the maximum: one late answer is the
+        machine's, a frozen loop delays every probe while it lasts."""
+        ordered = sorted(self.gateway)
+        worst = ordered[-rank] if len(ordered) >= rank else 0.0
+        return max(0.0, worst - bound_ms * self.pace)
+
+
+@contextlib.contextmanager
+def paced_probe(port: int) -> Iterator[Probes]:
+    """:class:`Probes` of the gateway on ``port`` from a process of its own, for as long as
+    the block runs (filled when it ends)."""
+    probe = subprocess.Popen([sys.executable, "-c", _PROBE, str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    probes = Probes()
+    try:
+        yield probes
+    finally:
+        out, _ = probe.communicate(b"", timeout=60)
+        took, stretch = json.loads(out)
+        probes.gateway.extend(float(t) for t in took)
+        probes.stretch.extend(float(t) for t in stretch)
 
 
 @contextlib.contextmanager
@@ -172,13 +218,8 @@ def healthz_probe(port: int) -> Iterator[list[float]]:
     as long as the block runs: a probe thread in the test process would also time the
     test's own work (building a 28 MiB frame holds the GIL for half a second). The list
     fills when the block ends."""
-    probe = subprocess.Popen([sys.executable, "-c", _PROBE, str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    took: list[float] = []
-    try:
-        yield took
-    finally:
-        out, _ = probe.communicate(b"", timeout=60)
-        took.extend(float(t) for t in json.loads(out))
+    with paced_probe(port) as probes:
+        yield probes.gateway
 
 
 #: A ``/healthz`` p99 (ms) past this while an attack runs is a frozen event loop (the attacks

@@ -7,17 +7,15 @@ process of its own)."""
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests import socket_attacks as attacks
-from tests.processes import FREEZE_MS, GatewayProcess, healthz_probe
+from tests.processes import FREEZE_MS, GatewayProcess, paced_probe
 
 # real processes and induced faults: `make test-faults` (CI runs it), not the default suite
 pytestmark = pytest.mark.faults
@@ -74,28 +72,18 @@ def test_three_big_frames_leave_the_gateway_under_150_mib_more(tmp_path: Path) -
 
 def test_healthz_never_freezes_while_the_socket_attacks_run(tmp_path: Path) -> None:
     """For 10 s, from 127.0.0.2 (a niced process): keyless upgrades 8 at a time, cross-origin upgrades, 200
-    slow-header sockets (one line a second) and a socket of ignored frames; from 127.0.0.1,
-    400 /healthz probes on fresh connections. The bound catches a freeze (seconds, before
-    the fix); the measured p99 (under 100 ms on an idle machine) lives in bench/hostile.md."""
+    slow-header sockets (one line a second) and a socket of ignored frames; meanwhile, from a
+    process of its own, /healthz probes on fresh connections. The bound, at the machine's
+    pace (tests/processes.Probes), catches a freeze (seconds, before the fix), not a busy
+    machine; the measured p99 (under 100 ms idle) is in bench/hostile.md."""
     proc = GatewayProcess("--simulator", "--api-key", KEY, "--data-dir", str(tmp_path / "data"),
                           "--header-timeout", "2", "--ws-idle-timeout", "3", "--log-level", "error", log_dir=tmp_path)
     try:
         proc.wait_healthy()
-        attack = subprocess.Popen([sys.executable, "-m", "tests.socket_attacks", proc.url, "10", KEY, "127.0.0.2"],
-                                  cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        time.sleep(1.5)
-        took: list[float] = []
-        for _ in range(400):  # http.client: a fresh connection each, no client-side set-up to speak of
-            start = time.perf_counter()
-            conn = http.client.HTTPConnection("127.0.0.1", proc.port, timeout=10)
-            conn.request("GET", "/healthz")
-            response = conn.getresponse()
-            body = response.read()
-            conn.close()
-            took.append((time.perf_counter() - start) * 1000)
-            assert response.status == 200 and json.loads(body) == {"status": "ok"}
-            time.sleep(0.01)
-        out, err = attack.communicate(timeout=120)
+        with paced_probe(proc.port) as probes:
+            attack = subprocess.Popen([sys.executable, "-m", "tests.socket_attacks", proc.url, "10", KEY, "127.0.0.2"],
+                                      cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            out, err = attack.communicate(timeout=120)
         assert attack.returncode == 0, err.decode()[-2000:]
         report = json.loads(out)
         # the attacks did run (how many rounds fit in 10 s is the machine's: the niced attacker
@@ -103,8 +91,11 @@ def test_healthz_never_freezes_while_the_socket_attacks_run(tmp_path: Path) -> N
         assert report["rounds"]["keyless"] > 0 and report["rounds"]["cross_origin"] > 0
         assert report["slow_headers"]["closed"] == 200  # every slow-header socket was closed
         assert report["ignored_frames_closed_after_s"] is not None  # ignored frames did not keep it open
-        took.sort()
-        assert took[int(len(took) * 0.99) - 1] < FREEZE_MS, took[-10:]
+        # every probe a 200 (a refusal counts as infinite), and the 99th percentile within the
+        # freeze bound at the machine's pace
+        assert len(probes.gateway) > 100 and max(probes.gateway) < float("inf")
+        rank = max(1, len(probes.gateway) // 100)
+        assert probes.stalled(FREEZE_MS, rank) == 0, (sorted(probes.gateway)[-5:], probes.pace)
     finally:
         proc.stop()
 
@@ -134,12 +125,14 @@ def test_big_frames_are_read_off_the_event_loop(tmp_path: Path) -> None:
 
     try:
         proc.wait_healthy()
-        with healthz_probe(proc.port) as took:
+        with paced_probe(proc.port) as probes:
             errors = asyncio.run(attack())
         assert len(errors) == 6 and all("too_many_input_items" in json.dumps(e) for e in errors), errors
         # read on the loop (measured by putting read_frame back inline) the six worst probes
-        # took 357-613 ms (3rd-worst 411); read off it, 36-82 ms idle and the 3rd-worst ~110 ms
-        # with a whole other suite beside it. Two outliers are the machine's, not the gateway's.
-        assert len(took) > 20 and sorted(took)[-3] < FRAME_FREEZE_MS, sorted(took)[-6:]
+        # took 357-613 ms (3rd-worst 411) on an idle machine; read off it, 36-82 ms. A busy
+        # machine stretches both by its pace (beside a whole suite and busy loops: ~1.5 s
+        # off the loop), so the bound is taken at that pace (tests/processes.Probes).
+        assert len(probes.gateway) > 20 and probes.stalled(FRAME_FREEZE_MS, 3) == 0, (
+            sorted(probes.gateway)[-6:], probes.pace)
     finally:
         proc.stop()

@@ -9,7 +9,6 @@ every connection accepted, and must count none.
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import threading
@@ -30,7 +29,7 @@ from gateway.stream.repair import repair_arguments
 from gateway.stream.schema_guard import MAX_EXPANSION, MAX_SCHEMA_NODES, schema_hazard, validates
 from tests.conftest import Gateway, Simulator
 from tests.hostile import error_shape_problem
-from tests.processes import FREEZE_MS
+from tests.processes import FREEZE_MS, Probes, paced_probe
 
 BACKTRACKING = "^(?:.?){90}$X"  # Python's re: seconds to tens of seconds on a short string
 
@@ -314,40 +313,37 @@ def _post(base: str, route: str, body: bytes) -> tuple[Any, Any, Any]:
 
 
 #: /healthz samples per attack (p99 by nearest rank: one slow sample in 100 is allowed)
-SAMPLES = 100
+#: Seconds each attack runs while /healthz is probed (at least: every request of it answered once).
+ATTACK_S = 3.0
 
 
-def _healthz_while(base: str, requests: list[tuple[str, bytes]]) -> tuple[list[float], list[Any]]:
-    """/healthz latencies (ms, sampled 20 ms apart) while ``requests`` are sent, each again
-    and again until :data:`SAMPLES` were taken (the attack runs for the whole sampling)."""
+def _healthz_while(port: int, base: str, requests: list[tuple[str, bytes]]) -> tuple[Probes, list[Any]]:
+    """/healthz probes (a process of its own, with the machine's pace) while
+    ``requests`` are sent, each again and again for :data:`ATTACK_S` and until each was
+    answered once (the attack runs for the whole sampling)."""
     answers: list[list[Any]] = [[] for _ in requests]
-    latencies: list[float] = []
+    stop = threading.Event()
 
     def attack(i: int, route: str, body: bytes) -> None:
         # the attacker is another host in real life: here its threads yield the two cores to
         # the gateway and the /healthz probe (its sending is no cost of the gateway's)
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        while len(latencies) < SAMPLES:
+        while not stop.is_set():
             answers[i].append(_post(base, route, body))
             time.sleep(0.05)  # the attack is the body, not the request rate (a proxy's business)
 
     threads = [threading.Thread(target=attack, args=(i, r, b)) for i, (r, b) in enumerate(requests)]
-    for t in threads:
-        t.start()
-    with httpx.Client(timeout=30) as client:
-        while any(t.is_alive() for t in threads):
-            began = time.monotonic()
-            assert client.get(base + "/healthz").status_code == 200
-            latencies.append((time.monotonic() - began) * 1000)
-            time.sleep(0.02)
-    for t in threads:
-        t.join()
-    return latencies, [a for per_thread in answers for a in per_thread]
-
-
-def _p99(latencies: list[float]) -> float:
-    ordered = sorted(latencies)
-    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+    with paced_probe(port) as probes:
+        began = time.monotonic()
+        for t in threads:
+            t.start()
+        while time.monotonic() - began < ATTACK_S or not all(answers):
+            assert time.monotonic() - began < 300, "an attack request was never answered"
+            time.sleep(0.05)
+        stop.set()
+        for t in threads:
+            t.join()
+    return probes, [a for per_thread in answers for a in per_thread]
 
 
 @pytest.mark.faults
@@ -386,8 +382,12 @@ def test_healthz_never_freezes_while_schema_and_big_body_attacks_run(tmp_path: P
         }
         idle = _tree_rss_mib(gateway.proc.pid)
         for name, (requests, status, code) in attacks.items():
-            latencies, answers = _healthz_while(gateway.url, requests)
-            assert _p99(latencies) < FREEZE_MS, (name, sorted(latencies)[-5:])
+            probes, answers = _healthz_while(gateway.port, gateway.url, requests)
+            # every probe a 200, and the 99th percentile within the freeze bound at the
+            # machine's pace (a busy machine slows the gateway's loop too)
+            assert probes.gateway and max(probes.gateway) < float("inf"), name
+            rank = max(1, len(probes.gateway) // 100)
+            assert probes.stalled(FREEZE_MS, rank) == 0, (name, sorted(probes.gateway)[-5:], probes.pace)
             refused = 0
             for got, body, retry_after in answers:
                 if name == "six" and got != status:
