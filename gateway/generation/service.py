@@ -119,7 +119,7 @@ class GenerationService:
             if key is not None:  # one key's flood is refused here, before it costs a parse
                 self._check_share(key.key_id, settings.max_concurrent, settings.key_share)
                 if self.limiter is not None:  # a full rpm window: without the store (keys/full_windows.py)
-                    self.limiter.refuse_full(key)
+                    await self.limiter.refuse_full(key)
             if self.recording is not None:
                 self.recording()
             held[0] = self._hold_body(_declared_length(request), settings.max_body_bytes_in_flight)

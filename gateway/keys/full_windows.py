@@ -47,6 +47,11 @@ class FullWindows:
             self._full.pop(next(iter(self._full)))  # the oldest noted goes first
         self._full[key.key_id] = _Full(key.limits, refusal.holds_until, refusal)
 
+    def frees_in(self, key: ManagedKey, now: float) -> float:
+        """Seconds until ``key``'s remembered window frees (0: not remembered)."""
+        full = self._full.get(key.key_id)
+        return max(0.0, full.until - now) if full is not None else 0.0
+
     def refusal(self, key: ManagedKey, now: float) -> Refusal | None:
         """The refusal that still holds for ``key`` at ``now`` (``Retry-After`` and the
         ``x-ratelimit-reset-requests`` counted down), else None."""
