@@ -39,6 +39,7 @@ import structlog
 
 from gateway.store.store_calls import (
     STORE_READ_TIMEOUT,
+    STORE_WRITE_MAX,
     STORE_WRITE_TIMEOUT,
     BoundedReads,
     BoundedWrites,
@@ -105,6 +106,7 @@ class DurableWriter:
         *,
         retry_interval: float = 1.0,
         write_timeout: float = STORE_WRITE_TIMEOUT,
+        write_max: float = STORE_WRITE_MAX,
         read_timeout: float = STORE_READ_TIMEOUT,
         indexed: frozenset[str] = frozenset({"response", "owned_response"}),
         on_spilled: Callable[[str, int], None] | None = None,
@@ -133,7 +135,7 @@ class DurableWriter:
         # own threads: a store stuck in every thread of asyncio's shared executor must not
         # hold up a spill (the journal's one thread)
         self._journal_thread = ThreadPoolExecutor(1, thread_name_prefix="spill-journal")
-        self.writes = BoundedWrites(db, write_timeout)
+        self.writes = BoundedWrites(db, write_timeout, write_max)
         self.reads = BoundedReads(db, read_timeout)
         self.index = SpillIndex(journal, indexed)
         self._replay = (JournalReplay(db, journal, statements, self.index, self._batch_stored, self._cleared)

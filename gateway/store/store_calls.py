@@ -46,9 +46,10 @@ class BoundedWrites:
     """Writes (and replays) of one store on two threads of their own: a store stuck in every
     thread of asyncio's shared executor must not hold them up, nor they the reads."""
 
-    def __init__(self, db: Store, timeout: float = STORE_WRITE_TIMEOUT) -> None:
+    def __init__(self, db: Store, timeout: float = STORE_WRITE_TIMEOUT, most: float = STORE_WRITE_MAX) -> None:
         self.db = db
         self.timeout = timeout
+        self.most = most  # the longest a write may wait in all (behind others), progress or not
         self._threads = ThreadPoolExecutor(2, thread_name_prefix="store-write")
         self.last_progress = time.monotonic()  # when a store write last completed
 
@@ -58,7 +59,7 @@ class BoundedWrites:
 
     async def run(self, fn: Callable[[Any], T]) -> T:
         """``fn(connection)`` in one transaction. TimeoutError once no write has completed for
-        ``timeout`` (a stall), or after :data:`STORE_WRITE_MAX` in all (a queue that never
+        ``timeout`` (a stall), or after ``most`` (:data:`STORE_WRITE_MAX`) in all (a queue that never
         drains); the store's own errors as they come. Never cancels the write: a cancelled
         caller (shutdown) must not lose a batch half-way to disk."""
         write = asyncio.ensure_future(self.in_thread(self._timed_tx, fn))
@@ -68,9 +69,9 @@ class BoundedWrites:
             if done:
                 return write.result()
             now = time.monotonic()
-            if now - self.last_progress >= self.timeout or now - start >= STORE_WRITE_MAX:
+            if now - self.last_progress >= self.timeout or now - start >= self.most:
                 write.add_done_callback(consume_outcome)
-                waited = self.timeout if now - self.last_progress >= self.timeout else STORE_WRITE_MAX
+                waited = self.timeout if now - self.last_progress >= self.timeout else self.most
                 raise TimeoutError(f"no store write completed in {waited} s")
 
     def _timed_tx(self, fn: Callable[[Any], T]) -> T:

@@ -76,8 +76,10 @@ def test_a_wait_past_queue_timeout_is_the_retryable_503(
 ) -> None:
     gateway = engine_gateway(server_loop, simulator, tmp_path_factory, "max_in_flight = 1\nqueue_timeout = 0.3")
     nonce = secrets.token_hex(6)
+    # the slot's holder streams for ~11 s (54 chunks 0.2 s apart): the second request must find
+    # it still busy however slowly a busy machine sends it (at 0.1 s apart it once had ended)
     long = threading.Thread(target=lambda: sdk(gateway).chat.completions.create(
-        model="text;chunk=2;delay=0.1", messages=[{"role": "user", "content": f"{nonce} long"}]))
+        model="text;chunk=2;delay=0.2", messages=[{"role": "user", "content": f"{nonce} long"}]))
     long.start()
     try:
         wait_for(lambda: len(arrivals(simulator, nonce)) == 1, timeout=10)
