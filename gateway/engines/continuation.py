@@ -28,7 +28,7 @@ from gateway.stream.answer import DONE
 from gateway.upstream.client import ANSWERED, Send, UpstreamItem
 from gateway.upstream.credential import Credential
 from gateway.upstream.hermes import HermesParser
-from gateway.upstream.token_in import EngineStream, engine_body
+from gateway.upstream.token_in import EngineStream, as_chat_items, engine_body
 
 __all__ = ["ABORT", "MAX_CONTINUATIONS", "PartialAnswer", "continuing", "token_in_body"]
 
@@ -146,16 +146,5 @@ async def _token_in_leg(items: AsyncIterator[UpstreamItem], prompt: list[int],
                         tail: Reader) -> AsyncIterator[UpstreamItem]:
     """The engine's completion chunks as chat chunks (its text read by ``tail``)."""
     stream = EngineStream("vllm", prompt, parser=tail, continued=True)
-    async with contextlib.aclosing(items) as engine_items:  # type: ignore[type-var]
-        async for item in engine_items:
-            if item is ANSWERED:
-                yield item
-            elif item is DONE:
-                for chunk in stream.finish():
-                    yield chunk
-                yield DONE
-            elif isinstance(item, dict):
-                for chunk in stream.handle(item):
-                    yield chunk
-    for chunk in stream.finish():
-        yield chunk
+    async for item in as_chat_items(items, stream):
+        yield item

@@ -18,6 +18,7 @@ attempt, so the accumulator, both stream modes and every encoder work unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -211,6 +212,25 @@ class EngineStream:
         return out
 
 
+async def as_chat_items(items: AsyncIterator[UpstreamItem], stream: EngineStream) -> AsyncIterator[UpstreamItem]:
+    """An engine's completion items as chat items: ``ANSWERED`` passes, each chunk goes
+    through ``stream``, and its end is flushed also when the engine sends no ``[DONE]``
+    (llama.cpp). Used by token-in and by a continuation through token ids."""
+    async with contextlib.aclosing(items) as engine_items:  # type: ignore[type-var]
+        async for item in engine_items:
+            if item is ANSWERED:
+                yield item
+            elif item is DONE:
+                for chunk in stream.finish():
+                    yield chunk
+                yield DONE
+            elif isinstance(item, dict):
+                for chunk in stream.handle(item):
+                    yield chunk
+    for chunk in stream.finish():
+        yield chunk
+
+
 class TokenIn:
     """Per request: the continuation plan, and what became of it (:attr:`status`,
     :attr:`prompt_ids`, the rendering's cost)."""
@@ -262,19 +282,10 @@ class TokenIn:
         stream = EngineStream(str(engine), prompt, continued=True)
         self.reader = stream.parser
         path, root = ("/completions", False) if engine == "vllm" else ("/completion", True)
-        async for item in self.client.stream_path(path, root=root)(credential, engine_body(str(engine), body, prompt),
-                                                                   policy, extra_headers):
-            if item is ANSWERED:
-                yield item
-            elif item is DONE:
-                for chunk in stream.finish():
-                    yield chunk
-                yield DONE
-            elif isinstance(item, dict):
-                for chunk in stream.handle(item):
-                    yield chunk
-        for chunk in stream.finish():  # llama.cpp ends its stream without [DONE]
-            yield chunk
+        items = self.client.stream_path(path, root=root)(credential, engine_body(str(engine), body, prompt),
+                                                         policy, extra_headers)
+        async for item in as_chat_items(items, stream):
+            yield item
 
     async def _prompt(self, engine: str, credential: Credential, body: dict[str, Any], policy: StreamPolicy) -> list[int] | str:
         request: dict[str, Any] = {"messages": list(self.plan.render_messages)}
