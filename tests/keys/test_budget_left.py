@@ -5,7 +5,6 @@ a removed budget drops its series). Also ``budget_left`` in ``GET /admin/api/key
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import httpx
 import openai
@@ -16,7 +15,8 @@ from gateway.keys.model import KeyLimits, ManagedKey
 from gateway.keys.quota import Counts
 from gateway.observability.pricing import cost
 from gateway.upstream.config_file import ModelPrice
-from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway, wait_for
+from tests.conftest import Gateway, ServerLoop, Simulator, wait_for
+from tests.keys.priced import priced_gateway
 from tests.keys.test_keys import create_key, listed, revoke
 from tests.observability.test_audit import audit_rows, scrape
 
@@ -35,16 +35,7 @@ def test_left_of_each_budget_never_below_zero() -> None:
 
 @pytest.fixture(scope="module")
 def priced(server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory) -> Gateway:
-    config: Path = tmp_path_factory.mktemp("left") / "prices.toml"
-    config.write_text(f"""
-[[upstreams]]
-name = "sim"
-base_url = "{simulator.url}/v1"
-
-[models."text"]
-price = {{ input = 3.0, output = 15.0 }}
-""")
-    return start_gateway(server_loop, simulator, tmp_path_factory, config=config)
+    return priced_gateway(server_loop, simulator, tmp_path_factory)
 
 
 def left(gw: Gateway, name: str) -> dict[str, float]:

@@ -23,6 +23,7 @@ from gateway.keys.periods import seconds_to_period_end
 from gateway.observability.pricing import cost
 from gateway.upstream.config_file import ModelPrice
 from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway, wait_for
+from tests.keys.priced import priced_gateway
 from tests.keys.test_keys import create_key
 from tests.observability.test_audit import audit_rows
 
@@ -138,16 +139,7 @@ def test_settlements_journaled_before_money_budgets_replay(db: Any) -> None:
 
 @pytest.fixture(scope="module")
 def priced(server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory) -> Gateway:
-    config = tmp_path_factory.mktemp("money") / "prices.toml"
-    config.write_text(f"""
-[[upstreams]]
-name = "sim"
-base_url = "{simulator.url}/v1"
-
-[models."text"]
-price = {{ input = 3.0, output = 15.0 }}
-""")
-    return start_gateway(server_loop, simulator, tmp_path_factory, config=config)
+    return priced_gateway(server_loop, simulator, tmp_path_factory)
 
 
 def test_a_money_budget_serves_until_spent_then_refuses_naming_it(priced: Gateway) -> None:

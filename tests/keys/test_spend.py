@@ -19,7 +19,8 @@ from gateway.observability.pricing import cost, price_of
 from gateway.store import audit_queries
 from gateway.store.audit import AuditWriter
 from gateway.upstream.config_file import ModelEntry, ModelPrice
-from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway, wait_for
+from tests.conftest import Gateway, ServerLoop, Simulator, wait_for
+from tests.keys.priced import priced_gateway
 from tests.keys.test_keys import create_key, revoke
 from tests.observability.test_audit import audit_rows, scrape
 
@@ -80,16 +81,7 @@ async def test_key_usage_rows_read_the_records_fields_on_both_backends(store: An
 
 @pytest.fixture(scope="module")
 def priced(server_loop: ServerLoop, simulator: Simulator, tmp_path_factory: pytest.TempPathFactory) -> Gateway:
-    config = tmp_path_factory.mktemp("spend") / "prices.toml"
-    config.write_text(f"""
-[[upstreams]]
-name = "sim"
-base_url = "{simulator.url}/v1"
-
-[models."text"]
-price = {{ input = 3.0, cached_input = 0.3, output = 15.0 }}
-""")
-    return start_gateway(server_loop, simulator, tmp_path_factory, config=config)
+    return priced_gateway(server_loop, simulator, tmp_path_factory, "{ input = 3.0, cached_input = 0.3, output = 15.0 }")
 
 
 def test_each_record_carries_its_cost_and_the_metric_adds_them_up(priced: Gateway) -> None:
