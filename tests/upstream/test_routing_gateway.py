@@ -222,14 +222,20 @@ def test_named_sessions_leave_a_replica_that_slowed_down(server_loop: ServerLoop
     for turn in range(4, 8):
         for agent in agents:
             trail[agent] += routed(gateway, ask(gateway, conversation(agent, turn), headers={"x-conversation": agent}))
+    slow_answers = 0
     for agent in agents:
         if agent not in stuck:
             assert trail[agent] == [(fast, "session")] * 4
             continue
-        # a slow answer or two teach the router its pace; then the session moves, once, and stays
+        # each session moves once and stays; it may move before its own first slow answer,
+        # when the other stuck session's slow answers already taught the router the pace
         there = trail[agent].index((fast, "rebalanced"))
-        assert 1 <= there <= 2 and trail[agent][:there] == [(slow, "session")] * there, trail[agent]
+        assert there <= 2 and trail[agent][:there] == [(slow, "session")] * there, trail[agent]
         assert trail[agent][there + 1:] == [(fast, "session")] * (3 - there)
+        slow_answers += there
+    # slow answers teach the router the pace (how many it takes depends on how brisk both
+    # replicas' earlier answers were on this machine): never none, at most two per session
+    assert 1 <= slow_answers <= 4, trail
     assert metric(gateway, "codebuddy2api_routing_decisions_total", reason="rebalanced") == 2
     assert len(calls(two[0])) <= 6 + 2 * 2  # nothing more reached the slow replica
 
