@@ -25,6 +25,13 @@ from gateway.live_settings import LiveSettings
 from gateway.settings import Settings
 from gateway.simulator.server import create_simulator_app
 
+# The tests' own plain httpx calls (``httpx.post(...)`` with no timeout: several hundred)
+# wait up to 60 s, not httpx's 5 s: on a loaded 2-core machine a gateway's answer can take
+# longer than 5 s, and these bounds are there to catch a hang, not a slow machine. The
+# gateway's own clients all name their timeouts, so this changes nothing of the product.
+for _phase in ("connect", "read", "write", "pool"):
+    setattr(httpx._config.DEFAULT_TIMEOUT_CONFIG, _phase, 60.0)
+
 
 def wait_for(condition: Callable[[], object], timeout: float = 5.0) -> float:
     """Poll ``condition()`` until it holds; seconds it took (the test fails after ``timeout``)."""

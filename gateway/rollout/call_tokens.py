@@ -52,7 +52,7 @@ class CallTokens:
         if credential is None:
             return None
         if self._http is None:
-            self._http = httpx.AsyncClient(trust_env=False)
+            self._http = httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(5.0))
         body = run.answer.bodies[-1] if run.answer.bodies else run.upstream_body
         try:
             return await llamacpp_prompt_ids(self._http, credential.upstream.base_url, credential.api_key, body)

@@ -4,7 +4,8 @@ from the audit record, how many from /metrics."""
 
 from __future__ import annotations
 
-import threading
+import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,24 +93,36 @@ def metric(gateway: Gateway, name: str, **labels: str) -> float:
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
+class Held:
+    """Calls kept in flight until the test ends, whatever the machine's pace: each is a raw
+    request for a late answer (the simulator's first byte in ``TTFB`` s), its socket closed
+    when the test is over (the gateway then drops the upstream call)."""
+
+    TTFB = 45
+
+    def __init__(self) -> None:
+        self.sockets: list[socket.socket] = []
+
+    def hold(self, gateway: Gateway, messages: list[dict[str, Any]], headers: dict[str, str] | None = None) -> None:
+        body = json.dumps({"model": f"text;ttfb={self.TTFB}", "messages": messages, "stream": True}).encode()
+        url = httpx.URL(gateway.base_url)
+        head = {"Host": f"{url.host}:{url.port}", "Content-Type": "application/json", "Content-Length": str(len(body)),
+                **(headers or {})}
+        sock = socket.create_connection((url.host, url.port or 80), timeout=10)
+        self.sockets.append(sock)
+        request = f"POST {url.path}/chat/completions HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in head.items())
+        sock.sendall(request.encode() + b"\r\n" + body)
+
+    def release(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+
+
 @pytest.fixture
-def held() -> Iterator[list[threading.Thread]]:
-    """Slow calls running in threads, joined at the end of the test."""
-    threads: list[threading.Thread] = []
-    yield threads
-    for thread in threads:
-        thread.join(30)
-
-
-def hold(threads: list[threading.Thread], gateway: Gateway, messages: list[dict[str, Any]],
-         headers: dict[str, str] | None = None, seconds: float = 2.0) -> None:
-    """A call that stays in flight for ``seconds`` (the simulator answers late)."""
-    def run() -> None:
-        httpx.post(gateway.base_url + "/chat/completions", headers=headers or {}, timeout=30,
-                   json={"model": f"text;ttfb={seconds}", "messages": messages})
-    thread = threading.Thread(target=run)
-    thread.start()
-    threads.append(thread)
+def held() -> Iterator[Held]:
+    holds = Held()
+    yield holds
+    holds.release()
 
 
 # -- rule 1: a named session stays on its replica ------------------------------------------
@@ -166,14 +179,14 @@ def test_a_call_without_a_session_follows_its_prefix(server_loop: ServerLoop, re
 
 
 def test_a_new_call_avoids_the_busy_replica(server_loop: ServerLoop, replicas: list[Simulator], tmp_path: Path,
-                                            held: list[threading.Thread]) -> None:
+                                            held: Held) -> None:
     two = replicas[:2]
     gateway = start(server_loop, tmp_path, two)
-    hold(held, gateway, [{"role": "user", "content": "slow one"}], seconds=8)
+    held.hold(gateway, [{"role": "user", "content": "slow one"}])
     wait_for(lambda: sum(served_by(two)) == 1, timeout=10)
     busy = served_by(two).index(1)
     assert metric(gateway, "codebuddy2api_upstream_calls_in_flight", upstream=f"upstream{busy}") == 1
-    # unrelated prompts, one after another, while the slow one runs (its 8 s bound a busy machine's delays)
+    # unrelated prompts, one after another, while the slow one is held in flight
     ids = [ask(gateway, conversation(topic, 1)) for topic in ("x", "y", "z")]
     assert served_by(two)[busy] == 1
     for request_id in ids:
@@ -184,7 +197,7 @@ def test_a_new_call_avoids_the_busy_replica(server_loop: ServerLoop, replicas: l
 
 
 def test_the_imbalance_gate_moves_a_session_off_its_busy_replica(
-    server_loop: ServerLoop, replicas: list[Simulator], tmp_path: Path, held: list[threading.Thread]
+    server_loop: ServerLoop, replicas: list[Simulator], tmp_path: Path, held: Held
 ) -> None:
     two = replicas[:2]
     gateway = start(server_loop, tmp_path, two, session_header="x-conversation",
@@ -193,7 +206,7 @@ def test_the_imbalance_gate_moves_a_session_off_its_busy_replica(
     ask(gateway, conversation("agent-7", 1), headers=session)
     home = served_by(two).index(1)
     for n in (2, 3):  # two slow turns of the same session: within the gate (0 * 1.0 + 1 >= 1), then at it
-        hold(held, gateway, conversation("agent-7", n), session, seconds=8)
+        held.hold(gateway, conversation("agent-7", n), session)
         wait_for(lambda n=n: served_by(two)[home] == n, timeout=10)
     assert served_by(two) == ([3, 0] if home == 0 else [0, 3])
     moved = ask(gateway, conversation("agent-7", 4), headers=session)  # home holds 2 > 0 * 1.0 + 1
