@@ -22,9 +22,10 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/codebuddy2api serve --simulator --host $(HOST) --port $(PORT) --data-dir ./data
 
-## Install and run the whole test suite
+## Install and run the whole test suite, on $(TEST_WORKERS) pytest-xdist workers (TEST_WORKERS=0: in one process)
+TEST_WORKERS ?= 4
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 .PHONY: test-faults
 
