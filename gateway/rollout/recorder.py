@@ -176,7 +176,7 @@ class RolloutRecorder:
         except TimeoutError:
             result = "timeout"
         if result == "spilled":
-            self.unstored.spilled_call(rollout_id, orjson.loads(row[4]))
+            self.unstored.spilled_call(rollout_id, record["call_id"], orjson.loads(row[4]))
         if result in ("stored", "spilled"):
             return None
         reason = f"call {record['call_id']}: record not durable ({result})"

@@ -39,8 +39,8 @@ class UnstoredRolloutFacts:
         #: store has not taken yet (this process answers them meanwhile; bounded)
         self.delivered: OrderedDict[str, str] = OrderedDict()
 
-    def spilled_call(self, rollout_id: str, record: dict[str, Any]) -> None:
-        self.spilled[rollout_id][record["call_id"]] = record
+    def spilled_call(self, rollout_id: str, call_id: str, record: dict[str, Any]) -> None:
+        self.spilled[rollout_id][call_id] = record
 
     def incomplete_because(self, rollout_id: str, reason: str) -> None:
         self.incomplete[rollout_id].append(reason)

@@ -17,8 +17,8 @@ def call(call_id: str, outcome: str = "success") -> dict[str, Any]:
 
 def test_a_read_back_lays_what_is_held_over_the_store_and_the_stored_row_wins() -> None:
     facts = UnstoredRolloutFacts()
-    facts.spilled_call("r", call("a", "spilled copy"))
-    facts.spilled_call("r", call("b"))
+    facts.spilled_call("r", "a", call("a", "spilled copy"))
+    facts.spilled_call("r", "b", call("b"))
     facts.incomplete_because("r", "call c: record not durable (lost)")
     facts.incomplete_because("r", "call d: record not durable (timeout)")
     facts.delivered_call("r", "b")
@@ -34,7 +34,7 @@ def test_a_read_back_lays_what_is_held_over_the_store_and_the_stored_row_wins() 
 
 def test_an_empty_journal_drops_the_spilled_records_but_not_the_reasons() -> None:
     facts = UnstoredRolloutFacts()
-    facts.spilled_call("r", call("a"))
+    facts.spilled_call("r", "a", call("a"))
     facts.incomplete_because("r", "why")
     assert facts.held("r", lambda: True) == ([], ["why"])
     assert facts.held("r", lambda: False) == ([], ["why"])  # replayed: not brought back
@@ -42,7 +42,7 @@ def test_an_empty_journal_drops_the_spilled_records_but_not_the_reasons() -> Non
 
 def test_a_rollout_nothing_is_known_of_reads_as_none() -> None:
     facts = UnstoredRolloutFacts()
-    facts.spilled_call("other", call("a"))
+    facts.spilled_call("other", "a", call("a"))
     assert facts.over("r", facts.held("r", lambda: False), [], []) is None
 
 
@@ -53,7 +53,7 @@ def test_pending_delivered_marks_are_bounded_and_leave_once_stored_or_forgotten(
     assert list(facts.delivered) == ["b", "c"]  # the least recent went first
     facts.delivery_stored("b")
     facts.delivered_call("s", "d")
-    facts.spilled_call("r", call("c"))
+    facts.spilled_call("r", "c", call("c"))
     facts.incomplete_because("r", "why")
     facts.forget("r")
     assert dict(facts.delivered) == {"d": "s"}
