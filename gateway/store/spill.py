@@ -87,7 +87,6 @@ class DurableWriter:
         self.db = db
         self.journal = journal
         self.statements = statements
-        self.retry_interval = retry_interval
         self.write_timeout = write_timeout
         self.on_spilled = on_spilled or no_report
         self.on_lost = on_lost or no_report
