@@ -15,13 +15,16 @@ The success record is committed ``delivered: false``; :meth:`RolloutRecorder.rel
 run's ``after_release`` hook, called once the terminal was handed to the client's
 transport) writes the ``delivered`` mark. A gateway killed in between leaves the record
 ``delivered: false``: the read-back says the rollout is not complete and why.
+
+What the store may not have yet (spilled records, incomplete reasons, pending ``delivered``
+marks) is held in :class:`~gateway.rollout.unstored.UnstoredRolloutFacts` and laid over the
+store's rows on a read-back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -36,13 +39,12 @@ from gateway.rollout import store as rollout_store
 from gateway.rollout.labels import group_row
 from gateway.rollout.call_tokens import CallTokens
 from gateway.rollout.records import call_record
+from gateway.rollout.unstored import UnstoredRolloutFacts
 from gateway.store.db import Store
 from gateway.store.spill import DurableWriter
 
 log = structlog.get_logger("gateway.rollout")
 
-#: Delivered marks not yet in the store this process remembers (least recent go first).
-PENDING_DELIVERIES = 100_000
 #: Seconds beyond the DurableWriter's own store bound for the journal's fsync.
 SPILL_BOUND = 2.0
 #: Seconds the frozen check may take (a store that does not answer: the call goes on).
@@ -76,16 +78,10 @@ class RolloutRecorder:
         self.durable = durable
         self.live = live
         self.pool = pool
-        #: rollout -> reasons it is incomplete, as this process saw them (also in the store)
-        self._incomplete: dict[str, list[str]] = defaultdict(list)
-        #: records the store did not take yet (in the spill journal): rollout -> call id -> record
-        self._spilled: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
+        self.unstored = UnstoredRolloutFacts()  # what the store may not have yet (rollout/unstored.py)
         self.owners = owners.OwnerClaims(db)  # the claim of each call (gateway/rollout/owners.py)
         self.tokens = CallTokens(pool, lambda: self.live.current.capture_tokens)
         self._committed: dict[str, str] = {}  # call id -> outcome written before release
-        #: call id -> rollout: terminals handed to the client whose ``delivered`` mark the
-        #: store has not taken yet (this process answers them meanwhile; bounded)
-        self._delivered: OrderedDict[str, str] = OrderedDict()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.failures = 0
 
@@ -149,9 +145,7 @@ class RolloutRecorder:
         if run.rollout_id is None or run.error is not None or run.completion is None:
             return
         call_id = run.record.request_id
-        self._delivered[call_id] = run.rollout_id
-        if len(self._delivered) > PENDING_DELIVERIES:
-            self._delivered.popitem(last=False)
+        self.unstored.delivered_call(run.rollout_id, call_id)
         self._background(self._confirm(run.rollout_id, call_id))
 
     async def _confirm(self, rollout_id: str, call_id: str) -> None:
@@ -162,7 +156,7 @@ class RolloutRecorder:
         except TimeoutError:
             result = "timeout"
         if result == "stored":
-            self._delivered.pop(call_id, None)
+            self.unstored.delivery_stored(call_id)
         elif result != "spilled":
             log.error("rollout_delivery_not_stored", rollout=rollout_id, call=call_id, result=result)
 
@@ -182,7 +176,7 @@ class RolloutRecorder:
         except TimeoutError:
             result = "timeout"
         if result == "spilled":
-            self._spilled[rollout_id][record["call_id"]] = orjson.loads(row[4])
+            self.unstored.spilled_call(rollout_id, record["call_id"], orjson.loads(row[4]))
         if result in ("stored", "spilled"):
             return None
         reason = f"call {record['call_id']}: record not durable ({result})"
@@ -193,7 +187,7 @@ class RolloutRecorder:
         """Kept here at once; written to the store in the background (it may be the store
         that failed: then this process still answers it)."""
         self.failures += 1
-        self._incomplete[rollout_id].append(reason)
+        self.unstored.incomplete_because(rollout_id, reason)
         log.error("rollout_incomplete", rollout=rollout_id, reason=reason)
         row = rollout_store.mark_row(rollout_id, "incomplete", time.time(), reason, key)
         self._background(self.durable.write("rollout_mark", [row]))
@@ -239,36 +233,16 @@ class RolloutRecorder:
 
     # -- reading back ------------------------------------------------------------------------
 
-    def _local(self, rollout_id: str) -> tuple[list[dict[str, Any]], list[str]]:
-        if self._spilled and not self.durable.spill_entries:
-            self._spilled.clear()  # replayed: the store has them now
-        return list(self._spilled.get(rollout_id, {}).values()), list(self._incomplete.get(rollout_id, []))
-
-    def _delivered_here(self, rollout_id: str) -> list[tuple[str, float, str]]:
-        """``delivered`` marks this process knows of and the store may not have yet."""
-        return [(rollout_store.DELIVERED, 0.0, call) for call, r in list(self._delivered.items()) if r == rollout_id]
-
     async def read(self, rollout_id: str) -> tuple[list[dict[str, Any]], list[tuple[str, float, str]]] | None:
         """The rollout's records and marks (store + what this process holds), or None."""
-        local, reasons = self._local(rollout_id)
+        held = self.unstored.held(rollout_id, lambda: not self.durable.spill_entries)
 
         def run(conn: Any) -> tuple[list[dict[str, Any]], list[tuple[str, float, str]]]:
             return rollout_store.load_calls(conn, rollout_id), rollout_store.load_marks(conn, rollout_id)
 
         records, marks = await self.db.arun(run)
-        by_id = {r["call_id"]: r for r in records}
-        for r in local:
-            by_id.setdefault(r["call_id"], r)
-        stored_reasons = {reason for kind, _, reason in marks if kind == "incomplete"}
-        marks += [("incomplete", 0.0, r) for r in reasons if r not in stored_reasons]
-        marks += self._delivered_here(rollout_id)
-        if not by_id and not marks:
-            return None
-        return list(by_id.values()), marks
+        return self.unstored.over(rollout_id, held, records, marks)
 
     def forget(self, rollout_id: str) -> None:
         self.owners.forget(rollout_id)
-        self._spilled.pop(rollout_id, None)
-        self._incomplete.pop(rollout_id, None)
-        for call in [c for c, r in self._delivered.items() if r == rollout_id]:
-            del self._delivered[call]
+        self.unstored.forget(rollout_id)

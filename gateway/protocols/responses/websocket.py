@@ -1,7 +1,7 @@
 """OpenAI Responses over a WebSocket (``GET /v1/responses`` upgraded), as Codex speaks it.
 
 The client sends ``{"type": "response.create", ...}`` text frames (a Responses request
-body plus ``type``; ``generate: false`` asks only to prewarm); each is answered with the
+body plus ``type``; ``generate: false`` asks only to prewarm: warm_up.py); each is answered with the
 usual Responses events, one JSON event per text frame. Later requests usually carry only
 the new input plus ``previous_response_id``, so every connection keeps the conversations
 of its own responses (and falls back to the response store).
@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 import zlib
 from collections import OrderedDict
 from typing import Any
@@ -57,15 +56,15 @@ from starlette.requests import Request
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from gateway.errors import GatewayError
-from gateway.generation.body_parsing import off_loop, parse_request
+from gateway.generation.body_parsing import off_loop
 from gateway.generation.response import error_response
 from gateway.generation.service import GenerationService
 from gateway.http.shutdown import DRAIN_HOOK, shutting_down_error
 from gateway.keys.identity import check_client_key
 from gateway.keys.limiter import key_share_cap
 from gateway.keys.registry import managed_key
-from gateway.protocols.base import ParsedRequest
-from gateway.protocols.responses.room import ResponsesFacts, ResponsesRoom
+from gateway.protocols.responses.room import ResponsesRoom
+from gateway.protocols.responses.warm_up import admit_warm_up, answer_warm_up
 from gateway.protocols.responses.websocket_frames import (
     CLOSE_GOING_AWAY,
     CLOSE_NORMAL,
@@ -82,7 +81,6 @@ from gateway.protocols.responses.websocket_frames import (
     wrapped_error,
 )
 from gateway.protocols.responses.websocket_slots import ConnectionSlots, too_many_websockets
-from gateway.stream.events import Finish, Usage
 
 log = structlog.get_logger("gateway.responses_ws")
 
@@ -326,32 +324,15 @@ class ResponsesConnection:
             await self._send_error(self.relay.refuse_unread(
                 self.room, shutting_down_error(), "websocket", self.websocket, invalid=False))
             return True
-        if frame.prewarm:
-            return await self._prewarm(frame)
+        if frame.prewarm:  # generate: false (warm_up.py): nothing upstream, no audit record
+            try:
+                parsed, owner = await admit_warm_up(self.relay, self.room, self.websocket, frame.body)
+            except GatewayError as err:
+                await self._send_error(err)
+                return False
+            await answer_warm_up(self.room, parsed, owner, self._send)
+            return True
         return await self._generate(frame)
-
-    async def _prewarm(self, frame: Frame) -> bool:
-        """``generate: false``: validate, remember the input, answer created + completed
-        with no output; nothing goes upstream and no audit record is written. A managed
-        key's model globs and ``rpm`` apply as to a generating frame."""
-        try:
-            check_client_key(self.websocket, self.relay.live.current.api_key, self.relay.keys)
-            tenant = self.relay.tenant(self.websocket)
-            parsed = await self.room.resolve(await parse_request(self.room, frame.body, {}, tenant))
-            key = managed_key(self.websocket)
-            if key is not None and self.relay.limiter is not None:
-                await self.relay.limiter.admit_side(key, parsed.model, "warm_" + secrets.token_hex(12))
-        except GatewayError as err:
-            await self._send_error(err)
-            return False
-        response_id = self.room.new_response_id()
-        encoder = self.room.encoder(parsed, response_id)
-        frames = bytearray(encoder.start() + encoder.encode(Finish("stop", Usage())))
-        for data in sse_data(frames):
-            await self._send(data)
-        final = encoder.final or {}
-        await self.room.keep(response_id, _prewarm_record(parsed, final), False, tenant.identity)
-        return True
 
     async def _generate(self, frame: Frame) -> bool:
         body = frame.body
@@ -383,10 +364,6 @@ class ResponsesConnection:
             return False
         run = getattr(response, "run", None)
         return run is not None and run.record.outcome == "success"
-
-
-def _prewarm_record(parsed: ParsedRequest[ResponsesFacts], final: dict[str, Any]) -> dict[str, Any]:
-    return {"response": final, "history": list(parsed.facts.history), "output": []}
 
 
 class _EventSink:
