@@ -180,3 +180,75 @@ def test_requests_sent_just_before_sigterm_are_each_answered_and_audited_once(
     rows = audit_rows(tmp_path / "data")
     assert sorted(r[0] for r in rows) == sorted(request_ids)
     assert "Traceback" not in gateway.log()
+
+
+def request_ids_of(answers: list[bytes], streams: list[bool], paths: list[str]) -> list[str]:
+    """Each answer is a whole one (a 200 with the protocol's complete ending) or the named
+    503 ``server_shutting_down``, never a reset or a bare close; their request ids."""
+    complete = {
+        ("/v1/chat/completions", True): b"[DONE]", ("/v1/chat/completions", False): b'"finish_reason":"stop"',
+        ("/v1/messages", True): b"message_stop", ("/v1/messages", False): b'"stop_reason":"end_turn"',
+        ("/v1/responses", True): b"response.completed", ("/v1/responses", False): b'"status":"completed"',
+    }
+    unanswered = [i for i, answer in enumerate(answers) if not answer.startswith(b"HTTP/1.1 ")]
+    assert unanswered == [], f"{len(unanswered)} of {len(answers)} reset or closed without an answer"
+    ids = []
+    for i, answer in enumerate(answers):
+        head, _, body = answer.partition(b"\r\n\r\n")
+        status = int(head.split()[1])
+        headers = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])
+        ids.append(headers[b"x-request-id"].decode())
+        if status == 503:
+            assert b"server_shutting_down" in body, (i, body[:300])
+        else:
+            assert status == 200, (i, head)
+            assert complete[paths[i], streams[i]] in body, (i, body[-300:])
+    return ids
+
+
+def read_all(socks: list[socket.socket]) -> list[bytes]:
+    answers: list[bytes] = [b""] * len(socks)
+
+    def read(i: int) -> None:
+        answers[i] = read_answer(socks[i])
+
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(len(socks))]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join(90)
+    return answers
+
+
+def test_requests_in_the_listen_backlog_at_sigterm_are_each_answered_and_audited_once(
+    server_loop: ServerLoop, tmp_path: Path
+) -> None:
+    """60 connections the kernel completed while the gateway's loop was not accepting (the
+    process stopped, as a loop busy for 300 ms would be), each with a whole request sent
+    (3 protocols, JSON and streams), then SIGTERM: each gets its answer or the named 503,
+    none a reset (on the old code every one was reset: the listening socket closed with
+    them queued), and the audit holds exactly one row for each."""
+    with own_simulator(server_loop) as sim:
+        gateway = GatewayProcess("--data-dir", str(tmp_path / "data"), "--upstream-url", sim.url + "/v1",
+                                 "--shutdown-timeout", "30", "--log-level", "warning", log_dir=tmp_path)
+        try:
+            gateway.wait_healthy()
+            paths = [list(BODIES)[i % 3] for i in range(60)]
+            streams = [i % 2 == 0 for i in range(60)]
+            gateway.proc.send_signal(signal.SIGSTOP)  # nothing accepted from here: the backlog fills
+            try:
+                socks = [socket.create_connection(("127.0.0.1", gateway.port), timeout=30) for _ in paths]
+                for sock, path, stream in zip(socks, paths, streams, strict=True):
+                    sock.sendall(raw_request(gateway.port, path, stream))
+                gateway.proc.send_signal(signal.SIGTERM)  # pending until the process runs again
+                time.sleep(0.3)  # past uvicorn's 0.1 s tick: it closes its listener first thing
+            finally:
+                gateway.proc.send_signal(signal.SIGCONT)
+            answers = read_all(socks)
+            assert gateway.proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it caught
+        finally:
+            gateway.stop()
+    request_ids = request_ids_of(answers, streams, paths)
+    rows = audit_rows(tmp_path / "data")
+    assert sorted(r[0] for r in rows) == sorted(request_ids)
+    assert "Traceback" not in gateway.log()
