@@ -12,6 +12,7 @@ and the audit holds exactly one row per request (counted from the SQLite file af
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import sqlite3
@@ -25,8 +26,8 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from gateway.simulator.reply import TEXT
-from tests.conftest import ServerLoop
-from tests.processes import GatewayProcess, own_simulator
+from tests.conftest import ServerLoop, wait_for
+from tests.processes import GatewayProcess, children, own_simulator
 
 pytestmark = pytest.mark.faults
 
@@ -98,8 +99,8 @@ BODIES = {
 }
 
 
-def raw_request(port: int, path: str, stream: bool) -> bytes:
-    body = json.dumps({**BODIES[path], "stream": stream}).encode()
+def raw_request(port: int, path: str, stream: bool, model: str = "text") -> bytes:
+    body = json.dumps({**BODIES[path], "stream": stream, "model": model}).encode()
     return (f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\n\r\n").encode() + body
 
@@ -251,4 +252,65 @@ def test_requests_in_the_listen_backlog_at_sigterm_are_each_answered_and_audited
     request_ids = request_ids_of(answers, streams, paths)
     rows = audit_rows(tmp_path / "data")
     assert sorted(r[0] for r in rows) == sorted(request_ids)
+    assert "Traceback" not in gateway.log()
+
+
+def test_with_workers_the_backlog_at_sigterm_is_answered_and_a_later_client_refused(
+    server_loop: ServerLoop, tmp_path: Path
+) -> None:
+    """``--workers 2``, both stopped while 40 connections queue with their requests, then
+    SIGTERM to every process (systemd's control-group stop; the parent signals the workers
+    again): each queued request gets its answer or the named 503, and a client connecting
+    while a stream still drains is refused, never queued. On the old code the parent kept
+    its copy of the listening socket open until the workers had exited: the queued requests
+    and the late client sat there unserved, then were reset. The audit holds exactly one
+    row per answered request."""
+    with own_simulator(server_loop) as sim:
+        gateway = GatewayProcess("--data-dir", str(tmp_path / "data"), "--upstream-url", sim.url + "/v1",
+                                 "--workers", "2", "--shutdown-timeout", "30", "--log-level", "info",
+                                 log_dir=tmp_path)
+        try:
+            gateway.wait_healthy(60)
+            wait_for(lambda: gateway.log().count("Application startup complete") == 2, timeout=60)
+            workers = children(gateway.proc.pid)
+            assert len(workers) == 2
+            slow = socket.create_connection(("127.0.0.1", gateway.port), timeout=30)  # drains ~4 s
+            slow.sendall(raw_request(gateway.port, "/v1/chat/completions", True, "text;chunk=4;delay=0.15"))
+            slow_head = slow.recv(65536)
+            assert slow_head.startswith(b"HTTP/1.1 200")  # in flight
+            paths = [list(BODIES)[i % 3] for i in range(40)]
+            streams = [i % 2 == 0 for i in range(40)]
+            for pid in workers:
+                os.kill(pid, signal.SIGSTOP)  # nothing accepted from here: the backlog fills
+            try:
+                socks = [socket.create_connection(("127.0.0.1", gateway.port), timeout=30) for _ in paths]
+                for sock, path, stream in zip(socks, paths, streams, strict=True):
+                    sock.sendall(raw_request(gateway.port, path, stream))
+                for pid in (gateway.proc.pid, *workers):
+                    os.kill(pid, signal.SIGTERM)  # pending in the workers until they run again
+                time.sleep(0.3)  # well under the parent's 5 s health check of a stopped worker
+            finally:
+                for pid in workers:
+                    os.kill(pid, signal.SIGCONT)
+            wait_for(lambda: gateway.log().count("Terminated child process") == 2, timeout=30)
+            time.sleep(0.3)
+            assert gateway.proc.poll() is None  # the slow stream still drains
+            late: bytes | None = None
+            try:
+                with socket.create_connection(("127.0.0.1", gateway.port), timeout=30) as client:
+                    client.sendall(raw_request(gateway.port, "/v1/chat/completions", False))
+                    late = read_answer(client)
+            except ConnectionRefusedError:
+                pass
+            answers = read_all([*socks, slow])
+            assert gateway.proc.wait(60) in (0, -signal.SIGTERM)
+        finally:
+            gateway.stop()
+    head, _, slow_body = (slow_head + answers.pop()).partition(b"\r\n\r\n")
+    assert b"data: [DONE]" in slow_body, slow_body[-300:]  # the whole stream
+    slow_id = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])[b"x-request-id"].decode()
+    request_ids = request_ids_of(answers, streams, paths)
+    assert late is None, late[:200]  # refused, not taken into a queue no process serves
+    rows = audit_rows(tmp_path / "data")
+    assert sorted(r[0] for r in rows) == sorted([*request_ids, slow_id])
     assert "Traceback" not in gateway.log()
