@@ -226,6 +226,11 @@ class ConnectionGuard:
         self._release()
         super().connection_lost(exc)  # type: ignore[misc]
 
+    def on_headers_complete(self) -> None:  # httptools' parser callback (h11's protocol has none)
+        super().on_headers_complete()  # type: ignore[misc]
+        if self._stopping and self.cycle is not None:
+            self.cycle.keep_alive = False  # the last request here: its answer says "connection: close"
+
     def on_response_complete(self) -> None:
         super().on_response_complete()  # type: ignore[misc]
         if self._stopping:
@@ -237,7 +242,8 @@ class ConnectionGuard:
         """A stop signal. uvicorn closes an idle connection at once, and so resets a request
         the client sent just before (still in the socket buffer, or its headers half parsed):
         no answer and no audit record. Instead it is read for :data:`SHUTDOWN_LISTEN_SECONDS`
-        more; a request that arrives is answered, then the connection closes."""
+        more; a request that arrives is answered (``connection: close``), then the connection
+        closes."""
         if self._stopping:
             return  # already listening its last second (a connection made after the stop)
         if self.transport.is_closing() or self._answering():

@@ -114,12 +114,12 @@ def take_queued(server: Any, refuse_new: bool) -> list[socket.socket]:
     return taken
 
 
-_handing_over: set[asyncio.Task[Any]] = set()
-
-
 def serve_taken(server: Any, taken: list[socket.socket]) -> None:
     """Hand each taken connection to the uvicorn ``server``'s HTTP protocol, as its own
-    listener would have (the protocol counts it among the connections uvicorn waits for)."""
+    listener would have. Each hand-over is one of the server's tasks until its connection
+    closes: uvicorn's shutdown waits for its tasks (bounded by its graceful timeout, which
+    cancels them) before the app's lifespan ends, and a connection made this late may not
+    be among the connections it looked at."""
     if not taken:
         return
     config = server.config
@@ -131,20 +131,29 @@ def serve_taken(server: Any, taken: list[socket.socket]) -> None:
         )
         return made
 
+    tasks: set[asyncio.Task[None]] = server.server_state.tasks
     for conn in taken:
-        task = loop.create_task(_hand_over(loop, protocol, conn, config.ssl))
-        _handing_over.add(task)
-        task.add_done_callback(_handing_over.discard)
+        task = loop.create_task(_serve_one(loop, protocol, conn, config.ssl, server.server_state.connections))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
     log.info("shutdown_backlog_taken", connections=len(taken))
 
 
-async def _hand_over(
-    loop: asyncio.AbstractEventLoop, protocol: Callable[[], asyncio.Protocol], conn: socket.socket, ssl: Any
+#: Seconds between two looks at whether a handed-over connection has closed (uvicorn's own pace).
+CLOSED_POLL = 0.1
+
+
+async def _serve_one(
+    loop: asyncio.AbstractEventLoop, protocol: Callable[[], asyncio.Protocol], conn: socket.socket, ssl: Any,
+    connections: set[Any],
 ) -> None:
     try:
-        await loop.connect_accepted_socket(protocol, conn, ssl=ssl)
+        _, made = await loop.connect_accepted_socket(protocol, conn, ssl=ssl)
     except OSError:  # the client left meanwhile
         conn.close()
+        return
+    while made in connections:  # until it closes: answered (or cut at the deadline), or idle 1 s
+        await asyncio.sleep(CLOSED_POLL)
 
 
 def take_and_serve_queued(server: Any) -> None:

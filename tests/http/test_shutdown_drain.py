@@ -199,8 +199,9 @@ def request_ids_of(answers: list[bytes], streams: list[bool], paths: list[str]) 
         status = int(head.split()[1])
         headers = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])
         ids.append(headers[b"x-request-id"].decode())
+        assert headers[b"connection"] == b"close", (i, head)  # the last answer on its connection
         if status == 503:
-            assert b"server_shutting_down" in body, (i, body[:300])
+            assert b"server_shutting_down" in body and headers[b"retry-after"] == b"1", (i, head, body[:300])
         else:
             assert status == 200, (i, head)
             assert complete[paths[i], streams[i]] in body, (i, body[-300:])
@@ -274,8 +275,8 @@ def test_with_workers_the_backlog_at_sigterm_is_answered_and_a_later_client_refu
             wait_for(lambda: gateway.log().count("Application startup complete") == 2, timeout=60)
             workers = children(gateway.proc.pid)
             assert len(workers) == 2
-            slow = socket.create_connection(("127.0.0.1", gateway.port), timeout=30)  # drains ~4 s
-            slow.sendall(raw_request(gateway.port, "/v1/chat/completions", True, "text;chunk=4;delay=0.15"))
+            slow = socket.create_connection(("127.0.0.1", gateway.port), timeout=30)  # drains ~8 s
+            slow.sendall(raw_request(gateway.port, "/v1/chat/completions", True, "text;chunk=4;delay=0.3"))
             slow_head = slow.recv(65536)
             assert slow_head.startswith(b"HTTP/1.1 200")  # in flight
             paths = [list(BODIES)[i % 3] for i in range(40)]
