@@ -13,7 +13,12 @@ any connection made after a stop signal (``connections.ConnectionGuard``: read f
 With ``--workers`` the listening socket is one socket shared by every process: a worker
 must not stop handshakes (its siblings may serve on, e.g. during a SIGHUP restart), so
 the parent does it when the whole gateway stops (``workers.WorkerSupervisor.terminate_all``)
-and closes its own copy, and each worker takes what is queued before it closes its.
+and closes its own copy. A worker's stop may come first (systemd signals every process of
+the unit at once, and the parent looks at its signals every 0.5 s): closed then, its copy
+would leave the parent's to queue what no process serves, reset at the parent's close. So a
+worker keeps accepting (one request per connection) until the socket drops new handshakes
+(:func:`refusing_new_connections`: the parent is stopping) or :data:`WORKER_GRACE` has
+passed (a worker stopped alone), then takes what is queued before it closes its copy.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ import ctypes
 import os
 import socket
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import structlog
@@ -69,6 +75,28 @@ def refuse_new_connections(sock: socket.socket) -> bool:
     return True
 
 
+def refusing_new_connections(sock: socket.socket) -> bool:
+    """Whether the listening ``sock`` drops new handshakes (:func:`refuse_new_connections`
+    ran on it, in any process sharing it)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:  # the kernel takes the length as a count of instructions; ours has one
+        return bool(sock.getsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, FILTER_READ_BYTES))
+    except OSError:
+        return False
+
+
+#: The buffer :func:`refusing_new_connections` reads a filter into (room for 64 instructions).
+FILTER_READ_BYTES = 64 * 8
+
+#: The most seconds a ``--workers`` worker keeps accepting after its stop signal, waiting for
+#: the parent to stop new handshakes (the parent reacts within ~0.5 s when it stops too).
+WORKER_GRACE = 3.0
+
+#: Seconds between two looks at a shared listening socket, or at a handed-over connection.
+POLL = 0.05
+
+
 def accept_queued(sock: socket.socket, limit: int = MAX_TAKEN) -> list[socket.socket]:
     """Every connection queued on the non-blocking listening ``sock``, accepted now."""
     taken: list[socket.socket] = []
@@ -87,31 +115,46 @@ def accept_queued(sock: socket.socket, limit: int = MAX_TAKEN) -> list[socket.so
     return taken
 
 
-def _listening_fds(server: Any) -> list[int]:
-    """The descriptors of the uvicorn ``server``'s listening sockets still open."""
-    fds = []
-    for listener in getattr(server, "servers", []):
-        for sock in listener.sockets or ():
-            with contextlib.suppress(OSError, ValueError):
-                if sock.fileno() >= 0:
-                    fds.append(sock.fileno())
-    return fds
+@contextlib.contextmanager
+def _listeners(server: Any) -> Iterator[list[socket.socket]]:
+    """The uvicorn ``server``'s listening sockets still open, as second references to each
+    (closed on the way out, before uvicorn's close: the last reference is uvicorn's)."""
+    duplicates = []
+    try:
+        for listener in getattr(server, "servers", []):
+            for sock in listener.sockets or ():
+                with contextlib.suppress(OSError, ValueError):
+                    duplicates.append(socket.socket(fileno=os.dup(sock.fileno())))
+        yield duplicates
+    finally:
+        for sock in duplicates:
+            sock.close()
 
 
 def take_queued(server: Any, refuse_new: bool) -> list[socket.socket]:
     """Accept what is queued on the uvicorn ``server``'s listening sockets (after stopping
     new handshakes when ``refuse_new``); the listeners themselves stay for uvicorn to close."""
     taken: list[socket.socket] = []
-    for fd in _listening_fds(server):
-        listener = socket.socket(fileno=os.dup(fd))  # a second reference: closed below, before uvicorn's close
-        try:
+    with _listeners(server) as listeners:
+        for listener in listeners:
             if refuse_new:
                 refuse_new_connections(listener)
             listener.setblocking(False)  # already so (the loop's), stated: accept() must never wait
             taken += accept_queued(listener)
-        finally:
-            listener.close()
     return taken
+
+
+async def until_the_parent_stops(server: Any, grace: float = WORKER_GRACE) -> bool:
+    """In a ``--workers`` worker: wait (the loop accepting meanwhile) until the shared
+    listening socket drops new handshakes, at most ``grace`` s; True when it does."""
+    deadline = time.monotonic() + grace
+    while True:
+        with _listeners(server) as listeners:
+            if not listeners or any(refusing_new_connections(sock) for sock in listeners):
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(POLL)
 
 
 def serve_taken(server: Any, taken: list[socket.socket]) -> None:
@@ -139,10 +182,6 @@ def serve_taken(server: Any, taken: list[socket.socket]) -> None:
     log.info("shutdown_backlog_taken", connections=len(taken))
 
 
-#: Seconds between two looks at whether a handed-over connection has closed (uvicorn's own pace).
-CLOSED_POLL = 0.1
-
-
 async def _serve_one(
     loop: asyncio.AbstractEventLoop, protocol: Callable[[], asyncio.Protocol], conn: socket.socket, ssl: Any,
     connections: set[Any],
@@ -153,15 +192,18 @@ async def _serve_one(
         conn.close()
         return
     while made in connections:  # until it closes: answered (or cut at the deadline), or idle 1 s
-        await asyncio.sleep(CLOSED_POLL)
+        await asyncio.sleep(POLL)
 
 
-def take_and_serve_queued(server: Any) -> None:
+async def take_and_serve_queued(server: Any) -> None:
     """The hook run before uvicorn closes its listeners (see the module docstring): a
-    single process stops new handshakes itself, a ``--workers`` worker leaves that to the
-    parent. Every connection made from now on is one made after the stop signal
-    (``ConnectionLimits.stopping``): one request, then closed."""
+    single process stops new handshakes itself; a ``--workers`` worker waits for the parent
+    to (bounded by :data:`WORKER_GRACE`). Every connection made from now on is one made
+    after the stop signal (``ConnectionLimits.stopping``): one request, then closed."""
     limits = getattr(server.config.http_protocol_class, "limits", None)
     if limits is not None:
         limits.stopping = True
-    serve_taken(server, take_queued(server, refuse_new=server.config.workers <= 1))
+    alone = server.config.workers <= 1
+    if not alone and not await until_the_parent_stops(server):
+        log.info("listener_left_to_siblings", waited_s=WORKER_GRACE)  # a worker stopped alone
+    serve_taken(server, take_queued(server, refuse_new=alone))

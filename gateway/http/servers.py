@@ -9,7 +9,7 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import structlog
@@ -112,10 +112,11 @@ def _server_of(handler: Any) -> uvicorn.Server | None:
     return server if isinstance(server, uvicorn.Server) else None
 
 
-def before_listeners_close(hook: Callable[[uvicorn.Server], None]) -> bool:
-    """Call ``hook(server)`` when the uvicorn server running this process begins its
+def before_listeners_close(hook: Callable[[uvicorn.Server], Awaitable[None]]) -> bool:
+    """Await ``hook(server)`` when the uvicorn server running this process begins its
     shutdown, before it closes its listening sockets (the first thing its ``shutdown`` does,
-    with no wait in between): what the kernel queued there is still there. Found, as
+    with no wait in between): what the kernel queued there is still there. The hook bounds
+    its own wait (it holds up the whole shutdown). Found, as
     :func:`on_server_exit` finds it, through the signal handlers it installed for ``serve()``;
     False (nothing installed) when none owns them, e.g. an embedded test server."""
     server = _server_of(signal.getsignal(signal.SIGTERM))
@@ -125,7 +126,7 @@ def before_listeners_close(hook: Callable[[uvicorn.Server], None]) -> bool:
 
     async def shutdown_after_hook(sockets: list[socket.socket] | None = None) -> None:
         try:
-            hook(server)
+            await hook(server)
         except Exception:  # never in the way of the shutdown itself
             structlog.get_logger("gateway.shutdown").exception("before_listeners_close_failed")
         await shutdown(sockets=sockets)

@@ -4,6 +4,7 @@ The whole process under SIGTERM: tests/http/test_shutdown_drain.py (fault suite)
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from collections.abc import Iterator
@@ -15,7 +16,13 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from gateway.http.connections import ConnectionLimits, protocol_class
-from gateway.http.listeners import accept_queued, refuse_new_connections, take_and_serve_queued
+from gateway.http.listeners import (
+    accept_queued,
+    refuse_new_connections,
+    refusing_new_connections,
+    take_and_serve_queued,
+    until_the_parent_stops,
+)
 from gateway.http.servers import bind_loopback, start_embedded, stop_embedded
 from tests.conftest import ServerLoop
 
@@ -39,7 +46,10 @@ def test_a_refusing_listener_completes_no_new_handshake_and_keeps_what_it_queued
     queued = [connect(listener) for _ in range(3)]
     for i, client in enumerate(queued):
         client.sendall(b"request %d" % i)
+    assert not refusing_new_connections(listener)
     assert refuse_new_connections(listener)
+    with socket.socket(fileno=os.dup(listener.fileno())) as shared:  # as another process holds it
+        assert refusing_new_connections(shared)
     with pytest.raises(TimeoutError):  # its SYN dropped: no connection to lose
         connect(listener, timeout=0.5)
     listener.setblocking(False)
@@ -91,7 +101,7 @@ def test_the_backlog_taken_at_a_stop_is_served_one_request_each_then_closed(serv
         clients = [socket.create_connection(address, timeout=10) for _ in range(5)]
         for i, client in enumerate(clients):
             client.sendall(f"GET /client{i} HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n".encode())
-        take_and_serve_queued(server)
+        await take_and_serve_queued(server)  # one process: no wait
         for listening in server.servers:  # what uvicorn's shutdown does first
             listening.close()
         return clients
@@ -110,3 +120,18 @@ def test_the_backlog_taken_at_a_stop_is_served_one_request_each_then_closed(serv
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200") and b"\r\nconnection: close" in head, answer
         assert body == f"hello client{i}".encode()
+
+
+@linux_only
+def test_a_worker_waits_for_the_parent_to_stop_new_handshakes_within_its_grace(server_loop: ServerLoop) -> None:
+    """A ``--workers`` worker's stop keeps its listener until the shared socket drops new
+    handshakes (the parent stopping too), or its grace is over (a worker stopped alone)."""
+    sock = bind_loopback()
+    server, task = server_loop.run(start_embedded(Starlette(routes=[Route("/{name}", hello)]), sock))
+    try:
+        assert server_loop.run(until_the_parent_stops(server, grace=0.2)) is False
+        with socket.socket(fileno=os.dup(sock.fileno())) as parent_copy:
+            refuse_new_connections(parent_copy)
+        assert server_loop.run(until_the_parent_stops(server, grace=30)) is True
+    finally:
+        server_loop.run(stop_embedded(server, task))

@@ -315,3 +315,40 @@ def test_with_workers_the_backlog_at_sigterm_is_answered_and_a_later_client_refu
     rows = audit_rows(tmp_path / "data")
     assert sorted(r[0] for r in rows) == sorted([*request_ids, slow_id])
     assert "Traceback" not in gateway.log()
+
+
+def test_with_workers_stopped_before_the_parent_a_request_meanwhile_is_answered(
+    server_loop: ServerLoop, tmp_path: Path
+) -> None:
+    """``--workers 2``, SIGTERM to the workers first, the parent 0.3 s later (systemd signals
+    every process of the unit, the parent reads its signals every 0.5 s). 30 requests sent in
+    between, on new connections, are each answered (or the named 503) and audited once: a
+    worker keeps accepting until the parent stops new handshakes. On the old code the workers
+    had closed their copies of the listening socket and the parent's queued the requests, to
+    reset them at its close."""
+    with own_simulator(server_loop) as sim:
+        gateway = GatewayProcess("--data-dir", str(tmp_path / "data"), "--upstream-url", sim.url + "/v1",
+                                 "--workers", "2", "--shutdown-timeout", "30", "--log-level", "info",
+                                 log_dir=tmp_path)
+        try:
+            gateway.wait_healthy(60)
+            wait_for(lambda: gateway.log().count("Application startup complete") == 2, timeout=60)
+            workers = children(gateway.proc.pid)
+            assert len(workers) == 2
+            paths = [list(BODIES)[i % 3] for i in range(30)]
+            streams = [i % 2 == 0 for i in range(30)]
+            for pid in workers:
+                os.kill(pid, signal.SIGTERM)
+            time.sleep(0.3)  # past the workers' 0.1 s tick: their shutdown has begun
+            socks = [socket.create_connection(("127.0.0.1", gateway.port), timeout=30) for _ in paths]
+            for sock, path, stream in zip(socks, paths, streams, strict=True):
+                sock.sendall(raw_request(gateway.port, path, stream))
+            gateway.proc.send_signal(signal.SIGTERM)
+            answers = read_all(socks)
+            assert gateway.proc.wait(60) in (0, -signal.SIGTERM)
+        finally:
+            gateway.stop()
+    request_ids = request_ids_of(answers, streams, paths)
+    rows = audit_rows(tmp_path / "data")
+    assert sorted(r[0] for r in rows) == sorted(request_ids)
+    assert "Traceback" not in gateway.log()
