@@ -15,8 +15,9 @@ keeps uvicorn's supervisor and changes what a death leads to:
   in-flight, store-writable and the other gauges stay true; its counters stay (a total
   never goes backwards);
 - when the whole gateway stops, the shared listening socket takes no new connection
-  (``listeners.refuse_new_connections``) and the parent closes its own copy before the
-  workers drain: each worker takes what is still queued before it closes its copy
+  (``listeners.refuse_new_connections``) and the parent closes its own copy; each worker,
+  which has kept accepting since its own signal until it sees that (at most
+  ``listeners.WORKER_GRACE``), takes what is still queued before it closes its copy
   (gateway/http/listeners.py), and the last close leaves nothing queued to reset. uvicorn's
   parent kept its copy open until every worker had exited, so a client connecting during
   the drain (up to ``--shutdown-timeout``) was queued there, never served, then reset.

@@ -259,13 +259,14 @@ def test_requests_in_the_listen_backlog_at_sigterm_are_each_answered_and_audited
 def test_with_workers_the_backlog_at_sigterm_is_answered_and_a_later_client_refused(
     server_loop: ServerLoop, tmp_path: Path
 ) -> None:
-    """``--workers 2``, both stopped while 40 connections queue with their requests, then
+    """``--workers 2``, both stopped while 30 connections queue with their requests, then
     SIGTERM to every process (systemd's control-group stop; the parent signals the workers
     again): each queued request gets its answer or the named 503, and a client connecting
     while a stream still drains is refused, never queued. On the old code the parent kept
     its copy of the listening socket open until the workers had exited: the queued requests
     and the late client sat there unserved, then were reset. The audit holds exactly one
-    row per answered request."""
+    row per answered request. (30 and the slow stream: under one worker's share of
+    ``--max-concurrent``, since one worker may take them all.)"""
     with own_simulator(server_loop) as sim:
         gateway = GatewayProcess("--data-dir", str(tmp_path / "data"), "--upstream-url", sim.url + "/v1",
                                  "--workers", "2", "--shutdown-timeout", "30", "--log-level", "info",
@@ -279,8 +280,8 @@ def test_with_workers_the_backlog_at_sigterm_is_answered_and_a_later_client_refu
             slow.sendall(raw_request(gateway.port, "/v1/chat/completions", True, "text;chunk=4;delay=0.3"))
             slow_head = slow.recv(65536)
             assert slow_head.startswith(b"HTTP/1.1 200")  # in flight
-            paths = [list(BODIES)[i % 3] for i in range(40)]
-            streams = [i % 2 == 0 for i in range(40)]
+            paths = [list(BODIES)[i % 3] for i in range(30)]
+            streams = [i % 2 == 0 for i in range(30)]
             for pid in workers:
                 os.kill(pid, signal.SIGSTOP)  # nothing accepted from here: the backlog fills
             try:
