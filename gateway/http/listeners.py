@@ -35,6 +35,8 @@ from typing import Any
 
 import structlog
 
+from gateway.http.connections import ConnectionGuard
+
 log = structlog.get_logger("gateway.listeners")
 
 #: Linux's ``SO_ATTACH_FILTER`` (absent from Python's socket module).
@@ -199,10 +201,15 @@ async def take_and_serve_queued(server: Any) -> None:
     """The hook run before uvicorn closes its listeners (see the module docstring): a
     single process stops new handshakes itself; a ``--workers`` worker waits for the parent
     to (bounded by :data:`WORKER_GRACE`). Every connection made from now on is one made
-    after the stop signal (``ConnectionLimits.stopping``): one request, then closed."""
+    after the stop signal (``ConnectionLimits.stopping``): one request, then closed; the
+    open ones are told now, as uvicorn tells them after its close (a worker's wait would
+    leave them serving as before meanwhile)."""
     limits = getattr(server.config.http_protocol_class, "limits", None)
     if limits is not None:
         limits.stopping = True
+    for connection in list(server.server_state.connections):  # uvicorn's next step, before the wait
+        if isinstance(connection, ConnectionGuard):
+            connection.shutdown()  # idempotent: uvicorn calls it again after its close
     alone = server.config.workers <= 1
     if not alone and not await until_the_parent_stops(server):
         log.info("listener_left_to_siblings", waited_s=WORKER_GRACE)  # a worker stopped alone
