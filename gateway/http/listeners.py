@@ -3,7 +3,7 @@
 uvicorn's shutdown closes its listening sockets first thing. A connection the kernel had
 completed and queued there (the listen backlog: the event loop was busy, or the process had
 not run since the signal) is then reset by the kernel, its request already sent: no answer
-and no audit record. :func:`take_queued` runs just before that close (``servers.
+and no audit record. :func:`take_and_serve_queued` runs just before that close (``servers.
 before_listeners_close``): new handshakes are stopped first (:func:`refuse_new_connections`,
 one process only), then every connection still queued is accepted (``accept()`` until
 ``EAGAIN``) and handed to the server's own HTTP protocol, which serves its one request as
