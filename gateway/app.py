@@ -34,7 +34,15 @@ from gateway.generation.service import ATTEMPTS_SCOPE_KEY, GenerationService
 from gateway.http.admin_surface import AdminSurface
 from gateway.http.body_limit import BodyLimit
 from gateway.http.cross_site import CrossSiteGuard
-from gateway.http.servers import bind_loopback, on_hangup, on_server_exit, start_embedded, stop_embedded
+from gateway.http.listeners import take_and_serve_queued
+from gateway.http.servers import (
+    before_listeners_close,
+    bind_loopback,
+    on_hangup,
+    on_server_exit,
+    start_embedded,
+    stop_embedded,
+)
 from gateway.http.shutdown import GracefulShutdown
 from gateway.keys.budget_left import BudgetLeft
 from gateway.keys import store as key_store
@@ -305,6 +313,7 @@ def create_app(
             shutdown.begin()
 
         on_server_exit(begin_shutdown)
+        before_listeners_close(take_and_serve_queued)  # the listen backlog is answered, not reset
         reloads: set[asyncio.Task[None]] = set()
 
         def hangup() -> None:  # SIGHUP: re-read --config (gateway/admin/reload_api.py)

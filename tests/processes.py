@@ -50,6 +50,17 @@ def wait_healthy(
         time.sleep(0.05)
 
 
+def children(pid: int) -> set[int]:
+    """The worker processes of a ``--workers`` parent (its children running the app)."""
+    out = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            if b"resource_tracker" not in cmdline:
+                out.add(int(child))
+    return out
+
+
 class GatewayProcess:
     """``codebuddy2api serve`` on a free loopback port; stderr goes to a log file."""
 

@@ -16,7 +16,9 @@ as ``http=``; the parser, flow control and WebSocket upgrade stay uvicorn's):
 - **A stalled reader holds the gateway back**: each client socket has a fixed send buffer
   (:data:`CLIENT_SEND_BUFFER`), so the server's send waits instead of the kernel taking MiBs.
 - **A stop signal** (:meth:`ConnectionGuard.shutdown`): an idle connection is still read for
-  :data:`SHUTDOWN_LISTEN_SECONDS`; a request already on its way is answered, not reset.
+  :data:`SHUTDOWN_LISTEN_SECONDS`; a request already on its way is answered, not reset. A
+  connection made after it (taken from the listen backlog, ``listeners.py``) is treated so
+  from the start.
 - **Lingering close** (:class:`LingeringClose`): an answer sent before the request's body
   was read is followed by a half-close and a bounded drain, so the client reads its 401 or
   413 instead of a connection reset.
@@ -64,6 +66,7 @@ class ConnectionLimits:
         self.refused = 0
         self.timed_out = 0
         self._warned_at = 0.0
+        self.stopping = False  # the server is stopping: a connection made now gets one request
 
     def configure(self, header_timeout: float, max_per_ip: int) -> None:
         self.header_timeout = header_timeout
@@ -213,12 +216,20 @@ class ConnectionGuard:
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, CLIENT_SEND_BUFFER)
-        self._arm()
+        if self.limits.stopping:  # taken from the listen backlog at the stop (gateway/http/listeners.py)
+            self.shutdown()
+        else:
+            self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         self._release()
         super().connection_lost(exc)  # type: ignore[misc]
+
+    def on_headers_complete(self) -> None:  # httptools' parser callback (h11's protocol has none)
+        super().on_headers_complete()  # type: ignore[misc]
+        if self._stopping and self.cycle is not None:
+            self.cycle.keep_alive = False  # the last request here: its answer says "connection: close"
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # type: ignore[misc]
@@ -231,7 +242,10 @@ class ConnectionGuard:
         """A stop signal. uvicorn closes an idle connection at once, and so resets a request
         the client sent just before (still in the socket buffer, or its headers half parsed):
         no answer and no audit record. Instead it is read for :data:`SHUTDOWN_LISTEN_SECONDS`
-        more; a request that arrives is answered, then the connection closes."""
+        more; a request that arrives is answered (``connection: close``), then the connection
+        closes."""
+        if self._stopping:
+            return  # already listening its last second (a connection made after the stop)
         if self.transport.is_closing() or self._answering():
             super().shutdown()  # type: ignore[misc]
             return

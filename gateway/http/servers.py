@@ -9,7 +9,7 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import structlog
@@ -92,16 +92,47 @@ def on_server_exit(callback: Callable[[], None]) -> bool:
     installed = False
     for sig in (signal.SIGINT, signal.SIGTERM):
         previous = signal.getsignal(sig)
-        if not isinstance(getattr(previous, "__self__", None), uvicorn.Server):
+        server = _server_of(previous)
+        if server is None:
             continue
 
         def handler(signum: int, frame: Any, previous: Any = previous) -> None:
             loop.call_soon_threadsafe(callback)
             previous(signum, frame)
 
+        handler.uvicorn_server = server  # type: ignore[attr-defined]
         signal.signal(sig, handler)
         installed = True
     return installed
+
+
+def _server_of(handler: Any) -> uvicorn.Server | None:
+    """The uvicorn server whose signal handler ``handler`` is (or wraps)."""
+    server = getattr(handler, "__self__", None) or getattr(handler, "uvicorn_server", None)
+    return server if isinstance(server, uvicorn.Server) else None
+
+
+def before_listeners_close(hook: Callable[[uvicorn.Server], Awaitable[None]]) -> bool:
+    """Await ``hook(server)`` when the uvicorn server running this process begins its
+    shutdown, before it closes its listening sockets (the first thing its ``shutdown`` does,
+    with no wait in between): what the kernel queued there is still there. The hook bounds
+    its own wait (it holds up the whole shutdown). Found, as
+    :func:`on_server_exit` finds it, through the signal handlers it installed for ``serve()``;
+    False (nothing installed) when none owns them, e.g. an embedded test server."""
+    server = _server_of(signal.getsignal(signal.SIGTERM))
+    if server is None:
+        return False
+    shutdown = server.shutdown
+
+    async def shutdown_after_hook(sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await hook(server)
+        except Exception:  # never in the way of the shutdown itself
+            structlog.get_logger("gateway.shutdown").exception("before_listeners_close_failed")
+        await shutdown(sockets=sockets)
+
+    server.shutdown = shutdown_after_hook  # type: ignore[method-assign]
+    return True
 
 
 def on_hangup(callback: Callable[[], None]) -> Callable[[], None] | None:

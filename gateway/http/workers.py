@@ -13,7 +13,14 @@ keeps uvicorn's supervisor and changes what a death leads to:
 - every dead worker's live gauges leave the prometheus multiprocess directory
   (``multiprocess.mark_process_dead`` and its other ``gauge_*_<pid>.db`` files), so
   in-flight, store-writable and the other gauges stay true; its counters stay (a total
-  never goes backwards).
+  never goes backwards);
+- when the whole gateway stops, the shared listening socket takes no new connection
+  (``listeners.refuse_new_connections``) and the parent closes its own copy; each worker,
+  which has kept accepting since its own signal until it sees that (at most
+  ``listeners.WORKER_GRACE``), takes what is still queued before it closes its copy
+  (gateway/http/listeners.py), and the last close leaves nothing queued to reset. uvicorn's
+  parent kept its copy open until every worker had exited, so a client connecting during
+  the drain (up to ``--shutdown-timeout``) was queued there, never served, then reset.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from socket import socket
 from prometheus_client import multiprocess
 from uvicorn.config import STARTUP_FAILURE, Config
 from uvicorn.supervisors.multiprocess import Multiprocess, Process
+
+from gateway.http.listeners import refuse_new_connections
 
 logger = logging.getLogger("uvicorn.error")
 
@@ -106,6 +115,15 @@ class WorkerSupervisor(Multiprocess):
             logger.info(f"Child process [{process.pid}] died (exit status {process.exitcode}); replacing it")
             self.failures[idx] = 0  # its replacement's start-up failures are counted from here
             self._start(idx)
+
+    def terminate_all(self) -> None:
+        """The whole gateway stops (see the module docstring): no new connection, the workers
+        told, the parent's copy of the listening socket closed (it starts no worker now)."""
+        for sock in self.sockets:
+            refuse_new_connections(sock)
+        super().terminate_all()
+        for sock in self.sockets:
+            sock.close()
 
     def join_all(self) -> None:
         super().join_all()

@@ -25,7 +25,7 @@ import pytest
 
 from gateway.store.db import SQLITE_FILENAME
 from tests.conftest import Simulator, wait_for
-from tests.processes import GatewayProcess
+from tests.processes import GatewayProcess, children
 from tests.store.test_durability import tmpfs
 
 # real processes and induced faults: `make test-faults` (CI runs it), not the default suite
@@ -198,17 +198,6 @@ def test_an_unreadable_store_costs_only_what_needs_it(simulator: Simulator, tmp_
         assert "Traceback" not in gw.log()
     finally:
         gw.stop()
-
-
-def children(pid: int) -> set[int]:
-    """The worker processes of a ``--workers`` parent (its children running the app)."""
-    out = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-            if b"resource_tracker" not in cmdline:
-                out.add(int(child))
-    return out
 
 
 def test_a_worker_replaced_after_a_locked_start_and_its_gauges_go(simulator: Simulator, tmp_path: Path) -> None:
