@@ -3,7 +3,8 @@
 The pieces it drives do no I/O of their own decisions:
 
 - :class:`~gateway.upstream.attempts.UpstreamAttempts` streams one upstream answer with
-  failover; a small pump task moves its items into a queue.
+  failover; a small pump task moves its items into a queue (the reading of one answer is
+  :class:`~gateway.generation.answer_reader.AnswerReader`'s, this run's base).
 - the answer state (:mod:`gateway.stream.answer`, one per mode) turns items into
   canonical events and decides regenerations (through the repair policy);
 - the room's encoder turns events into frames.
@@ -22,91 +23,35 @@ The run never writes the request's outcome: it exposes :attr:`completion` and
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, Protocol
 
-import anyio
 import orjson
 
 from gateway.errors import GatewayError
-from gateway.generation.keepalive import KeepaliveTimer
+from gateway.generation.answer_reader import AnswerReader
 from gateway.generation.offload import finish_answer
 from gateway.generation.outcome import internal_error
 from gateway.generation.policy import StreamPolicy
 from gateway.generation.record import RequestRecord
 from gateway.protocols.base import ParsedRequest, ProtocolRoom, StreamEncoder
-from gateway.protocols.tokens import count_text, tokenizer_ready, usage_estimator
+from gateway.protocols.tokens import tokenizer_ready, usage_estimator
 from gateway.redact import SECRETS
 from gateway.settings import StreamMode
 from gateway.stream.answer import CompatibleAnswer, RealtimeAnswer
-from gateway.stream.events import KEEPALIVE, BlockDelta, Completion, Error, Event
+from gateway.stream.events import Completion, Error, Event
 from gateway.stream.masking import DeltaMasker
-from gateway.stream.output_cap import OutputCap
 from gateway.stream.repair import RepairPolicy
 from gateway.stream.signatures import restore_thought_signatures
 from gateway.upstream.attempts import UpstreamAttempts
-from gateway.upstream.client import ANSWERED, DONE, UpstreamItem
 from gateway.upstream.config import with_engine_extras
-
-_TICK = object()  # the keepalive timer fired
 
 #: A compatible answer's replay goes to the client in writes of about this many bytes, each
 #: awaited: the server's send waits while its write buffer is over its high-water mark, so a
 #: client that does not read holds back the rest instead of the whole encoded answer sitting
 #: in the transport's buffer (an 8 MiB answer was ~9 MiB of frames in one write).
 REPLAY_WRITE_BYTES = 64 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class _Ended:
-    """The pump stopped: the answer ended (``error`` None) or failed."""
-
-    error: BaseException | None = None
-
-
-_QueueItem = UpstreamItem | _Ended | object
-
-
-async def _pump(items: AsyncIterator[UpstreamItem], queue: asyncio.Queue[_QueueItem], scope: anyio.CancelScope) -> None:
-    """Move one upstream answer's items into the queue. Cancelled (client gone, abort),
-    it closes the upstream at once, even while waiting on a full queue.
-
-    It is cancelled through ``scope`` (anyio), never ``Task.cancel()``: httpcore shields
-    the release of a connection with an anyio scope, which a native cancel goes through.
-    A cancel landing there (an upstream error event is handled while its body's last
-    bytes are read) left the connection checked out of the pool for good: one fd per
-    mid-stream error, until the pool was full and every request hung (issue #31)."""
-    with scope:
-        try:
-            async with contextlib.aclosing(items):  # type: ignore[type-var]
-                async for item in items:
-                    await queue.put(item)
-        except Exception as exc:  # GatewayError or a bug of ours; the loop reports both
-            await queue.put(_Ended(exc))
-        else:
-            await queue.put(_Ended())
-
-
-async def _within_cap(items: AsyncIterator[UpstreamItem], cap: OutputCap) -> AsyncIterator[UpstreamItem]:
-    """One upstream answer read no further than the gateway's output cap: past it, the
-    answer ends as ``length`` and the upstream is closed (an engine that ignores the cap
-    it was sent cannot make the key pay for more)."""
-    async with contextlib.aclosing(items):  # type: ignore[type-var]
-        async for item in items:
-            if not isinstance(item, dict):
-                yield item
-                continue
-            if cap.will_count:
-                await tokenizer_ready()
-            yield cap.feed(item)
-            if cap.reached:
-                yield cap.finish_chunk()
-                yield DONE
-                return
 
 
 class Run(Protocol):
@@ -129,8 +74,9 @@ class Run(Protocol):
     def abort(self, error: GatewayError) -> None: ...
 
 
-class GenerationRun:
-    """One generation request's answer, as frames (stream) or a Completion (JSON)."""
+class GenerationRun(AnswerReader):
+    """One generation request's answer, as frames (stream) or a Completion (JSON); each
+    upstream answer is read by its base, :class:`~gateway.generation.answer_reader.AnswerReader`."""
 
     def __init__(
         self,
@@ -163,11 +109,7 @@ class GenerationRun:
         #: called once the terminal (or JSON body) was handed to the client's transport:
         #: the rollout call record's ``delivered`` confirmation
         self.after_release: Callable[[GenerationRun], None] | None = None
-        self._aborted: GatewayError | None = None
-        self._queue: asyncio.Queue[_QueueItem] = asyncio.Queue(maxsize=64)
-        self._pump_task: asyncio.Task[None] | None = None
-        self._pump_scope = anyio.CancelScope()
-        self._keepalive: KeepaliveTimer | None = None
+        super().__init__()
 
     # -- the two ways to consume a run ------------------------------------------------------
 
@@ -200,17 +142,6 @@ class GenerationRun:
         hook, self.after_release = self.after_release, None  # once
         if hook is not None:
             hook(self)
-
-    def abort(self, error: GatewayError) -> None:
-        """End this generation early with ``error`` (closes the upstream; the client gets
-        the error as an HTTP status or, once committed, as the in-stream error event)."""
-        if self._aborted is not None or self.terminated:
-            return
-        self._aborted = error
-        self._pump_scope.cancel()
-        while not self._queue.empty():
-            self._queue.get_nowait()
-        self._queue.put_nowait(_Ended(error))
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -252,98 +183,6 @@ class GenerationRun:
             await self.room.completed(self.parsed, self.response_id, self.completion, self.encoder)
             self.terminated = True
             yield out
-
-    async def _read(self, body: dict[str, Any], keepalives: bool) -> AsyncIterator[bytes]:
-        """One upstream answer: what the client may see meanwhile (opening frames,
-        keepalives, realtime events), written once per batch of queued items."""
-        if self._aborted is not None:
-            raise self._aborted
-        queue = self._queue = asyncio.Queue(maxsize=64)
-        self._pump_scope = anyio.CancelScope()
-        items = self.attempts.stream(body)
-        if self.parsed.output_cap is not None:
-            items = _within_cap(items, OutputCap(self.parsed.output_cap, count_text))
-        self._pump_task = asyncio.create_task(_pump(items, queue, self._pump_scope))
-        if keepalives:
-            self._keepalive = KeepaliveTimer(self.policy.keepalive_interval, self._queue_tick)
-        handle = self.answer.handle
-        try:
-            while True:
-                item = await queue.get()
-                out: list[bytes] = []
-                ended: _Ended | None = None
-                try:
-                    while True:
-                        if isinstance(item, _Ended):
-                            ended = item
-                            break
-                        if item is _TICK:
-                            if self.record.first_keepalive_ms is None:  # the trace's keepalive wait
-                                self.record.first_keepalive_ms = round((time.time() - self.record.started_at) * 1000, 2)
-                            self.record.keepalives += 1
-                            out.append(self._commit() + self.encoder.encode(KEEPALIVE))  # opening first
-                        elif item is ANSWERED:
-                            if keepalives and not self.committed:
-                                out.append(self._commit())
-                        else:
-                            events = handle(item)  # type: ignore[arg-type]
-                            if events:
-                                out.append(self._encode_all(events))
-                        if queue.empty():
-                            break
-                        item = queue.get_nowait()
-                except GatewayError:
-                    if out:  # what was already released goes out before the error
-                        yield b"".join(out)
-                    raise
-                if self._keepalive is not None:
-                    self._keepalive.activity()
-                if out:
-                    yield b"".join(out)
-                if ended is not None:
-                    if ended.error is not None:
-                        raise ended.error
-                    return
-        finally:
-            self.record.output_bytes = self.answer.retained_bytes
-            await self._stop_reading()
-
-    async def _stop_reading(self) -> None:
-        if self._keepalive is not None:
-            self._keepalive.cancel()
-            self._keepalive = None
-        task = self._pump_task
-        if task is not None and not task.done():
-            self._pump_scope.cancel()  # not task.cancel(): see _pump
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    def _queue_tick(self) -> None:
-        """The keepalive timer fired: a tick for the loop (one is enough while items wait)."""
-        if self._queue.empty():
-            self._queue.put_nowait(_TICK)
-
-    # -- framing ----------------------------------------------------------------------------
-
-    def _commit(self) -> bytes:
-        """The protocol's opening frames, the first time anything is sent; else nothing."""
-        if self.committed:
-            return b""
-        self.committed = True
-        return self.encoder.start()
-
-    def _encode_all(self, events: list[Event]) -> bytes:
-        if self.record.ttft_ms is None:
-            self._note_first_content(events)
-        encode = self.encoder.encode
-        return b"".join([encode(e) for e in events])
-
-    def _note_first_content(self, events: list[Event]) -> None:
-        """``ttft_ms``: when the first text, reasoning or tool-argument delta is written."""
-        for event in events:
-            if isinstance(event, BlockDelta) and event.text:
-                self.record.ttft_ms = round((time.time() - self.record.started_at) * 1000, 2)
-                return
 
 
 def answer_state(room: ProtocolRoom, parsed: ParsedRequest, policy: StreamPolicy,

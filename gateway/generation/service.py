@@ -1,47 +1,41 @@
-"""The one place that wires a generation request: client key, parse, policy snapshot,
-capacity, then a :class:`~gateway.generation.run.GenerationRun` answered as JSON or as a
-stream. Every way out goes through one :class:`~gateway.generation.outcome.RequestOutcome`, which
-writes the outcome and reports the record exactly once.
+"""The one place that wires a generation request: its admission (client key, limits,
+body, parse, reservation, capacity: :mod:`gateway.generation.admission`), then a
+:class:`~gateway.generation.run.GenerationRun` answered as JSON or as a stream. Every way
+out goes through one :class:`~gateway.generation.outcome.RequestOutcome`, which writes the
+outcome and reports the record exactly once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import secrets
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from starlette.requests import ClientDisconnect, HTTPConnection, Request
+from starlette.requests import HTTPConnection, Request
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response
 
 from gateway.engines.fleet import EngineFleet
-from gateway.errors import ErrorCode, GatewayError
-from gateway.generation.body_parsing import BodyBudget, parse_request
+from gateway.errors import GatewayError
+from gateway.generation.admission import Admitted, RequestAdmission, name_key
+from gateway.generation.body_parsing import BodyBudget
 from gateway.generation.outcome import RequestOutcome, internal_error
 from gateway.generation.policy import StreamPolicy
 from gateway.generation.record import RequestObserver, RequestRecord
 from gateway.generation.response import GenerationResponse, error_response
 from gateway.generation.run import GenerationRun, Run, RunningGenerations, capture_record, note_run
-from gateway.http.body_limit import BodyTooLarge
-from gateway.http.cross_site import raise_refusal
 from gateway.keys.identity import check_client_key, client_identity
-from gateway.keys.limiter import Arrived, KeyLimiter, KeyRefusal, key_share_cap
-from gateway.keys.registry import KeyRegistry, managed_key, named_key
+from gateway.keys.limiter import Arrived, KeyLimiter
+from gateway.keys.registry import KeyRegistry
 from gateway.live_settings import LiveSettings
-from gateway.protocols.base import ParsedRequest, ProtocolRoom
+from gateway.protocols.base import ProtocolRoom
 from gateway.protocols.envelope import PROCESS_KEYRING, Keyring, Tenant
 from gateway.rollout.capture_files import CaptureWriter
-from gateway.rollout.chain import continuation
-from gateway.rollout.ids import rollout_group_of, rollout_of
-from gateway.rollout.tokens import with_token_fields
 from gateway.upstream.attempts import UpstreamAttempts
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.pool import UpstreamPool
-from gateway.upstream.token_in import TokenIn
 
 #: The scope key under which a generation request keeps its upstream attempts, for the
 #: ``x-codebuddy2api-upstream`` header (app.SimulatorHeader reads it at the status line).
@@ -109,87 +103,12 @@ class GenerationService:
         self.observer.on_start(record)
         headers = {"x-request-id": record.request_id, "x-codebuddy2api-stream-mode": policy.mode.value}
         run: GenerationRun | None = None
-        held = [0]  # body bytes this request holds in the budget, released with its report
-        outcome = RequestOutcome(record, lambda: self._report(record, run, held[0]))
-        try:  # from the headers, before a byte of the body is read
-            raise_refusal(request.scope)  # a web page's request (gateway/http/cross_site.py)
-            record.client_key_fingerprint = check_client_key(request, settings.api_key, self.keys)
-            key = managed_key(request)
-            _name_key(record, request)
-            if key is not None:  # one key's flood is refused here, before it costs a parse
-                self._check_share(key.key_id, settings.max_concurrent, settings.key_share)
-                if self.limiter is not None:  # a full rpm window: without the store (keys/full_windows.py)
-                    await self.limiter.refuse_full(key)
-            if self.recording is not None:
-                self.recording()
-            held[0] = self._hold_body(_declared_length(request), settings.max_body_bytes_in_flight)
-            tenant = self.tenant(request)
-            body = await request.body()
-            if not held[0]:  # no Content-Length: what was read
-                held[0] = self._hold_body(len(body), settings.max_body_bytes_in_flight)
-        except GatewayError as err:
-            _name_key(record, request)
-            if isinstance(err, KeyRefusal):
-                headers.update(err.headers)
-            outcome.refused(err)
-            await skip_small_body(request)
-            return error_response(room, err, headers)
-        except BodyTooLarge as exc:
-            err = exc.error()
-            outcome.invalid(err)
-            return error_response(room, err, headers)
-        except ClientDisconnect:
-            outcome.cancelled(http_status=499)
-            return Response(status_code=499)
-        if settings.audit_bodies:
-            record.bodies = {"request": body.decode("utf-8", "replace")}
-        try:
-            parsed = await parse_request(room, body, dict(request.query_params), tenant)  # off the loop when large
-            record.model = parsed.model
-            record.upstream_model = str(parsed.upstream_body.get("model", parsed.model))
-            record.streamed = parsed.stream
-            parsed = await room.resolve(parsed)
-            rollout = rollout_of(request.scope, request.headers, settings.rollout_header)
-            group = rollout_group_of(request.headers) if rollout is not None else None
-            chat_room = getattr(room, "run_type", None) is None  # the relayed routes have no chat answer to record
-            recording = chat_room and rollout is not None and self.rollouts is not None and self.rollouts.enabled
-            token_in = None
-            if recording:
-                token_in = await _rollout_token_in(self.rollouts, rollout, parsed, self.upstream, tenant.identity)  # type: ignore[arg-type]
-            if chat_room and settings.capture_tokens != "none":
-                tokens_body = with_token_fields(parsed.upstream_body, settings.capture_tokens)
-                parsed = dataclasses.replace(parsed, upstream_body=tokens_body)
-        except GatewayError as err:  # a 503 (stored state unreadable now) is no fault of the request
-            (outcome.refused if err.kind == "overloaded" else outcome.invalid)(err)
-            return error_response(room, err, headers)
-        except Exception as exc:  # a bug of ours (parser, tokenizer, store): a 500, not a traceback
-            err = internal_error(exc, record.request_id, "parse")
-            outcome.failed(err)
-            return error_response(room, err, headers)
-        if key is not None and self.limiter is not None:
-            try:  # its models, then a reservation in the store (before anything goes upstream)
-                admission = await self.limiter.admit(key, parsed, policy, record.request_id)
-            except GatewayError as err:
-                if isinstance(err, KeyRefusal):
-                    headers.update(err.headers)
-                outcome.refused(err)
-                return error_response(room, err, headers)
-            parsed = admission.parsed
-            headers.update(admission.headers)  # x-ratelimit-*: what the key has left
-        if key is not None:  # again here: no await between this check and the slot taken below
-            try:
-                self._check_share(key.key_id, settings.max_concurrent, settings.key_share)
-            except GatewayError as err:
-                outcome.refused(err)
-                return error_response(room, err, headers)
-        limit = settings.max_concurrent if self.capacity is None else self.capacity.limit(settings.max_concurrent)
-        if self.in_flight >= limit:
-            err = GatewayError(
-                "overloaded", ErrorCode.CAPACITY_EXCEEDED,
-                f"the gateway is at its limit of {limit} concurrent requests", retry_after=1,
-            )
-            outcome.refused(err)
-            return error_response(room, err, headers)
+        admission = RequestAdmission(self, room, request, record, headers)
+        outcome = RequestOutcome(record, lambda: self._report(record, run, admission.held))
+        admitted = await admission.admit(outcome, settings, policy)
+        if not isinstance(admitted, Admitted):
+            return admitted  # refused: answered in the room's shape, its outcome written
+        parsed, key, rollout = admitted.parsed, admitted.key, admitted.rollout
         session_id = rollout or (request.headers.get(settings.session_header) if settings.session_header else None)
         # a session's calls stay on one replica (its prefix cache): gateway/upstream/routing.py
         session = None if session_id is None else ("rollout:" + session_id if rollout else session_id)
@@ -198,16 +117,16 @@ class GenerationService:
         try:
             # a room may name its own run: the relayed routes' RelayedCall (gateway/generation/passthrough.py)
             run_type = getattr(room, "run_type", GenerationRun)
-            attempts = UpstreamAttempts(self.pool, self.upstream, policy, session, record.trace_context, token_in,
-                                        upstream_headers, self.engines, record.request_id)
+            attempts = UpstreamAttempts(self.pool, self.upstream, policy, session, record.trace_context,
+                                        admitted.token_in, upstream_headers, self.engines, record.request_id)
             run = run_type(room, parsed, policy, record, attempts)
         except Exception as exc:
             err = internal_error(exc, record.request_id, "encoder")
             outcome.failed(err)
             return error_response(room, err, headers)
-        run.rollout_id, run.rollout_group = rollout, group
+        run.rollout_id, run.rollout_group = rollout, admitted.group
         request.scope[ATTEMPTS_SCOPE_KEY] = run.attempts  # the x-codebuddy2api-upstream header (app.SimulatorHeader)
-        if recording:
+        if admitted.recording:
             run.before_release = self.rollouts.commit  # type: ignore[union-attr]
             run.after_release = self.rollouts.released  # type: ignore[union-attr]
         self.running.add(run)
@@ -231,36 +150,15 @@ class GenerationService:
         try:
             record.client_key_fingerprint = check_client_key(client, settings.api_key, self.keys)
         except GatewayError as refused:
-            _name_key(record, client)
+            name_key(record, client)
             outcome.refused(refused)
             return refused
-        _name_key(record, client)
+        name_key(record, client)
         if invalid:
             outcome.invalid(error)
         else:  # refused for the gateway's own reason (shutting down), not the frame's
             outcome.refused(error)
         return error
-
-    def _check_share(self, key_id: str, max_concurrent: int, share: float) -> None:
-        """A managed key may hold ``share`` of this process's generation slots (at least one):
-        past it, 429 ``concurrency_limited`` while other keys are still served."""
-        limit = max_concurrent if self.capacity is None else self.capacity.limit(max_concurrent)
-        cap = key_share_cap(limit, share)
-        if self.running.of_key(key_id) >= cap:
-            raise GatewayError("rate_limit", "concurrency_limited",
-                               f"this API key holds its share of the gateway: {cap} of its {limit} concurrent requests"
-                               " (--key-share)", retry_after=1)
-
-    def _hold_body(self, size: int, limit: int) -> int:
-        """Reserve ``size`` body bytes (returned), or the 503 that says the budget is spent."""
-        self.bodies.limit = limit
-        if not self.bodies.reserve(size):
-            raise GatewayError(
-                "overloaded", "too_many_request_bytes",
-                f"the gateway holds {limit} bytes of request bodies already (--max-body-bytes-in-flight)",
-                retry_after=1,
-            )
-        return size
 
     def _report(self, record: RequestRecord, run: GenerationRun | None, held: int = 0) -> None:
         """The single exit of every generation request (called once, by its
@@ -304,22 +202,6 @@ def _open_record(room: ProtocolRoom, transport: str, policy: StreamPolicy) -> Re
     )
 
 
-async def _rollout_token_in(
-    rollouts: RolloutRecorder, rollout: str, parsed: ParsedRequest, upstream: UpstreamClient, owner: str
-) -> TokenIn | None:
-    """A recorded rollout's call: refused when the rollout is another client key's (or was
-    deleted lately), and while it is frozen; with token-in configured, the plan to continue
-    the rollout's tokens (else None)."""
-    await rollouts.owners.claim(rollout, owner)
-    await rollouts.refuse_frozen(rollout)
-    if not rollouts.token_in_configured:
-        return None
-    history = await rollouts.history(rollout)
-    # compares the whole history with the body: grows with the rollout, off the loop
-    plan = await asyncio.to_thread(continuation, history, parsed.upstream_body)
-    return TokenIn(plan, parsed.upstream_body, upstream)
-
-
 async def _answer_json(
     room: ProtocolRoom, run: GenerationRun, outcome: RequestOutcome, headers: dict[str, str]
 ) -> Response:
@@ -361,33 +243,3 @@ def _stream_outcome(outcome: RequestOutcome, run: Run, complete: bool) -> None:
         outcome.failed(run.error, committed=run.committed)
     else:
         outcome.succeeded()
-
-
-#: A refused request's body up to this size is read (not parsed) before the answer.
-SKIPPED_BODY = 64 * 1024
-
-
-async def skip_small_body(request: HTTPConnection) -> None:
-    """Read (and drop) the small body of a request refused before its body was read, so its
-    connection stays open for the next request: unread, the server closes it, and a client
-    that floods reconnects each time, which costs the gateway more than the refusal itself.
-    Larger bodies, or one that does not arrive at once, are left (the connection closes)."""
-    if not isinstance(request, Request) or not 0 < _declared_length(request) <= SKIPPED_BODY:
-        return
-    with contextlib.suppress(Exception):
-        async with asyncio.timeout(0.05):
-            await request.body()
-
-
-def _name_key(record: RequestRecord, request: HTTPConnection) -> None:
-    """The managed key a request presented (also a revoked one), on its record."""
-    key = named_key(request)
-    if key is not None:
-        record.key_id, record.key_name = key.key_id, key.name
-
-
-def _declared_length(request: HTTPConnection) -> int:
-    """The body's ``Content-Length`` (0 when absent or not a number; BodyLimit refuses the
-    body past --max-body-bytes however it is declared)."""
-    raw = request.headers.get("content-length") or ""
-    return int(raw) if raw.isdigit() and len(raw) < 19 else 0

@@ -186,7 +186,7 @@ class UpstreamAttempts:
                                        f" requests for {bound:g} s (queue_timeout)", retry_after=1) from err
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(deadline - now):
-                        await self.pool.freed().wait()
+                        await self.pool.slots.freed().wait()
 
     def _after_failover(self, model: str, tried: set[str], last_error: GatewayError | None) -> GatewayError:
         """Failover is used up: when every credential now cools down, say when to retry."""

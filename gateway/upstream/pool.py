@@ -5,11 +5,11 @@ Selection is over credentials that are enabled, not cooling down for the model, 
 their in-flight cap and allowed to serve the model (healthy ones first); which of them
 serves a call is the router's choice (:mod:`gateway.upstream.routing`: cache-aware or
 round-robin, both keeping a named session on its credential). Failures before the
-first client byte are reported back here: 401/403 disables a credential (and the
-:class:`~gateway.upstream.prober.CredentialProber` re-enables it once a probe with its key
-works again), 429 cools it down (per credential and model) for Retry-After seconds,
-5xx and connect errors put it last for a few seconds (a penalty, not a cooldown), a
-response head that never came (a hung engine) for a minute. State
+first client byte are reported back here and marked on the credential by
+:mod:`gateway.upstream.failure_lessons` (401/403 disables it, 429 cools it down, 5xx and
+connect errors put it last for a few seconds, a hung engine for a minute). An engine's own
+``max_in_flight`` is counted by :class:`~gateway.upstream.engine_slots.EngineSlots`
+(``pool.slots``). State
 changes are persisted through a :class:`~gateway.upstream.pool_state.CredentialStateSync`
 (``pool.state``) so they survive a restart; in a running gateway through a background
 writer (``pool.state.writer``), so the request path never waits on the store.
@@ -17,11 +17,8 @@ writer (``pool.state.writer``), so the request path never waits on the store.
 
 from __future__ import annotations
 
-import asyncio
-
 import itertools
 import math
-import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -29,46 +26,20 @@ from typing import Any
 
 import structlog
 
-from gateway.errors import ErrorCode, GatewayError
+from gateway.errors import GatewayError
 from gateway.store.credentials import AddedCredential
-from gateway.upstream.credential import ANY_MODEL, Credential, Upstream
+from gateway.upstream.credential import Credential, Upstream
+from gateway.upstream.engine_slots import EngineSlots
+from gateway.upstream.failure_lessons import learn_from_failure
 from gateway.upstream.pool_state import CredentialStateStore, CredentialStateSync
 from gateway.upstream.routing import RoundRobinRouter, Router, engines_of
 from gateway.upstream.urls import check_upstream_url
 
 log = structlog.get_logger("gateway.pool")
 
-#: How long a credential is tried last after a 5xx or a connect failure (seconds). It is
-#: a penalty, not a cooldown: with nothing healthier left it is still used.
-SERVER_ERROR_PENALTY = 5.0
-#: ... and after no response head within ``--first-byte-timeout`` (a hung engine: every
-#: request it takes waits that whole timeout before failing over, so it is tried last for
-#: longer; still used when nothing healthier is left). Issue #40.
-HUNG_PENALTY = 60.0
-#: Cooldown after a 429 that carried no Retry-After (seconds).
-DEFAULT_RATE_LIMIT_COOLDOWN = 30.0
-#: How long a credential is passed over for a model its upstream answered 404 for, or
-#: refused (401/403) naming that model: other credentials serve the model meanwhile.
-MODEL_UNAVAILABLE_FOR = 300.0  # passed over, not refused: with no other credential it is asked again
-#: A 401/403 whose message is about the model (access, permission, entitlement), not the key:
-#: the credential is kept for every other model.
-_MODEL_SCOPED_REFUSAL = re.compile(
-    r"\bmodels?\b.{0,80}\b(access|permi\w*|allow\w*|entitle\w*|authori[sz]\w*|not available|forbidden)"
-    r"|\b(access|permi\w*|allow\w*|entitle\w*|authori[sz]\w*)\b.{0,80}\bmodels?\b",
-    re.IGNORECASE | re.DOTALL,
-)
 #: Seconds a credential added on this replica is safe from a shared-state poll that read the
 #: store before its row was written (replicas poll every few seconds).
 ADDED_GRACE = 30.0
-
-
-def model_scoped_refusal(detail: str | None, model: str, upstream_model: str) -> bool:
-    """Does a 401/403's message say the key may not use *this model* (rather than that
-    the key is bad)? Only then the refusal is scoped to the model."""
-    if not detail:
-        return False
-    names = {m for m in (model, upstream_model) if m}
-    return bool(_MODEL_SCOPED_REFUSAL.search(detail)) or any(f"'{m}'" in detail or f'"{m}"' in detail for m in names)
 
 
 def _sendable(url: str) -> bool:
@@ -96,7 +67,7 @@ class Lease:
             self.credential.in_flight -= 1
             if self.pool.on_lease is not None:
                 self.pool.on_lease(self.credential, -1)
-            self.pool.slot_freed()
+            self.pool.slots.released()
 
 
 class UpstreamPool:
@@ -125,38 +96,19 @@ class UpstreamPool:
         #: the learned state's way to and from the store (its ``writer``: the background one)
         self.state = CredentialStateSync(store, clock)
         self.state.restore(self.credentials)
-        #: set when a lease is released (a new one each time): what a request waiting for an
-        #: engine's ``max_in_flight`` slot waits on (gateway/upstream/attempts.py)
-        self._freed: asyncio.Event | None = None
-
-    def slot_freed(self) -> None:
-        if self._freed is not None:
-            self._freed.set()
-            self._freed = None
-
-    def freed(self) -> asyncio.Event:
-        """An event set at the next release of any lease."""
-        if self._freed is None:
-            self._freed = asyncio.Event()
-        return self._freed
-
-    def engine_full(self, credential: Credential) -> bool:
-        """Its upstream runs its ``max_in_flight`` requests already (over all its keys)."""
-        cap = credential.upstream.max_in_flight
-        return bool(cap) and sum(c.in_flight for c in self.credentials if c.upstream is credential.upstream) >= cap
+        #: each engine's ``max_in_flight`` slots (a call waits for one in gateway/upstream/attempts.py)
+        self.slots = EngineSlots(self.credentials)
 
     def waits_for_slot(self, model: str, exclude: set[str] = frozenset()) -> float | None:  # type: ignore[assignment]
         """When nothing is usable for ``model`` only because engines with ``max_in_flight``
-        are full: how long a request may wait for a slot (the longest ``queue_timeout``
-        among them), else None."""
-        now = self.clock()
-        ready = [c for c in self.credentials if c.upstream.allows(model) and not c.disabled
-                 and not c.cooling_until(model, now) and c.id not in exclude
-                 and (not self.max_in_flight or c.in_flight < self.max_in_flight)]
-        full = [c for c in ready if self.engine_full(c)]
-        if not ready or len(full) < len(ready):
-            return None
-        return max(c.upstream.queue_timeout for c in full)
+        are full: how long a request may wait for a slot, else None."""
+        allowed = [c for c in self.credentials if c.upstream.allows(model)]
+        return self.slots.wait_bound(self._ready(allowed, model, self.clock(), exclude))
+
+    def _ready(self, allowed: list[Credential], model: str, now: float, exclude: set[str]) -> list[Credential]:
+        """The credentials that may take a call for ``model`` now, their engines' slots aside."""
+        return [c for c in allowed if not c.disabled and not c.cooling_until(model, now) and c.id not in exclude
+                and (not self.max_in_flight or c.in_flight < self.max_in_flight)]
 
     def twin_of(self, credential: Credential) -> Credential | None:
         """The credential already in the pool with this one's key and base URL (one
@@ -222,23 +174,7 @@ class UpstreamPool:
         by the caller); gone ones leave (leases held stay valid: an answer in flight ends
         normally); an admin-added credential whose key is now configured leaves too.
         Returns (added, removed, superseded) ids. Runs on the event loop."""
-        old = {c.id: c for c in self.credentials if not c.added_by_admin}
-        kept: list[Credential] = []
-        added: list[str] = []
-        for credential in fresh:
-            same = old.get(credential.id)
-            if same is not None:
-                same.upstream, same.label = credential.upstream, credential.label
-                kept.append(same)
-            else:
-                kept.append(credential)
-                added.append(credential.id)
-        ids = {c.id for c in kept}
-        removed = [cid for cid in old if cid not in ids]
-        identities = {c.identity for c in kept}
-        admin = [c for c in self.credentials if c.added_by_admin]
-        superseded = [c.id for c in admin if c.identity in identities]
-        self.credentials[:] = kept + [c for c in admin if c.id not in superseded]
+        self.credentials[:], added, removed, superseded = reconfigured(self.credentials, fresh)
         self._changed()
         return added, removed, superseded
 
@@ -263,11 +199,7 @@ class UpstreamPool:
         allowed = [c for c in self.credentials if c.upstream.allows(model)]
         if not allowed:
             raise GatewayError("not_found", "model_not_available", f"no upstream serves model {model!r}")
-        usable = [
-            c for c in allowed
-            if not c.disabled and not c.cooling_until(model, now) and c.id not in exclude
-            and (not self.max_in_flight or c.in_flight < self.max_in_flight) and not self.engine_full(c)
-        ]
+        usable = [c for c in self._ready(allowed, model, now, exclude) if not self.slots.full(c)]
         if not usable:
             raise nothing_usable(allowed, model, now, exclude)
         # passed over for a model its upstream said it lacks, unless nothing else is left
@@ -289,40 +221,13 @@ class UpstreamPool:
     # -- learning ----------------------------------------------------------------------
 
     def report_failure(self, credential: Credential, model: str, error: GatewayError) -> bool:
-        """Learn from a failure before the first client byte; True if another credential
-        may be tried (failover), False when the error is the client's to see as is."""
-        now = self.clock()
-        status = error.upstream_status
-        detail = getattr(error, "upstream_detail", None)
-        if status == 404 or (status in (401, 403) and model_scoped_refusal(detail, model, credential.upstream.upstream_model(model))):
-            # about this model on this upstream (unknown there, or the key may not use it):
-            # another credential that serves it is tried; this one keeps its other models
-            credential.unavailable[model] = (now + MODEL_UNAVAILABLE_FOR, f"upstream answered {status}")
-            log.warning("credential_model_unavailable", credential=credential.id, model=model, status=status)
-            return True
-        if status in (401, 403):
-            if not credential.disabled:
-                credential.disabled_at, credential.next_probe_at, credential.probe_failures = now, None, 0
-            credential.disabled = True
-            credential.disabled_reason = f"upstream answered {status}"
-            credential.disabled_by = "upstream"
-            log.warning("credential_disabled", credential=credential.id, status=status)
-        elif status == 429:
-            wait = error.retry_after if error.retry_after is not None else DEFAULT_RATE_LIMIT_COOLDOWN
-            credential.cooldowns[model] = now + float(wait)
-        elif status == 503 and error.retry_after is not None:
-            credential.cooldowns[ANY_MODEL] = now + float(error.retry_after)
-        elif error.code == ErrorCode.UPSTREAM_TIMEOUT and status is None:  # no head at all, not a 504
-            credential.penalty_until = now + HUNG_PENALTY
-            log.warning("credential_hung", credential=credential.id, tried_last_for_s=HUNG_PENALTY)
-            return True
-        elif error.code in (ErrorCode.UPSTREAM_UNREACHABLE, ErrorCode.UPSTREAM_TIMEOUT) or (status is not None and status >= 500):
-            credential.penalty_until = now + SERVER_ERROR_PENALTY
-            return True
-        else:
-            return False
-        self.state.persist(credential)
-        return True
+        """Learn from a failure before the first client byte (gateway.upstream.failure_lessons);
+        True if another credential may be tried (failover), False when the error is the
+        client's to see as is."""
+        lesson = learn_from_failure(credential, model, error, self.clock())
+        if lesson.persist:
+            self.state.persist(credential)
+        return lesson.failover
 
     # -- admin -------------------------------------------------------------------------
 
@@ -351,6 +256,30 @@ class UpstreamPool:
     @property
     def in_flight(self) -> int:
         return sum(c.in_flight for c in self.credentials)
+
+
+def reconfigured(
+    current: list[Credential], fresh: list[Credential]
+) -> tuple[list[Credential], list[str], list[str], list[str]]:
+    """:meth:`UpstreamPool.replace_configured`'s new credential list, and the (added,
+    removed, superseded) ids; a kept credential takes its fresh upstream settings and label."""
+    old = {c.id: c for c in current if not c.added_by_admin}
+    kept: list[Credential] = []
+    added: list[str] = []
+    for credential in fresh:
+        same = old.get(credential.id)
+        if same is not None:
+            same.upstream, same.label = credential.upstream, credential.label
+            kept.append(same)
+        else:
+            kept.append(credential)
+            added.append(credential.id)
+    ids = {c.id for c in kept}
+    removed = [cid for cid in old if cid not in ids]
+    identities = {c.identity for c in kept}
+    admin = [c for c in current if c.added_by_admin]
+    superseded = [c.id for c in admin if c.identity in identities]
+    return kept + [c for c in admin if c.id not in superseded], added, removed, superseded
 
 
 def engine_of(credential: Credential) -> str:

@@ -22,7 +22,8 @@ from starlette.routing import Route
 from gateway.app import UPSTREAM_HEADER, create_app
 from gateway.settings import Settings
 from gateway.upstream.credential import Credential, Upstream
-from gateway.upstream.pool import UpstreamPool, model_scoped_refusal
+from gateway.upstream.failure_lessons import model_scoped_refusal
+from gateway.upstream.pool import UpstreamPool
 from tests.conftest import Gateway, ServerLoop
 
 ADMIN_TOKEN = "admin-token-for-credential-tests-0123"

@@ -6,6 +6,7 @@ retryable 503. Against the simulator on loopback."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import threading
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 
 from gateway.simulator.reply import TEXT
 from gateway.upstream.credential import Credential, Upstream
+from gateway.upstream.engine_slots import EngineSlots
 from gateway.upstream.pool import UpstreamPool
 from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway, wait_for
 
@@ -100,9 +102,46 @@ def test_an_engines_slots_count_over_all_its_keys() -> None:
     pool = UpstreamPool([Credential(engine, "k1"), Credential(engine, "k2"), Credential(other, None)])
     a, b = pool.credentials[0], pool.credentials[1]
     a.in_flight = 1
-    assert not pool.engine_full(a)
+    assert not pool.slots.full(a)
     b.in_flight = 1
-    assert pool.engine_full(a) and pool.engine_full(b) and not pool.engine_full(pool.credentials[2])
+    assert pool.slots.full(a) and pool.slots.full(b) and not pool.slots.full(pool.credentials[2])
     assert pool.waits_for_slot("m") is None  # the other engine is free: no wait
     assert pool.acquire("m").credential is pool.credentials[2]
     assert pool.waits_for_slot("m", {pool.credentials[2].id}) == 7.0  # only the full engine is left
+
+
+def test_engine_slots_wait_only_while_every_ready_credential_is_on_a_full_engine() -> None:
+    """EngineSlots fed directly: the wait bound is the longest queue_timeout among the full
+    engines, and none while one ready credential's engine has room (or nothing is ready)."""
+    short = Upstream("a", "http://127.0.0.1:9/v1", max_in_flight=1, queue_timeout=2.0)
+    long = Upstream("b", "http://127.0.0.1:8/v1", max_in_flight=1, queue_timeout=9.0)
+    free = Upstream("c", "http://127.0.0.1:7/v1")  # no max_in_flight: never full
+    a, b, c = Credential(short, "k1"), Credential(long, "k2"), Credential(free, "k3")
+    slots = EngineSlots([a, b, c])
+    assert slots.wait_bound([]) is None
+    assert slots.wait_bound([a, b]) is None  # both engines have room
+    a.in_flight = 1
+    assert slots.full(a) and not slots.full(b)
+    assert slots.wait_bound([a, b]) is None  # b's engine has room: no wait
+    assert slots.wait_bound([a]) == 2.0
+    b.in_flight = 1
+    assert slots.wait_bound([a, b]) == 9.0  # the longest queue_timeout among the full ones
+    c.in_flight = 50
+    assert not slots.full(c) and slots.wait_bound([a, b, c]) is None
+
+
+async def test_engine_slots_wake_every_waiter_once_per_release() -> None:
+    """A release sets the event every waiting call holds, and the next wait gets a new one."""
+    slots = EngineSlots([])
+    first = slots.freed()
+    assert slots.freed() is first and not first.is_set()  # waiters share one event
+    waiters = [asyncio.create_task(first.wait()) for _ in range(3)]
+    await asyncio.sleep(0)
+    slots.released()
+    async with asyncio.timeout(5):
+        assert await asyncio.gather(*waiters) == [True, True, True]
+    second = slots.freed()
+    assert second is not first and not second.is_set()
+    slots.released()
+    slots.released()  # with no waiter: nothing to set, no error
+    assert second.is_set()

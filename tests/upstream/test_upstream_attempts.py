@@ -16,7 +16,8 @@ from gateway.settings import StreamMode
 from gateway.upstream.attempts import UpstreamAttempts
 from gateway.upstream.client import ANSWERED, DONE, UpstreamClient
 from gateway.upstream.credential import Credential, Upstream
-from gateway.upstream.pool import SERVER_ERROR_PENALTY, UpstreamPool
+from gateway.upstream.failure_lessons import SERVER_ERROR_PENALTY
+from gateway.upstream.pool import UpstreamPool
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -259,7 +260,7 @@ async def test_auto_fallback_tries_a_fresh_connection_once() -> None:
 
 async def test_a_head_that_never_comes_fails_over_and_puts_the_hung_credential_last_for_longer() -> None:
     """Issue #40: a hung engine's credential is tried last for HUNG_PENALTY, not 5 s."""
-    from gateway.upstream.pool import HUNG_PENALTY
+    from gateway.upstream.failure_lessons import HUNG_PENALTY
 
     ok = httpx.Response(200, content=sse_body(CHUNK), headers={"content-type": "text/event-stream"})
     _, pool, _, now = make({"k2": ok}, ["k1", "k2"])
