@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gateway.errors import GatewayError
-from gateway.stream.events import Completion, FinishReason, Segment, TokenData, ToolCall, Usage, routed_experts_of
+from gateway.stream.events import Completion, FinishReason, TokenData, ToolCall, Usage, routed_experts_of
 from gateway.stream.think_tags import Start, ThinkTagSplitter
 from gateway.stream.signatures import Seal
 from gateway.stream.tool_calls import ToolArgs, ToolCallMerger, ToolIdentified, ToolSlot, object_or_empty, parse_arguments
@@ -109,7 +109,11 @@ class ChatSSEAccumulator:
         self.text_parts: list[str] = []
         self.reasoning_parts: list[str] = []
         self.refusal_parts: list[str] = []
-        self.segments: list[Segment] = []  # reasoning/text runs in the upstream's order
+        self.spans: list[list] = []  # [kind, start, end] runs in the upstream's order (no text)
+        self._chars: dict[str, int] = {"reasoning": 0, "text": 0, "refusal": 0}  # per kind, so far
+        #: the answer once :meth:`seal` validated it; the raw pieces are released then (the
+        #: completion holds the answer once: ``text`` and ``reasoning`` read it from there)
+        self.sealed: Completion | None = None
         self.tools = ToolCallMerger(seal_signature)
         self.finish_reason: str | None = None
         self._empty_finish = False  # saw finish_reason "" (some servers' "not yet")
@@ -200,10 +204,12 @@ class ChatSSEAccumulator:
         self._retain(text)
         parts = {"reasoning": self.reasoning_parts, "refusal": self.refusal_parts}.get(kind, self.text_parts)
         parts.append(text)
-        if self.segments and self.segments[-1].kind == kind:
-            self.segments[-1].parts.append(text)
+        start = self._chars[kind]
+        end = self._chars[kind] = start + len(text)
+        if self.spans and self.spans[-1][0] == kind:
+            self.spans[-1][2] = end
         else:
-            self.segments.append(Segment(kind, [text]))
+            self.spans.append([kind, start, end])
         pieces.append(TextPiece(kind, text))
 
     def _flush_splitter(self) -> list[Piece]:
@@ -228,11 +234,20 @@ class ChatSSEAccumulator:
 
     @property
     def text(self) -> str:
-        return "".join(self.text_parts)
+        return self.sealed.text if self.sealed is not None else "".join(self.text_parts)
 
     @property
     def reasoning(self) -> str:
-        return "".join(self.reasoning_parts)
+        return self.sealed.reasoning if self.sealed is not None else "".join(self.reasoning_parts)
+
+    def arrived(self) -> tuple[list[str], ...]:
+        """What the upstream produced so far, as text, reasoning and tool-argument parts not
+        yet joined (references, no copy: the raw pieces, or once sealed the answer's own
+        strings); a request that ends without usage is charged their count."""
+        if self.sealed is not None:
+            c = self.sealed
+            return ([c.text], [c.reasoning], *([call.arguments] for call in c.tool_calls))
+        return (self.text_parts, self.reasoning_parts, *(s.parts for s in self.tools.slots))
 
     @property
     def slots(self) -> list[ToolSlot]:
@@ -240,7 +255,10 @@ class ChatSSEAccumulator:
         return self.tools.slots
 
     def seal(self) -> Completion:
-        """Validate the terminal and return the answer, or raise a GatewayError."""
+        """Validate the terminal and return the answer, or raise a GatewayError. Once valid,
+        the raw pieces are released: the answer is held once, as the completion's strings."""
+        if self.sealed is not None:
+            return self.sealed
         self._flush_splitter()  # realtime released it on the finish chunk already
         if self.finish_reason is None and self._empty_finish and self.saw_done:
             self.finish_reason = "stop"  # "" all along, then [DONE]: a complete answer
@@ -263,13 +281,15 @@ class ChatSSEAccumulator:
             finish_reason=finish,
             usage=self.usage,
             token_data=self.token_data,
-            segments=[Segment(s.kind, ["".join(s.parts)]) for s in self.segments],
+            spans=tuple((kind, start, end) for kind, start, end in self.spans),
             stop_sequence=self.stop_sequence if finish == "stop" else None,
             refusal="".join(self.refusal_parts),
         )
         if completion.usage is None and self._estimate_usage is not None:
             completion.usage = self._estimate_usage(completion)
             self.usage_estimated = True
+        self.sealed = completion
+        self.text_parts, self.reasoning_parts, self.refusal_parts = [], [], []
         return completion
 
 
