@@ -29,6 +29,7 @@ from gateway.errors import GatewayError
 from gateway.stream.events import Completion, FinishReason, TokenData, ToolCall, Usage, routed_experts_of
 from gateway.stream.think_tags import Start, ThinkTagSplitter
 from gateway.stream.signatures import Seal
+from gateway.stream.text_log import TextLog
 from gateway.stream.tool_calls import ToolArgs, ToolCallMerger, ToolIdentified, ToolSlot, object_or_empty, parse_arguments
 
 __all__ = [  # the tool-call names are re-exported: the rooms and the scheduler import them from here
@@ -106,9 +107,10 @@ class ChatSSEAccumulator:
     ) -> None:
         self.max_collect_bytes = max_collect_bytes
         self.rules = rules or ToolRules()
-        self.text_parts: list[str] = []
-        self.reasoning_parts: list[str] = []
-        self.refusal_parts: list[str] = []
+        # the output so far, held compactly (a token-sized piece is not an object of its own)
+        self.text_log = TextLog()
+        self.reasoning_log = TextLog()
+        self.refusal_log = TextLog()
         self.spans: list[list] = []  # [kind, start, end] runs in the upstream's order (no text)
         self._chars: dict[str, int] = {"reasoning": 0, "text": 0, "refusal": 0}  # per kind, so far
         #: the answer once :meth:`seal` validated it; the raw pieces are released then (the
@@ -202,8 +204,8 @@ class ChatSSEAccumulator:
 
     def _add_text(self, kind: Literal["text", "reasoning", "refusal"], text: str, pieces: list[Piece]) -> None:
         self._retain(text)
-        parts = {"reasoning": self.reasoning_parts, "refusal": self.refusal_parts}.get(kind, self.text_parts)
-        parts.append(text)
+        log = {"reasoning": self.reasoning_log, "refusal": self.refusal_log}.get(kind, self.text_log)
+        log.append(text)
         start = self._chars[kind]
         end = self._chars[kind] = start + len(text)
         if self.spans and self.spans[-1][0] == kind:
@@ -234,11 +236,20 @@ class ChatSSEAccumulator:
 
     @property
     def text(self) -> str:
-        return self.sealed.text if self.sealed is not None else "".join(self.text_parts)
+        return self.sealed.text if self.sealed is not None else self.text_log.text()
 
     @property
     def reasoning(self) -> str:
-        return self.sealed.reasoning if self.sealed is not None else "".join(self.reasoning_parts)
+        return self.sealed.reasoning if self.sealed is not None else self.reasoning_log.text()
+
+    def text_range(self, kind: str, start: int, end: int) -> str:
+        """Characters ``start`` to ``end`` of the output of ``kind`` (``text``, ``reasoning``,
+        ``refusal``): the very string when that is all of it once sealed, else a copy of
+        the range only."""
+        if self.sealed is not None:
+            whole = {"reasoning": self.sealed.reasoning, "refusal": self.sealed.refusal}.get(kind, self.sealed.text)
+            return whole[start:end]
+        return {"reasoning": self.reasoning_log, "refusal": self.refusal_log}.get(kind, self.text_log).slice(start, end)
 
     def arrived(self) -> tuple[list[str], ...]:
         """What the upstream produced so far, as text, reasoning and tool-argument parts not
@@ -247,7 +258,7 @@ class ChatSSEAccumulator:
         if self.sealed is not None:
             c = self.sealed
             return ([c.text], [c.reasoning], *([call.arguments] for call in c.tool_calls))
-        return (self.text_parts, self.reasoning_parts, *(s.parts for s in self.tools.slots))
+        return (self.text_log.chunks(), self.reasoning_log.chunks(), *(s.parts for s in self.tools.slots))
 
     @property
     def slots(self) -> list[ToolSlot]:
@@ -272,7 +283,7 @@ class ChatSSEAccumulator:
             finish = "tool_calls"
         if finish == "tool_calls" and not calls:
             raise stream_error("tool_call_invalid", "finish_reason tool_calls without any tool call")
-        if finish == "stop" and not calls and not self.text_parts and not self.refusal_parts:
+        if finish == "stop" and not calls and not self.text_log and not self.refusal_log:
             raise stream_error("empty_response", "the upstream finished without any output")
         completion = Completion(
             reasoning=self.reasoning,
@@ -283,13 +294,13 @@ class ChatSSEAccumulator:
             token_data=self.token_data,
             spans=tuple((kind, start, end) for kind, start, end in self.spans),
             stop_sequence=self.stop_sequence if finish == "stop" else None,
-            refusal="".join(self.refusal_parts),
+            refusal=self.refusal_log.text(),
         )
         if completion.usage is None and self._estimate_usage is not None:
             completion.usage = self._estimate_usage(completion)
             self.usage_estimated = True
         self.sealed = completion
-        self.text_parts, self.reasoning_parts, self.refusal_parts = [], [], []
+        self.text_log, self.reasoning_log, self.refusal_log = TextLog(), TextLog(), TextLog()
         return completion
 
 

@@ -94,11 +94,16 @@ class RealtimeAnswer(_Answer):
 
     def __init__(self, max_collect_bytes: int, rules: ToolRules, upstream_body: dict[str, Any], sequential: bool) -> None:
         super().__init__(max_collect_bytes, rules, upstream_body)
-        self.scheduler = RealtimeScheduler(sequential)
+        # a text block's stop takes its text from the accumulator: relayed text is kept once
+        self.scheduler = RealtimeScheduler(sequential, self._text_of)
 
     def handle(self, item: AnswerItem) -> list[Event]:
         pieces = self._feed(item)
         return self._masked(self.scheduler.push(pieces)) if pieces else []
+
+    def _text_of(self, kind: str, start: int, end: int) -> str:
+        assert self.acc is not None
+        return self.acc.text_range(kind, start, end)
 
     def finish(self) -> list[Event]:
         assert self.acc is not None
