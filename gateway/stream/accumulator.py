@@ -29,7 +29,7 @@ from gateway.errors import GatewayError
 from gateway.stream.events import Completion, FinishReason, TokenData, ToolCall, Usage, routed_experts_of
 from gateway.stream.think_tags import Start, ThinkTagSplitter
 from gateway.stream.signatures import Seal
-from gateway.stream.text_log import TextLog
+from gateway.stream.text_log import AnswerText
 from gateway.stream.tool_calls import ToolArgs, ToolCallMerger, ToolIdentified, ToolSlot, object_or_empty, parse_arguments
 
 __all__ = [  # the tool-call names are re-exported: the rooms and the scheduler import them from here
@@ -108,11 +108,7 @@ class ChatSSEAccumulator:
         self.max_collect_bytes = max_collect_bytes
         self.rules = rules or ToolRules()
         # the output so far, held compactly (a token-sized piece is not an object of its own)
-        self.text_log = TextLog()
-        self.reasoning_log = TextLog()
-        self.refusal_log = TextLog()
-        self.spans: list[list] = []  # [kind, start, end] runs in the upstream's order (no text)
-        self._chars: dict[str, int] = {"reasoning": 0, "text": 0, "refusal": 0}  # per kind, so far
+        self.output = AnswerText()
         #: the answer once :meth:`seal` validated it; the raw pieces are released then (the
         #: completion holds the answer once: ``text`` and ``reasoning`` read it from there)
         self.sealed: Completion | None = None
@@ -204,14 +200,7 @@ class ChatSSEAccumulator:
 
     def _add_text(self, kind: Literal["text", "reasoning", "refusal"], text: str, pieces: list[Piece]) -> None:
         self._retain(text)
-        log = {"reasoning": self.reasoning_log, "refusal": self.refusal_log}.get(kind, self.text_log)
-        log.append(text)
-        start = self._chars[kind]
-        end = self._chars[kind] = start + len(text)
-        if self.spans and self.spans[-1][0] == kind:
-            self.spans[-1][2] = end
-        else:
-            self.spans.append([kind, start, end])
+        self.output.add(kind, text)
         pieces.append(TextPiece(kind, text))
 
     def _flush_splitter(self) -> list[Piece]:
@@ -236,11 +225,11 @@ class ChatSSEAccumulator:
 
     @property
     def text(self) -> str:
-        return self.sealed.text if self.sealed is not None else self.text_log.text()
+        return self.sealed.text if self.sealed is not None else self.output.text("text")
 
     @property
     def reasoning(self) -> str:
-        return self.sealed.reasoning if self.sealed is not None else self.reasoning_log.text()
+        return self.sealed.reasoning if self.sealed is not None else self.output.text("reasoning")
 
     def text_range(self, kind: str, start: int, end: int) -> str:
         """Characters ``start`` to ``end`` of the output of ``kind`` (``text``, ``reasoning``,
@@ -249,7 +238,7 @@ class ChatSSEAccumulator:
         if self.sealed is not None:
             whole = {"reasoning": self.sealed.reasoning, "refusal": self.sealed.refusal}.get(kind, self.sealed.text)
             return whole[start:end]
-        return {"reasoning": self.reasoning_log, "refusal": self.refusal_log}.get(kind, self.text_log).slice(start, end)
+        return self.output.range(kind, start, end)
 
     def arrived(self) -> tuple[list[str], ...]:
         """What the upstream produced so far, as text, reasoning and tool-argument parts not
@@ -258,7 +247,8 @@ class ChatSSEAccumulator:
         if self.sealed is not None:
             c = self.sealed
             return ([c.text], [c.reasoning], *([call.arguments] for call in c.tool_calls))
-        return (self.text_log.chunks(), self.reasoning_log.chunks(), *(s.parts for s in self.tools.slots))
+        logs = self.output.logs
+        return (logs["text"].chunks(), logs["reasoning"].chunks(), *(s.parts for s in self.tools.slots))
 
     @property
     def slots(self) -> list[ToolSlot]:
@@ -283,7 +273,7 @@ class ChatSSEAccumulator:
             finish = "tool_calls"
         if finish == "tool_calls" and not calls:
             raise stream_error("tool_call_invalid", "finish_reason tool_calls without any tool call")
-        if finish == "stop" and not calls and not self.text_log and not self.refusal_log:
+        if finish == "stop" and not calls and not self.output.logs["text"] and not self.output.logs["refusal"]:
             raise stream_error("empty_response", "the upstream finished without any output")
         completion = Completion(
             reasoning=self.reasoning,
@@ -292,15 +282,15 @@ class ChatSSEAccumulator:
             finish_reason=finish,
             usage=self.usage,
             token_data=self.token_data,
-            spans=tuple((kind, start, end) for kind, start, end in self.spans),
+            spans=tuple((kind, start, end) for kind, start, end in self.output.spans),
             stop_sequence=self.stop_sequence if finish == "stop" else None,
-            refusal=self.refusal_log.text(),
+            refusal=self.output.text("refusal"),
         )
         if completion.usage is None and self._estimate_usage is not None:
             completion.usage = self._estimate_usage(completion)
             self.usage_estimated = True
         self.sealed = completion
-        self.text_log, self.reasoning_log, self.refusal_log = TextLog(), TextLog(), TextLog()
+        self.output = AnswerText()
         return completion
 
 

@@ -6,10 +6,13 @@ of its characters: ~17 times the text for 4-character pieces, per holder. A stal
 makes a realtime stream hold what it has relayed so far, so that was the cost of a slow
 reader. A :class:`TextLog` joins small pieces into chunks as they come (amortised linear:
 each character is copied once more) and keeps a large piece as it is (the same string
-object its other holders have: no copy). Pure, no I/O.
+object its other holders have: no copy). :class:`AnswerText` is what the accumulator keeps
+of an answer: a log per kind and the runs as ranges of them. Pure, no I/O.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 #: A piece at least this long is kept as it is (shared, not copied).
 SHARED_CHARS = 1024
@@ -76,3 +79,30 @@ class TextLog:
 
     def __len__(self) -> int:
         return self.chars
+
+
+class AnswerText:
+    """An answer's text as it arrives: one :class:`TextLog` per kind (``reasoning``,
+    ``text``, ``refusal``) and its runs in the upstream's order as (kind, start, end)
+    ranges of those (thinking, text, thinking, text are four runs, no text of their own)."""
+
+    __slots__ = ("logs", "spans")
+
+    def __init__(self) -> None:
+        self.logs: dict[str, TextLog] = {"reasoning": TextLog(), "text": TextLog(), "refusal": TextLog()}
+        self.spans: list[list[Any]] = []  # [kind, start, end], the last one growing
+
+    def add(self, kind: str, text: str) -> None:
+        log = self.logs[kind]
+        start = len(log)
+        log.append(text)
+        if self.spans and self.spans[-1][0] == kind:
+            self.spans[-1][2] = len(log)
+        else:
+            self.spans.append([kind, start, len(log)])
+
+    def text(self, kind: str) -> str:
+        return self.logs[kind].text()
+
+    def range(self, kind: str, start: int, end: int) -> str:
+        return self.logs[kind].slice(start, end)

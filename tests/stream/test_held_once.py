@@ -96,7 +96,7 @@ def test_a_sealed_answer_is_held_once_and_its_raw_pieces_released() -> None:
     completion = acc.sealed
     assert len(completion.text) == size // 4096 * 4096
     assert held < 1.2 * size  # was ~3x: the raw pieces, the text, the run joined again
-    assert not acc.text_log  # the raw pieces went with the seal
+    assert not acc.output.logs["text"]  # the raw pieces went with the seal
     assert acc.text is completion.text  # read from the answer: no copy
     assert acc.arrived()[0][0] is completion.text  # what a cut request is charged: the same string
     assert acc.seal() is completion
