@@ -8,7 +8,7 @@ the source tree given by ``--repo`` (default: this one, so the same script measu
 
 1. idle: one whole streamed answer as warm-up; VmRSS of the gateway;
 2. opens ``--readers`` streams (Chat Completions, ``stream: true``) of a large, fast answer
-   (``large;size=<--answer-bytes>;chunk=4096``); each reads its response headers and at
+   (``large;size=<--answer-bytes>;chunk=<--chunk>``, 4096 by default); each reads its response headers and at
    most ``--read-bytes`` of the body, then stops reading for ``--stall`` seconds;
 3. samples the gateway's VmRSS every second; at the end: its growth over idle and per
    reader, the bytes the simulator wrote, the bytes the clients read;
@@ -86,7 +86,7 @@ async def whole_answer(port: int, model: str) -> int:
 
 
 async def phase(args: argparse.Namespace, gateway: Server, simulator: Server) -> dict[str, Any]:
-    model = f"large;size={args.answer_bytes};chunk=4096"
+    model = f"large;size={args.answer_bytes};chunk={args.chunk}"
     read: list[int] = []
     held: list[asyncio.StreamWriter] = []
     sent_before = await sent_bytes(simulator)
@@ -157,6 +157,7 @@ def main() -> int:
     parser.add_argument("--label", default="branch")
     parser.add_argument("--readers", type=int, default=200)
     parser.add_argument("--answer-bytes", type=int, default=2_000_000, help="text bytes of each answer")
+    parser.add_argument("--chunk", type=int, default=4096, help="text characters per upstream chunk (engines: ~4, a token)")
     parser.add_argument("--read-bytes", type=int, default=400, help="body bytes each client reads before it stalls")
     parser.add_argument("--stall", type=float, default=30.0, help="seconds the readers stay stalled")
     args, serve_args = parser.parse_known_args()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -72,7 +72,7 @@ SCHEMAS = Offload("schemas", workers=2, max_pending=64)
 REPAIR_WAIT = REPAIR_SECONDS + 10
 
 
-async def finish_answer(answer: RealtimeAnswer | CompatibleAnswer) -> list[Event]:
+async def finish_answer(answer: RealtimeAnswer | CompatibleAnswer) -> Iterable[Event]:
     """``answer.finish()``; in a worker thread when it may validate tool-call arguments
     against a client schema. With no worker free the local repair is skipped (regenerate or
     fail, as when it cannot be done), never waited for without bound."""

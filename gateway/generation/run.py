@@ -24,7 +24,7 @@ The run never writes the request's outcome: it exposes :attr:`completion` and
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import orjson
@@ -150,7 +150,7 @@ class GenerationRun(AnswerReader):
         the final frames. The JSON path gets no keepalives and encodes nothing."""
         answer = self.answer
         body = answer.begin()
-        events: list[Event] = []
+        events: Iterable[Event] = []
         repair = answer.repair
         while body is not None:
             began, logged = time.time(), len(repair.log) if repair is not None else 0
@@ -169,14 +169,17 @@ class GenerationRun(AnswerReader):
             await self.before_release(self)
         if streaming:
             pending = bytearray(self._commit())
-            for event in events[:-1]:  # a compatible replay: written a bounded piece at a time
-                pending += self._encode_all([event])
+            last: list[Event] = []  # the terminal goes out below, after the answer is stored
+            for event in events:  # a compatible replay (lazy): written a bounded piece at a time
+                if last:
+                    pending += self._encode_all(last)
+                last = [event]
                 if len(pending) >= REPLAY_WRITE_BYTES:
                     yield bytes(pending)  # resumed once the server took it (its send waits on a full buffer)
                     pending.clear()
                     if self._aborted is not None:
                         raise self._aborted
-            out = bytes(pending) + self._encode_all(events[-1:])
+            out = bytes(pending) + self._encode_all(last)
             # kept before the terminal goes out: a client that reads it and at once continues
             # (previous_response_id) or hangs up finds the answer stored, never half-done
             assert self.completion is not None

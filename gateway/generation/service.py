@@ -191,7 +191,7 @@ def _arrived(run: GenerationRun | None) -> Arrived | None:
         return Arrived()  # the upstream never answered: it generated nothing
     reported = acc.usage.total_tokens if acc.usage is not None and not acc.usage_estimated else 0
     body = run.answer.bodies[-1] if run.answer.bodies else run.upstream_body
-    return Arrived(reported, body, (acc.text_parts, acc.reasoning_parts, *(s.parts for s in acc.tools.slots)))
+    return Arrived(reported, body, acc.arrived())
 
 
 def _open_record(room: ProtocolRoom, transport: str, policy: StreamPolicy) -> RequestRecord:

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gateway.errors import GatewayError
-from gateway.stream.events import Completion, FinishReason, Segment, TokenData, ToolCall, Usage, routed_experts_of
+from gateway.stream.events import Completion, FinishReason, TokenData, ToolCall, Usage, routed_experts_of
 from gateway.stream.think_tags import Start, ThinkTagSplitter
 from gateway.stream.signatures import Seal
+from gateway.stream.text_log import AnswerText
 from gateway.stream.tool_calls import ToolArgs, ToolCallMerger, ToolIdentified, ToolSlot, object_or_empty, parse_arguments
 
 __all__ = [  # the tool-call names are re-exported: the rooms and the scheduler import them from here
@@ -106,10 +107,11 @@ class ChatSSEAccumulator:
     ) -> None:
         self.max_collect_bytes = max_collect_bytes
         self.rules = rules or ToolRules()
-        self.text_parts: list[str] = []
-        self.reasoning_parts: list[str] = []
-        self.refusal_parts: list[str] = []
-        self.segments: list[Segment] = []  # reasoning/text runs in the upstream's order
+        # the output so far, held compactly (a token-sized piece is not an object of its own)
+        self.output = AnswerText()
+        #: the answer once :meth:`seal` validated it; the raw pieces are released then (the
+        #: completion holds the answer once: ``text`` and ``reasoning`` read it from there)
+        self.sealed: Completion | None = None
         self.tools = ToolCallMerger(seal_signature)
         self.finish_reason: str | None = None
         self._empty_finish = False  # saw finish_reason "" (some servers' "not yet")
@@ -198,12 +200,7 @@ class ChatSSEAccumulator:
 
     def _add_text(self, kind: Literal["text", "reasoning", "refusal"], text: str, pieces: list[Piece]) -> None:
         self._retain(text)
-        parts = {"reasoning": self.reasoning_parts, "refusal": self.refusal_parts}.get(kind, self.text_parts)
-        parts.append(text)
-        if self.segments and self.segments[-1].kind == kind:
-            self.segments[-1].parts.append(text)
-        else:
-            self.segments.append(Segment(kind, [text]))
+        self.output.add(kind, text)
         pieces.append(TextPiece(kind, text))
 
     def _flush_splitter(self) -> list[Piece]:
@@ -228,11 +225,30 @@ class ChatSSEAccumulator:
 
     @property
     def text(self) -> str:
-        return "".join(self.text_parts)
+        return self.sealed.text if self.sealed is not None else self.output.text("text")
 
     @property
     def reasoning(self) -> str:
-        return "".join(self.reasoning_parts)
+        return self.sealed.reasoning if self.sealed is not None else self.output.text("reasoning")
+
+    def text_range(self, kind: str, start: int, end: int) -> str:
+        """Characters ``start`` to ``end`` of the output of ``kind`` (``text``, ``reasoning``,
+        ``refusal``): the very string when that is all of it once sealed, else a copy of
+        the range only."""
+        if self.sealed is not None:
+            whole = {"reasoning": self.sealed.reasoning, "refusal": self.sealed.refusal}.get(kind, self.sealed.text)
+            return whole[start:end]
+        return self.output.range(kind, start, end)
+
+    def arrived(self) -> tuple[list[str], ...]:
+        """What the upstream produced so far, as text, reasoning and tool-argument parts not
+        yet joined (references, no copy: the raw pieces, or once sealed the answer's own
+        strings); a request that ends without usage is charged their count."""
+        if self.sealed is not None:
+            c = self.sealed
+            return ([c.text], [c.reasoning], *([call.arguments] for call in c.tool_calls))
+        logs = self.output.logs
+        return (logs["text"].chunks(), logs["reasoning"].chunks(), *(s.parts for s in self.tools.slots))
 
     @property
     def slots(self) -> list[ToolSlot]:
@@ -240,7 +256,10 @@ class ChatSSEAccumulator:
         return self.tools.slots
 
     def seal(self) -> Completion:
-        """Validate the terminal and return the answer, or raise a GatewayError."""
+        """Validate the terminal and return the answer, or raise a GatewayError. Once valid,
+        the raw pieces are released: the answer is held once, as the completion's strings."""
+        if self.sealed is not None:
+            return self.sealed
         self._flush_splitter()  # realtime released it on the finish chunk already
         if self.finish_reason is None and self._empty_finish and self.saw_done:
             self.finish_reason = "stop"  # "" all along, then [DONE]: a complete answer
@@ -254,7 +273,7 @@ class ChatSSEAccumulator:
             finish = "tool_calls"
         if finish == "tool_calls" and not calls:
             raise stream_error("tool_call_invalid", "finish_reason tool_calls without any tool call")
-        if finish == "stop" and not calls and not self.text_parts and not self.refusal_parts:
+        if finish == "stop" and not calls and not self.output.logs["text"] and not self.output.logs["refusal"]:
             raise stream_error("empty_response", "the upstream finished without any output")
         completion = Completion(
             reasoning=self.reasoning,
@@ -263,13 +282,15 @@ class ChatSSEAccumulator:
             finish_reason=finish,
             usage=self.usage,
             token_data=self.token_data,
-            segments=[Segment(s.kind, ["".join(s.parts)]) for s in self.segments],
+            spans=tuple((kind, start, end) for kind, start, end in self.output.spans),
             stop_sequence=self.stop_sequence if finish == "stop" else None,
-            refusal="".join(self.refusal_parts),
+            refusal=self.output.text("refusal"),
         )
         if completion.usage is None and self._estimate_usage is not None:
             completion.usage = self._estimate_usage(completion)
             self.usage_estimated = True
+        self.sealed = completion
+        self.output = AnswerText()
         return completion
 
 

@@ -15,7 +15,8 @@ loop::
   the terminal and closes the blocks. One upstream answer.
 - :class:`CompatibleAnswer`: collects silently; ``finish`` lets the
   :class:`~gateway.stream.repair.RepairPolicy` decide (valid, repaired locally,
-  regenerate, or fail) and, once valid, returns the replay of the whole answer.
+  regenerate, or fail) and, once valid, returns the replay of the whole answer (lazy:
+  an iterator the loop writes a bounded piece at a time).
 
 The byte budget spans every attempt of a request: each new accumulator starts from the
 bytes retained so far.
@@ -23,7 +24,7 @@ bytes retained so far.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from gateway.stream.accumulator import ChatSSEAccumulator, ToolRules, UsageEstimator
@@ -93,11 +94,16 @@ class RealtimeAnswer(_Answer):
 
     def __init__(self, max_collect_bytes: int, rules: ToolRules, upstream_body: dict[str, Any], sequential: bool) -> None:
         super().__init__(max_collect_bytes, rules, upstream_body)
-        self.scheduler = RealtimeScheduler(sequential)
+        # a text block's stop takes its text from the accumulator: relayed text is kept once
+        self.scheduler = RealtimeScheduler(sequential, self._text_of)
 
     def handle(self, item: AnswerItem) -> list[Event]:
         pieces = self._feed(item)
         return self._masked(self.scheduler.push(pieces)) if pieces else []
+
+    def _text_of(self, kind: str, start: int, end: int) -> str:
+        assert self.acc is not None
+        return self.acc.text_range(kind, start, end)
 
     def finish(self) -> list[Event]:
         assert self.acc is not None
@@ -118,11 +124,14 @@ class CompatibleAnswer(_Answer):
         self._feed(item)
         return []
 
-    def finish(self) -> list[Event]:
+    def finish(self) -> Iterable[Event]:
+        """Once valid: the replay, lazily (one event at a time as the caller takes them;
+        the accumulator released its raw pieces when it sealed); else nothing."""
         assert self.acc is not None
         decided = self.repair.decide(self.acc, len(self.bodies) - 1)
         if isinstance(decided, Completion):
             self.completion = decided
-            return self._masked(replay(decided))
+            events = replay(decided)
+            return self.masker.stream(events) if self.masker is not None else events
         self._next = decided  # regenerate: begin() hands it out
         return []

@@ -10,6 +10,7 @@ open block at a time; the Chat encoder may see interleaved tool deltas.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -67,12 +68,17 @@ class ToolCall:
     thought_signature: str | None = None  # Gemini's, to send back with the call
 
 
+RunKind = Literal["reasoning", "text", "refusal"]
+#: one run of an answer: (kind, start, end) in that kind's whole text
+Span = tuple[RunKind, int, int]
+
+
 @dataclass(slots=True)
 class Segment:
     """One run of reasoning or text, in the upstream's order (reasoning may resume after
     text: thinking, text, thinking, text are four segments)."""
 
-    kind: Literal["reasoning", "text", "refusal"]
+    kind: RunKind
     parts: list[str]
 
     @property
@@ -90,16 +96,26 @@ class Completion:
     finish_reason: FinishReason
     usage: Usage | None = None
     token_data: TokenData | None = None
-    segments: list[Segment] | None = None  # None: one reasoning run, then one text run
+    #: the runs in the upstream's order, each a (kind, start, end) range of that kind's whole
+    #: text (``reasoning``, ``text`` or ``refusal``): the answer is held once, never again per
+    #: run. None: one reasoning run, then one text run, then one refusal run
+    spans: tuple[Span, ...] | None = None
     stop_sequence: str | None = None  # the stop string that ended it, when the upstream said
     refusal: str = ""  # what the model said as a refusal (Chat ``refusal``: structured outputs)
 
     def runs(self) -> list[Segment]:
-        """Reasoning and text runs in the order they were produced."""
-        if self.segments is not None:
-            return [s for s in self.segments if s.text]
-        runs = [Segment("reasoning", [self.reasoning]), Segment("text", [self.text]), Segment("refusal", [self.refusal])]
-        return [s for s in runs if s.text]
+        """Reasoning and text runs in the order they were produced (a run that is its
+        kind's whole text is that very string, not a copy)."""
+        return [Segment(kind, [source[start:end]]) for kind, source, start, end in self.run_ranges()]
+
+    def run_ranges(self) -> Iterator[tuple[RunKind, str, int, int]]:
+        """The non-empty runs in order as (kind, that kind's whole text, start, end): a
+        reader can take the run a piece at a time without a copy of it."""
+        sources: dict[RunKind, str] = {"reasoning": self.reasoning, "text": self.text, "refusal": self.refusal}
+        order = self.spans if self.spans is not None else tuple((k, 0, len(s)) for k, s in sources.items())
+        for kind, start, end in order:
+            if end > start:
+                yield kind, sources[kind], start, end
 
 
 @dataclass(slots=True)

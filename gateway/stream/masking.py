@@ -16,6 +16,7 @@ live :data:`gateway.redact.SECRETS`); no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 from gateway.stream.events import BlockDelta, BlockStop, Event
@@ -38,21 +39,23 @@ class DeltaMasker:
     def feed(self, events: list[Event]) -> list[Event]:
         if not events:
             return events
-        out: list[Event] = []
+        return list(self.stream(events))
+
+    def stream(self, events: Iterable[Event]) -> Iterator[Event]:
+        """:meth:`feed`, lazily: each event masked as it is taken (a compatible replay)."""
         for event in events:
             if isinstance(event, BlockDelta):
                 delta = self._delta(event)
                 if delta is not None:
-                    out.append(delta)
+                    yield delta
             elif isinstance(event, BlockStop):
                 rest = self._held.pop(event.index, "")
                 if rest:
-                    out.append(BlockDelta(event.index, event.kind, rest))
+                    yield BlockDelta(event.index, event.kind, rest)
                 content = self.secrets.mask(event.content) if event.content else event.content
-                out.append(event if content is event.content else BlockStop(event.index, event.kind, content))
+                yield event if content is event.content else BlockStop(event.index, event.kind, content)
             else:
-                out.append(event)
-        return out
+                yield event
 
     def _delta(self, event: BlockDelta) -> BlockDelta | None:
         held = self._held.pop(event.index, "")

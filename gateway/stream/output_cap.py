@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from gateway.stream.text_log import TextLog
+
 #: The delta fields whose text is generated output, in the order the accumulator reads
 #: them (``reasoning`` only when ``reasoning_content`` is absent, as it reads them).
 _TEXT_FIELDS = ("reasoning_content", "reasoning", "content", "refusal")
@@ -38,7 +40,7 @@ class OutputCap:
         self.reached = False
         self.tokens = 0  # counted output so far (exact per piece once counting started)
         self._bytes = 0  # UTF-8 bytes of output so far: an upper bound of its tokens
-        self._seen: list[str] = []  # the output pieces so far
+        self._seen = TextLog()  # the output so far (compact: pieces are about a token each)
         self._since = 0  # per-piece counts since ``tokens`` was counted exactly (>= their joined count)
         self._counting = False
         self._last: dict[str, Any] = {}
@@ -123,24 +125,25 @@ class OutputCap:
         """Count one piece; None when it fits whole, else the prefix of it that fits."""
         if not self._counting:
             self._bytes += len(text.encode("utf-8", "surrogatepass"))
-            self._seen.append(text)
             if self._bytes <= self.cap:
+                self._seen.append(text)
                 return None
             self._counting = True
-            self.tokens = self.count("".join(self._seen))
+            self.tokens = self.count(self._seen.text() + text)
             self._since = 0
             if self.tokens <= self.cap:
+                self._seen.append(text)
                 return None
         else:
-            self._seen.append(text)
             self._since += self.count(text)
             if self.tokens + self._since <= self.cap:  # an upper bound: no exact count needed
+                self._seen.append(text)
                 return None
-            self.tokens, self._since = self.count("".join(self._seen)), 0
+            self.tokens, self._since = self.count(self._seen.text() + text), 0
             if self.tokens <= self.cap:
+                self._seen.append(text)
                 return None
-        self._seen.pop()
-        before = "".join(self._seen)
+        before = self._seen.text()
         kept = self._prefix_within(before, text)
         self.tokens = self.count(before + kept)
         self.reached = True

@@ -18,6 +18,7 @@ never waits for a tool.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import jiter
@@ -34,6 +35,7 @@ from gateway.stream.events import (
     Usage,
 )
 from gateway.stream.events import FinishReason
+from gateway.stream.text_log import TextLog
 
 
 #: Beyond this many characters of arguments the prefix check is skipped (it reparses the
@@ -69,17 +71,29 @@ class _Block:
     kind: BlockKind
     slot: ToolSlot | None = None
     index: int = -1  # assigned when started
-    parts: list[str] = field(default_factory=list)  # text blocks: everything so far
+    parts: TextLog = field(default_factory=TextLog)  # text blocks, without a text source: what was sent
     held: list[str] = field(default_factory=list)  # text of a held block, not yet sent
+    start: int = -1  # text blocks: the range of their kind's text they carry (start, end)
+    end: int = 0
     blocked: bool = False  # tool arguments stopped being a JSON object prefix: send no more
     stopped: bool = False
 
 
-class RealtimeScheduler:
-    """Pieces in, block events out; no I/O."""
+#: (kind, start, end) -> those characters of the answer's text of that kind
+TextSource = Callable[[str, int, int], str]
 
-    def __init__(self, sequential: bool) -> None:
+
+class RealtimeScheduler:
+    """Pieces in, block events out; no I/O.
+
+    A text block's stop carries its whole text. With ``text_of`` (the accumulator that
+    keeps the answer anyway) the scheduler keeps only each block's range of its kind's
+    text, not a second copy of what it sent; without, it keeps the text itself."""
+
+    def __init__(self, sequential: bool, text_of: TextSource | None = None) -> None:
         self.sequential = sequential
+        self.text_of = text_of
+        self._chars: dict[str, int] = {}  # per kind: characters of text pushed so far
         self._next_index = 0
         self._open: list[_Block] = []  # started, not stopped (at most one when sequential)
         self._held: list[_Block] = []  # sequential only: waiting for the open tool to finish
@@ -119,32 +133,44 @@ class RealtimeScheduler:
     # -- cases -------------------------------------------------------------------------
 
     def _text(self, piece: TextPiece, out: list[Event]) -> None:
-        if not self.sequential:
-            block = next((b for b in self._open if b.kind == piece.kind), None)
-            if block is None:
-                block = _Block(piece.kind)
-                self._start(block, out)
+        start = self._chars.get(piece.kind, 0)
+        end = self._chars[piece.kind] = start + len(piece.text)
+        block, now = self._text_block(piece.kind, out)
+        if block.start < 0:
+            block.start = start
+        block.end = end  # a kind's pieces go to its blocks in order: each block is one range
+        if now:
             self._send(block, piece.text, out)
-            return
+        else:
+            block.held.append(piece.text)
+
+    def _text_block(self, kind: BlockKind, out: list[Event]) -> tuple[_Block, bool]:
+        """The block a text piece of ``kind`` goes to (started if need be), and whether it
+        is sent now (else held)."""
+        if not self.sequential:
+            block = next((b for b in self._open if b.kind == kind), None)
+            if block is None:
+                block = _Block(kind)
+                self._start(block, out)
+            return block, True
         if self._held:
             last = self._held[-1]
-            if last.kind != piece.kind:
-                last = _Block(piece.kind)
+            if last.kind != kind:
+                last = _Block(kind)
                 self._held.append(last)
-            last.held.append(piece.text)
-            return
+            return last, False
         active = self._open[0] if self._open else None
-        if active is not None and active.kind == piece.kind:
-            self._send(active, piece.text, out)
-            return
+        if active is not None and active.kind == kind:
+            return active, True
         if active is not None and active.kind == "tool" and not self._tool_done(active):
-            self._held.append(_Block(piece.kind, held=[piece.text]))
-            return
+            block = _Block(kind)
+            self._held.append(block)
+            return block, False
         if active is not None:
             self._stop(active, out)
-        block = _Block(piece.kind)
+        block = _Block(kind)
         self._start(block, out)
-        self._send(block, piece.text, out)
+        return block, True
 
     def _tool_identified(self, slot: ToolSlot, out: list[Event]) -> None:
         block = _Block("tool", slot=slot)
@@ -227,7 +253,8 @@ class RealtimeScheduler:
         )
 
     def _send(self, block: _Block, text: str, out: list[Event]) -> None:
-        block.parts.append(text)
+        if self.text_of is None:
+            block.parts.append(text)
         out.append(BlockDelta(block.index, block.kind, text))
 
     def _send_args(self, block: _Block, out: list[Event]) -> None:
@@ -252,5 +279,8 @@ class RealtimeScheduler:
             for text in block.held:
                 self._send(block, text, out)
             block.held.clear()
-            content = "".join(block.parts)
+            if self.text_of is None or block.start < 0:
+                content = block.parts.text()
+            else:
+                content = self.text_of(block.kind, block.start, block.end)
         out.append(BlockStop(block.index, block.kind, content))

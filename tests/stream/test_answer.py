@@ -61,7 +61,8 @@ def test_compatible_collects_silently_then_replays() -> None:
     answer = compatible()
     answer.begin()
     assert answer.handle(text("Hi", "stop")) == [] and answer.handle(DONE) == []
-    assert answer.finish() == [BlockStart(0, "text"), BlockDelta(0, "text", "Hi"), BlockStop(0, "text", "Hi"), Finish("stop", None)]
+    assert list(answer.finish()) == [BlockStart(0, "text"), BlockDelta(0, "text", "Hi"), BlockStop(0, "text", "Hi"),
+                                     Finish("stop", None)]
     assert answer.begin() is None and answer.repair.log == []
 
 
@@ -74,7 +75,7 @@ def test_compatible_regenerates_an_unrepairable_call_then_accepts_the_valid_one(
     assert retry is not None and REPAIR_MARKER in retry["messages"][-1]["content"]
     assert retry["messages"][:-1] == BODY["messages"]  # the original body is untouched
     answer.handle(tool('{"city": "Paris"}'))
-    events = answer.finish()
+    events = list(answer.finish())
     assert isinstance(events[-1], Finish) and events[-1].finish_reason == "tool_calls"
     assert [(r["kind"], r["outcome"]) for r in answer.repair.log] == [("original", "invalid"), ("regenerate", "valid")]
     assert len(answer.bodies) == 2

@@ -250,7 +250,7 @@ def test_replay_keeps_the_upstream_order_of_reasoning_and_text_then_tools() -> N
     for c in [tool(0, "c", "a", "{}"), chunk({"content": "t"}), chunk({"reasoning_content": "r"}),
               chunk({"content": "u"}), chunk({"reasoning_content": "s", "content": "v"}), chunk({}, "tool_calls")]:
         acc.feed(c)
-    events = replay(acc.seal())
+    events = list(replay(acc.seal()))
     check_sequential(events)
     starts = [e.kind for e in events if isinstance(e, BlockStart)]
     assert starts == ["text", "reasoning", "text", "reasoning", "text", "tool"]

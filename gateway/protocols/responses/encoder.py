@@ -33,6 +33,7 @@ from gateway.protocols.responses.items import (
 from gateway.protocols.responses.streamed_response import StreamedResponse
 from gateway.protocols.responses.tools import ToolMap
 from gateway.stream.events import BlockDelta, BlockStart, BlockStop, Error, Event, Finish, Keepalive, TokenLogprobs
+from gateway.stream.text_log import TextLog
 
 # -- the stream encoder -------------------------------------------------------------------
 
@@ -60,7 +61,7 @@ class ResponsesEncoder:
         #: A compaction turn: the answer's text becomes one compaction item, nothing else.
         self.compaction = compaction
         self._summary: list[str] = []
-        self._parts: dict[int, list[str]] = {}  # output index -> the text streamed for it
+        self._parts: dict[int, TextLog] = {}  # output index -> the text streamed for it (compact)
         #: client-executed tool calls (custom, shell, apply_patch, ...): their own items
         self._client_calls = ClientCallEvents(self.response, tool_map, self._finish_item)
         self._open: int | None = None
@@ -127,7 +128,7 @@ class ResponsesEncoder:
         out = self._close_open("completed")
         index = event.index
         self._open = index
-        self._parts[index] = []
+        self._parts[index] = TextLog()
         if event.kind in ("text", "refusal"):
             item = message_item(new_id("msg_"), None, "in_progress")
             if event.kind == "refusal":
@@ -187,18 +188,18 @@ class ResponsesEncoder:
     def _close_open(self, status: str) -> bytes:
         if self._open is None:
             return b""
-        return self._stop(self._open, "".join(self._parts[self._open]), status)
+        return self._stop(self._open, self._parts[self._open].text(), status)
 
     def _stop(self, index: int, content: str, status: str) -> bytes:
         if index not in self.response.items or index in self.response.done:
             return b""
         if index in self._client_calls:
-            return self._client_calls.stop(index, content or "".join(self._parts[index]), status)
+            return self._client_calls.stop(index, content or self._parts[index].text(), status)
         out = b""
-        sent = "".join(self._parts[index])
+        sent = self._parts[index].text()
         if content != sent and content.startswith(sent):
             out += self._delta(index, content[len(sent) :])  # keep deltas and final in agreement
-        text = "".join(self._parts[index])
+        text = self._parts[index].text()
         item = self.response.items[index]
         refusal = index in self._refusals
         logprobs = None
