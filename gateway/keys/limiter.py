@@ -75,6 +75,8 @@ RESERVE_TIMEOUT = 2.0
 SETTLE_TIMEOUT = 10.0
 #: Seconds one lease renewal may take.
 RENEW_TIMEOUT = 5.0
+#: Seconds a key's next reservation waits, at most, for the key's settlements under way.
+SETTLED_WAIT = 2.0
 
 
 def input_bound(body: dict[str, Any]) -> int:
@@ -187,6 +189,7 @@ class KeyLimiter:
         self._open: set[str] = set()
         self.full_windows = FullWindows()  # keys past their rpm: refused without the store
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._settling: dict[str, set[asyncio.Task[Any]]] = {}  # key id -> its settlements under way
         #: settlements neither stored nor journaled (their reservations wait for the lease)
         self.unsettled = 0
         self.leases = Refresher("client-key-leases", self._renew, renew_every, RENEW_TIMEOUT)
@@ -213,6 +216,7 @@ class KeyLimiter:
             raise GatewayError("permission", "model_not_priced",
                                f"this API key has a budget in money (budget_cost) and the model {parsed.model!r} has no "
                                "price in the gateway's --config", param="model")
+        await self._settled(key)
         grant = await self._decide(key, request_id,
                                    lambda: store.admit(self.db, key, request_id, ask_of(key, parsed, policy, price)))
         self._open.add(request_id)
@@ -286,9 +290,30 @@ class KeyLimiter:
         price = self.price(record.model) if money else None  # only a money budget needs the cost
         if record.request_id in self._open:
             self._open.discard(record.request_id)
-            self._spawn(self._settle(store.SETTLE_KIND, (record.request_id,), used, charge, record, price))
+            task = self._spawn(self._settle(store.SETTLE_KIND, (record.request_id,), used, charge, record, price))
+            if key is not None:
+                self._settling.setdefault(key.key_id, set()).add(task)
+                task.add_done_callback(lambda t, key_id=key.key_id: self._forget_settling(key_id, t))
         elif key is not None and not key.limits.counted and record.outcome not in ("refused", "invalid"):
             self._spawn(self._settle(store.COUNT_KIND, (record.request_id, key.key_id), used, charge, record, price))
+
+    async def _settled(self, key: ManagedKey) -> None:
+        """The key's settlements under way, done (at most :data:`SETTLED_WAIT`): a client
+        that sends its next request as soon as the last answer ends must find that answer
+        settled to its usage, not still holding its reservation (input bound + max_tokens),
+        else it is refused for tokens it never used (seen at load 20: a settlement's store
+        write lagged the next request). Past the bound the reservation decides on what is
+        stored, as before."""
+        pending = self._settling.get(key.key_id)
+        if pending:
+            await asyncio.wait(set(pending), timeout=SETTLED_WAIT)
+
+    def _forget_settling(self, key_id: str, task: asyncio.Task[Any]) -> None:
+        pending = self._settling.get(key_id)
+        if pending is not None:
+            pending.discard(task)
+            if not pending:
+                del self._settling[key_id]
 
     async def _settle(self, kind: str, head: tuple[Any, ...], used: int, charge: Arrived | None,
                       record: RequestRecord, price: ModelPrice | None) -> None:
@@ -315,10 +340,11 @@ class KeyLimiter:
             self.unsettled += 1
             log.error("client_key_settlement_lost", kind=kind, request_id=row[0], result=result)
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def aclose(self) -> None:
         """At shutdown: stop renewing, let the settlements under way finish (each is

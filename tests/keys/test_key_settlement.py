@@ -19,6 +19,7 @@ import pytest
 
 from gateway.generation.record import RequestRecord
 from gateway.keys import store
+from gateway.keys import limiter as limiter_module
 from gateway.keys.limiter import KeyLimiter
 from gateway.store.db import Store, open_database
 from gateway.store.spill import DurableWriter, SpillJournal
@@ -164,6 +165,54 @@ async def test_the_limiter_renews_the_leases_of_its_running_requests_and_only_th
     await asyncio.sleep(1.1)
     assert store.reserve(db, key, "other", 0) is None and state(db, "running")[:2] == (0, 1)
     await durable.aclose()
+
+
+class HeldDurable:
+    """A real durable writer whose writes wait until ``release`` is set (a store write that
+    lags, as on a loaded machine)."""
+
+    def __init__(self, inner: DurableWriter) -> None:
+        self.inner = inner
+        self.release = asyncio.Event()
+
+    async def write(self, kind: str, rows: list[Any]) -> str:
+        await self.release.wait()
+        return await self.inner.write(kind, rows)
+
+
+async def test_a_keys_next_reservation_waits_for_its_last_settlement(
+    db: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that asks again as soon as its answer ends finds that answer settled to
+    what it used, not still holding its reservation; a settlement that never comes holds
+    the next one only ``SETTLED_WAIT``."""
+    inner = DurableWriter(db, SpillJournal(tmp_path / "spill", 1 << 20), store.statements(db))
+    held = HeldDurable(inner)
+    limiter = KeyLimiter(db, held)  # type: ignore[arg-type]
+    key = make_key(db, daily_tokens=1000)
+    assert store.reserve(db, key, "first", 900) is None
+    limiter._open.add("first")  # as admit() leaves it
+    limiter.finished(key, record("first", key.key_id, 50))  # its settlement lags
+    waiting = asyncio.ensure_future(limiter._settled(key))
+    await asyncio.sleep(0.2)
+    assert not waiting.done() and state(db, "first") == (1, 0, 900, 0)  # still holding 900
+    held.release.set()
+    async with asyncio.timeout(30):
+        await waiting
+    assert state(db, "first") == (0, 0, 900, 50)
+    assert store.reserve(db, key, "second", 900) is None  # 50 + 900 fit the 1,000 now
+    # a settlement that never comes: the next reservation goes on after the bound
+    monkeypatch.setattr(limiter_module, "SETTLED_WAIT", 0.1)
+    held.release.clear()
+    limiter._open.add("second")
+    limiter.finished(key, record("second", key.key_id, 40))
+    async with asyncio.timeout(30):
+        await limiter._settled(key)
+    assert state(db, "second") == (1, 0, 900, 0)
+    held.release.set()
+    await limiter.aclose()
+    assert state(db, "second") == (0, 0, 900, 40) and not limiter._settling
+    await inner.aclose()
 
 
 def test_a_store_out_during_settlement_through_the_gateway_leaks_nothing_and_loses_no_usage(
