@@ -87,6 +87,25 @@ class ToolRules:
     parallel: bool = True
 
 
+def validated_terminal(finish_reason: str | None, slots: list[ToolSlot], rules: ToolRules,
+                       has_output: bool) -> tuple[FinishReason, list[ToolCall]]:
+    """The answer's finish and its validated tool calls, or the GatewayError that says why
+    the terminal is not a complete answer (no finish_reason, a tool call that is not one,
+    ``tool_calls`` without any, nothing at all)."""
+    if finish_reason is None:
+        raise stream_error("upstream_incomplete", "the upstream ended without a finish_reason")
+    finish = FINISH_MAP.get(finish_reason, "stop")
+    calls = [validate_tool_slot(slot, rules) for slot in slots]
+    check_tool_rules(calls, rules)
+    if calls and finish == "stop":
+        finish = "tool_calls"
+    if finish == "tool_calls" and not calls:
+        raise stream_error("tool_call_invalid", "finish_reason tool_calls without any tool call")
+    if finish == "stop" and not calls and not has_output:
+        raise stream_error("empty_response", "the upstream finished without any output")
+    return finish, calls
+
+
 class ChatSSEAccumulator:
     """Fed the upstream's Chat Completions stream one parsed SSE chunk dict at a time
     (``feed``; the SSE framing and JSON parsing happen in the upstream client): merges the
@@ -263,18 +282,9 @@ class ChatSSEAccumulator:
         self._flush_splitter()  # realtime released it on the finish chunk already
         if self.finish_reason is None and self._empty_finish and self.saw_done:
             self.finish_reason = "stop"  # "" all along, then [DONE]: a complete answer
-        if self.finish_reason is None:
-            raise stream_error("upstream_incomplete", "the upstream ended without a finish_reason")
-        finish = FINISH_MAP.get(self.finish_reason, "stop")
         self.sealed_slots = self.tools.seal_identities()
-        calls = [validate_tool_slot(slot, self.rules) for slot in self.tools.slots]
-        check_tool_rules(calls, self.rules)
-        if calls and finish == "stop":
-            finish = "tool_calls"
-        if finish == "tool_calls" and not calls:
-            raise stream_error("tool_call_invalid", "finish_reason tool_calls without any tool call")
-        if finish == "stop" and not calls and not self.output.logs["text"] and not self.output.logs["refusal"]:
-            raise stream_error("empty_response", "the upstream finished without any output")
+        finish, calls = validated_terminal(self.finish_reason, self.tools.slots, self.rules,
+                                           bool(self.output.logs["text"] or self.output.logs["refusal"]))
         completion = Completion(
             reasoning=self.reasoning,
             text=self.text,
