@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidMessage, InvalidStatus
 
 
 #: The source address attackers connect from (None: the system's choice, 127.0.0.1 on loopback);
@@ -90,6 +90,8 @@ async def keyless_upgrades(url: str, count: int, held: list[Any] | None = None, 
                     await ws.close()
             except InvalidStatus as exc:
                 status = str(exc.response.status_code)
+            except InvalidMessage:  # closed before any answer: the niced attacker, on a loaded
+                status = "closed"  # machine, sent its handshake after the gateway's header timeout
             except (OSError, asyncio.TimeoutError):
                 status = "error"
             statuses[status] = statuses.get(status, 0) + 1
