@@ -136,8 +136,9 @@ def test_a_cooldown_learned_on_a_is_respected_on_b(pair: Pair) -> None:
     assert pair.chat_calls() == 1
     httpx.delete(pair.sim.url + "/_sim/fault")  # the upstream is fine again: only B's knowledge refuses
     credential = pair.b.app.state.relay.pool.credentials[0]
-    learned = wait_for(lambda: bool(credential.cooling_until("cool-model", time.time())))
-    assert learned <= CREDENTIAL_POLL + 0.5
+    # learned from the store's poll (every CREDENTIAL_POLL s); the bound catches a poll that
+    # never comes, not a slow machine
+    wait_for(lambda: bool(credential.cooling_until("cool-model", time.time())), timeout=30)
     for stream in (False, True):
         refused = chat(pair.b, model="cool-model", stream=stream)
         assert refused.status_code == 429 and 30 <= int(refused.headers["retry-after"]) <= 40
@@ -148,7 +149,7 @@ def test_a_cooldown_learned_on_a_is_respected_on_b(pair: Pair) -> None:
     reset = httpx.post(pair.b.url + f"/admin/api/credentials/{credential.id}/reset", json={}, headers=pair.b.admin)
     assert reset.status_code == 200 and reset.json()["cooldowns"] == {}
     twin = pair.a.app.state.relay.pool.credentials[0]
-    wait_for(lambda: not twin.cooling_until("cool-model", time.time()), timeout=CREDENTIAL_POLL + 1)
+    wait_for(lambda: not twin.cooling_until("cool-model", time.time()), timeout=30)
     assert chat(pair.a, model="cool-model").status_code == 200
 
 
