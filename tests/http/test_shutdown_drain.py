@@ -152,16 +152,7 @@ def test_requests_sent_just_before_sigterm_are_each_answered_and_audited_once(
             time.sleep(0.3)
             for i, at in split.items():  # the rest of the request that was on its way
                 socks[i].sendall(requests[i][at:])
-            answers: list[bytes] = [b""] * len(socks)
-
-            def read(i: int) -> None:
-                answers[i] = read_answer(socks[i])
-
-            readers = [threading.Thread(target=read, args=(i,)) for i in range(len(socks))]
-            for t in readers:
-                t.start()
-            for t in readers:
-                t.join(90)
+            answers = read_all(socks)
             assert gateway.proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it caught
         finally:
             gateway.stop()
