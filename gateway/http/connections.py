@@ -16,8 +16,9 @@ as ``http=``; the parser, flow control and WebSocket upgrade stay uvicorn's):
 - **A stalled reader holds the gateway back**: each client socket has a fixed send buffer
   (:data:`CLIENT_SEND_BUFFER`), so the server's send waits instead of the kernel taking MiBs.
 - **A stop signal** (:meth:`ConnectionGuard.shutdown`): an idle connection is still read for
-  :data:`SHUTDOWN_LISTEN_SECONDS`; a request already on its way is answered, not reset. A
-  connection made after it (taken from the listen backlog, ``listeners.py``) is treated so
+  :data:`SHUTDOWN_LISTEN_SECONDS`; a request already on its way is answered, not reset (one
+  whose first bytes came, headers not yet whole, gets the header timeout from those bytes).
+  A connection made after it (taken from the listen backlog, ``listeners.py``) is treated so
   from the start.
 - **Lingering close** (:class:`LingeringClose`): an answer sent before the request's body
   was read is followed by a half-close and a bounded drain, so the client reads its 401 or
@@ -208,6 +209,7 @@ class ConnectionGuard:
         self._counted = self.limits.admit(self._address)
         self._header_timer: asyncio.TimerHandle | None = None
         self._stopping = False  # a stop signal came: no request after the one being answered
+        self._begun_at: float | None = None  # loop time of a next request's first bytes
         if not self._counted:
             transport.write(_too_many_connections(self.limits.max_per_ip))
             transport.close()
@@ -226,6 +228,11 @@ class ConnectionGuard:
         self._release()
         super().connection_lost(exc)  # type: ignore[misc]
 
+    def data_received(self, data: bytes) -> None:
+        if self._begun_at is None and data and not self._answering() and not getattr(self, "lingering", False):
+            self._begun_at = self.loop.time()  # a request is on its way (headers not yet whole)
+        super().data_received(data)  # type: ignore[misc]
+
     def on_headers_complete(self) -> None:  # httptools' parser callback (h11's protocol has none)
         super().on_headers_complete()  # type: ignore[misc]
         if self._stopping and self.cycle is not None:
@@ -233,6 +240,7 @@ class ConnectionGuard:
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # type: ignore[misc]
+        self._begun_at = None
         if self._stopping:
             self._close_if_idle()  # answered during the drain: nothing more on this connection
         elif not self.transport.is_closing() and not self._answering():
@@ -243,7 +251,9 @@ class ConnectionGuard:
         the client sent just before (still in the socket buffer, or its headers half parsed):
         no answer and no audit record. Instead it is read for :data:`SHUTDOWN_LISTEN_SECONDS`
         more; a request that arrives is answered (``connection: close``), then the connection
-        closes."""
+        closes. A request whose first bytes came but whose headers are not whole then (a slow
+        or busy client) gets the header timeout from those first bytes, as it would have
+        without the signal (bounded still by ``--shutdown-timeout``)."""
         if self._stopping:
             return  # already listening its last second (a connection made after the stop)
         if self.transport.is_closing() or self._answering():
@@ -251,7 +261,17 @@ class ConnectionGuard:
             return
         self._stopping = True
         self._disarm()
-        self._header_timer = self.loop.call_later(SHUTDOWN_LISTEN_SECONDS, self._close_if_idle)
+        self._header_timer = self.loop.call_later(SHUTDOWN_LISTEN_SECONDS, self._listened_last)
+
+    def _listened_last(self) -> None:
+        """The stop's listening second is over: close, unless a request is on its way."""
+        self._header_timer = None
+        if self._begun_at is not None and not self._answering():
+            left = self._begun_at + self.limits.header_timeout - self.loop.time()
+            if left > 0:
+                self._header_timer = self.loop.call_later(left, self._close_if_idle)
+                return
+        self._close_if_idle()
 
     def _close_if_idle(self) -> None:
         if not self.transport.is_closing() and not self._answering():

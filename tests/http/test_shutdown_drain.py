@@ -174,6 +174,43 @@ def test_requests_sent_just_before_sigterm_are_each_answered_and_audited_once(
     assert "Traceback" not in gateway.log()
 
 
+def test_a_request_begun_before_sigterm_gets_the_header_timeout_an_idle_connection_one_second(
+    server_loop: ServerLoop, tmp_path: Path
+) -> None:
+    """At the signal: a connection that has sent its request line only (a slow or busy client)
+    is answered when the rest comes 2 s later, past the 1 s an idle connection is still read
+    (before, it was closed bare at 1 s); one that never finishes its headers is closed by the
+    header timeout (4 s here) from its first bytes; an idle one closes after its 1 s."""
+    with own_simulator(server_loop) as sim:
+        gateway = GatewayProcess("--data-dir", str(tmp_path / "data"), "--upstream-url", sim.url + "/v1",
+                                 "--shutdown-timeout", "30", "--header-timeout", "4", "--log-level", "warning",
+                                 log_dir=tmp_path)
+        try:
+            gateway.wait_healthy()
+            slow, stuck, idle = (socket.create_connection(("127.0.0.1", gateway.port)) for _ in range(3))
+            request = raw_request(gateway.port, "/v1/chat/completions", stream=True)
+            line = request.index(b"\r\n") + 2
+            slow.sendall(request[:line])
+            stuck.sendall(request[:line])
+            time.sleep(0.3)  # each has its first bytes read
+            gateway.proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            idle_answer = read_answer(idle)
+            idle_closed = time.monotonic() - signalled
+            time.sleep(max(0.0, 2.0 - idle_closed))
+            slow.sendall(request[line:])
+            slow_answer, stuck_answer = read_all([slow, stuck])
+            stuck_closed = time.monotonic() - signalled
+            assert gateway.proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it caught
+        finally:
+            gateway.stop()
+    assert idle_answer == b"" and idle_closed < 3.5
+    assert stuck_answer == b"" and 3.5 <= stuck_closed + 0.3, stuck_closed  # the header timeout, not the 1 s
+    assert request_ids_of([slow_answer], [True], ["/v1/chat/completions"]) == [
+        r[0] for r in audit_rows(tmp_path / "data")]
+    assert b"[DONE]" in slow_answer
+
+
 def request_ids_of(answers: list[bytes], streams: list[bool], paths: list[str]) -> list[str]:
     """Each answer is a whole one (a 200 with the protocol's complete ending) or the named
     503 ``server_shutting_down``, never a reset or a bare close; their request ids."""
