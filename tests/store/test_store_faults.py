@@ -25,7 +25,7 @@ import pytest
 
 from gateway.store.db import SQLITE_FILENAME
 from tests.conftest import Simulator, wait_for
-from tests.processes import GatewayProcess, children
+from tests.processes import GatewayProcess, children, paced_probe
 from tests.store.test_durability import tmpfs
 
 # real processes and induced faults: `make test-faults` (CI runs it), not the default suite
@@ -346,9 +346,14 @@ def test_a_stopped_postgresql_holds_no_responses_answer_and_lookups_are_503(
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
-        during = [streamed_response(client, f"stopped {i}") for i in range(6)]
+        with paced_probe(int(gw.url.rsplit(":", 1)[1])) as probes:
+            during = [streamed_response(client, f"stopped {i}") for i in range(6)]
         assert [text for _, text, _ in during] == [f"You said: stopped {i}" for i in range(6)]
-        assert p99([s for _, _, s in during]) <= p99(normal) + 1.0, (normal, [s for _, _, s in during])
+        # a stalled store write is spilled after 0.5 s (STORE_WRITE_TIMEOUT); 1 s of room for
+        # it, stretched by the machine's pace (2.0-2.5 s were measured beside a whole suite
+        # and busy loops; a write held until the store answers never ends here)
+        assert p99([s for _, _, s in during]) <= p99(normal) + 1.0 * probes.pace, (
+            normal, [s for _, _, s in during], probes.pace)
         follow = streamed_response(client, "and then?", previous_response_id=during[-1][0])
         assert follow[1] == "You said: and then?"
         started = time.monotonic()
