@@ -138,8 +138,11 @@ def audit(gateway: Gateway) -> list[dict[str, Any]]:
 def test_an_engine_paused_past_the_bound_is_engine_paused_with_one_record_each(
     server_loop: ServerLoop, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    gateway, simulator = engine_gateway(server_loop, tmp_path_factory, engine_pause_max=1.0, keepalive_interval=0.3)
-    paused = httpx.post(gateway.url + "/admin/api/engines/pause", json={"mode": "abort"}, headers=gateway.admin)
+    # the pause's own wait for the engine is bounded by --engine-pause-max too: 1 s was
+    # outlasted at load 14 (a 504); 3 s, and each held call waits that long
+    gateway, simulator = engine_gateway(server_loop, tmp_path_factory, engine_pause_max=3.0, keepalive_interval=0.3)
+    paused = httpx.post(gateway.url + "/admin/api/engines/pause", json={"mode": "abort"}, headers=gateway.admin,
+                        timeout=30)
     assert paused.status_code == 200 and paused.json()["mode"] == "abort"
     chat = openai.OpenAI(base_url=gateway.base_url, api_key="x", max_retries=0, timeout=30, _strict_response_validation=True)
     with pytest.raises(openai.APIStatusError) as refused:

@@ -89,8 +89,10 @@ def _peak_in_a_process_of_its_own(tmp_path: Path, rollouts: int) -> int:
 
 def test_memory_does_not_grow_with_the_rollouts_exported(tmp_path: Path) -> None:
     small, large = _peak_in_a_process_of_its_own(tmp_path, 50), _peak_in_a_process_of_its_own(tmp_path, 300)
-    # holding every rollout would take ~6x the small peak; one page and one rollout stay the same
-    assert large < small * 1.5, (small, large)
+    # holding every rollout would take ~6x the small peak (~3 MB for 300); one page and one
+    # rollout stay the same. The small peak itself varies run to run (326-482 KB measured: a
+    # page loading in its thread while the last one is written, or not), so the bound is 2.5x.
+    assert large < small * 2.5, (small, large)
 
 
 def test_a_store_failure_mid_way_ends_with_a_resumable_error_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
