@@ -58,12 +58,12 @@ export function renderReplicas(card, st) {
       h("span.pill.warn", null, "disagree"), ` replicas disagree on usable credentials: ${said}`);
   const rows = r.live.map((m) => h("tr", { "data-replica-id": m.replica_id, "data-self": String(m.replica_id === r.replica_id) },
     h("td", null, h("span.mono", null, m.replica_id), m.replica_id === r.replica_id ? h("span.muted", null, " (this one)") : null),
-    h("td.mono", null, m.host || "–"),
+    h("td.mono.replica-host", null, m.host || "–"),
     h("td.num", null, String(m.in_flight)),
     h("td.num", null, String(m.max_concurrent_share)),
     h("td.num.replica-usable", null, fmtNumber(usableOf(m, st)))));
   replace(card, h("h2", null, "Replicas"), me, verdict,
     h("table.grid#replica-table", null,
-      h("thead", null, h("tr", null, ["Replica", "Host", "In flight", "Share", "Usable credentials"].map((t) => h("th", null, t)))),
+      h("thead", null, h("tr", null, ["Replica", "Host", "In flight", "Share", "Usable credentials"].map((t) => h(t === "Host" ? "th.replica-host" : "th", null, t)))),
       h("tbody#replica-rows", null, rows)));
 }
