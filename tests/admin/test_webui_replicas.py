@@ -116,7 +116,7 @@ def test_the_dashboard_names_this_replica_its_share_and_the_live_replicas_that_d
     assert (cells["replica-a"][4], cells["replica-b"][4]) == ("1", "2")
     agreement = page.locator("#replicas-agreement")
     assert agreement.get_attribute("data-agree") == "false"
-    assert agreement.text_content() == "disagree replicas disagree on usable credentials: replica-a 1, replica-b 2"
+    assert agreement.text_content() == "mismatch Replicas disagree on usable credentials: replica-a 1, replica-b 2"
     on_screen(agreement.bounding_box(), screen)
     assert card.evaluate("e => e.scrollWidth <= e.clientWidth")  # the table fits its card at 390 px too
     no_page_scroll(page, screen)

@@ -53,9 +53,9 @@ export function renderReplicas(card, st) {
   const said = r.live.map((m) => `${m.replica_id} ${usableOf(m, st) ?? "?"}`).join(", ");
   const verdict = agree
     ? h("p#replicas-agreement", { "data-agree": "true" }, h("span.pill.ok", null, "agree"),
-      ` every live replica has ${counts.length ? counts[0] : "?"} usable credential(s)`)
+      ` Every live replica has ${counts.length ? counts[0] : "?"} usable credential(s)`)
     : h("p#replicas-agreement", { "data-agree": "false" },
-      h("span.pill.warn", null, "disagree"), ` replicas disagree on usable credentials: ${said}`);
+      h("span.pill.warn", null, "mismatch"), ` Replicas disagree on usable credentials: ${said}`);
   const rows = r.live.map((m) => h("tr", { "data-replica-id": m.replica_id, "data-self": String(m.replica_id === r.replica_id) },
     h("td", null, h("span.mono", null, m.replica_id), m.replica_id === r.replica_id ? h("span.muted", null, " (this one)") : null),
     h("td.mono.replica-host", null, m.host || "–"),
