@@ -165,3 +165,11 @@ def test_credentials_show_their_label_and_the_add_form_takes_one(
     on_screen(page.locator("#cred-label").bounding_box(), screen)
     no_page_scroll(page, screen)  # the table scrolls inside its card on a phone
     shot(page, shots, f"credentials-labels-{screen['width']}", full_page=True)
+
+    # the same gateway alone: its cap is all of max_concurrent, and the card says why
+    cap = labelled.live.current.max_concurrent
+    page.click("#nav a[data-page=dashboard]")
+    page.wait_for_selector("#replicas[data-share]")
+    assert page.get_attribute("#stat-inflight", "data-cap") == str(cap)
+    assert page.text_content("#stat-inflight .stat-sub") == f"now, of {cap} allowed"
+    assert page.text_content("#replica-self") == f"This replica standalone shares its store with no one: its cap is all of {cap}."
