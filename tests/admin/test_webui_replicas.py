@@ -88,8 +88,8 @@ def page(browser: Any, screen: dict[str, int]) -> Iterator[Any]:  # noqa: F811
 
 @pytest.mark.parametrize("screen", SCREENS, indirect=True)
 def test_the_dashboard_names_this_replica_its_share_and_the_live_replicas_that_disagree(
-    page: Any, replicas: tuple[Gateway, Gateway], screen: dict[str, int], shots: Path  # noqa: F811
-) -> None:
+    replicas: tuple[Gateway, Gateway], page: Any, screen: dict[str, int], shots: Path  # noqa: F811
+) -> None:  # replicas first: their apps are made before Playwright runs its event loop in this thread
     a, b = replicas
     wait_for(lambda: {m["replica_id"]: m.get("credentials_usable") for m in httpx.get(
         a.url + "/admin/api/status", headers=AUTH).json()["replica"]["live"]} == {"replica-a": 1, "replica-b": 2})
