@@ -1,4 +1,4 @@
-// Upstream credentials: list (fingerprints only: keys go in, never come out), add (the
+// Upstream credentials: list (labels and fingerprints only: keys go in, never come out), add (the
 // gateway probes it at once; the result is shown), delete one added here, disable, re-enable
 // and reset cooldowns, over /admin/api/credentials.
 
@@ -13,10 +13,14 @@ export function mount(main) {
   const apiKey = h("input#cred-api-key", { type: "password", name: "api_key", autocomplete: "off",
                                            placeholder: "sk-… (optional)" });
   const upstream = h("input#cred-upstream", { type: "text", name: "upstream", placeholder: "admin" });
+  // the operator's name for the key (the API's `label`, at most 100 printable characters)
+  const label = h("input#cred-label", { type: "text", name: "label", maxlength: "100",
+                                        placeholder: "admin API (optional)" });
   const addForm = h("form.inline-form#add-credential", { onsubmit: (e) => { e.preventDefault(); add(); } },
     h("label.filter", null, "Base URL", baseUrl),
     h("label.filter", null, "API key", apiKey),
     h("label.filter", null, "Upstream name", upstream),
+    h("label.filter", null, "Label", label),
     h("button.primary#add-credential-button", { type: "submit" }, "Add credential"));
   const total = h("span.muted#cred-summary");
   replace(main,
@@ -25,10 +29,10 @@ export function mount(main) {
     h("section.card.table-card", null,
       h("table.grid#credentials-table", null,
         h("thead", null, h("tr", null,
-          ["Upstream", "Base URL", "Key fingerprint", "State", "Success (24 h)", "Last error", "Cooldowns", "In flight", ""].map((t) => h("th", null, t)))),
+          ["Upstream", "Base URL", "Key", "State", "Success (24 h)", "Last error", "Cooldowns", "In flight", ""].map((t) => h("th", null, t)))),
         tbody)),
     h("section.card", null, h("h2", null, "Add an upstream credential"),
-      h("p.muted", null, "The key is stored in the gateway's database and never shown again; only its fingerprint is."),
+      h("p.muted", null, "The key is stored in the gateway's database and never shown again; only its fingerprint and label are."),
       addForm));
 
   async function load() {
@@ -54,7 +58,8 @@ export function mount(main) {
       return h("tr", { "data-credential-id": c.id },
         h("td.mono", null, c.upstream),
         h("td.mono", null, c.base_url),
-        h("td.mono", null, c.fingerprint),
+        h("td.cred-key", null, c.label ? h("div.cred-label", null, c.label) : null,
+          h("div.mono.muted.cred-fingerprint", null, c.fingerprint)),
         h("td", null, c.disabled
           ? h("span.pill.error", null, `disabled${c.disabled_reason ? `: ${c.disabled_reason}` : ""}`)
           : h("span.pill.ok", null, "enabled"), health(c)),
@@ -124,12 +129,14 @@ export function mount(main) {
     const body = { base_url: baseUrl.value.trim() };
     if (apiKey.value) body.api_key = apiKey.value;
     if (upstream.value.trim()) body.upstream = upstream.value.trim();
+    if (label.value.trim()) body.label = label.value.trim();
     try {
       const created = await post("/admin/api/credentials", body);
       apiKey.value = "";
+      label.value = "";
       const probe = created.probe || {};
       const said = `probe: ${probe.result || "not run"}${probe.hint ? ` — ${probe.hint}` : ""}`;
-      status.show(`Added ${created.upstream} (${created.fingerprint}); `, probe.ok ? "ok" : "warn",
+      status.show(`Added ${created.upstream} (${created.label ? `${created.label}, ` : ""}${created.fingerprint}); `, probe.ok ? "ok" : "warn",
         h("span#probe-result", { "data-ok": String(Boolean(probe.ok)) }, said));
       load();
     } catch (exc) {

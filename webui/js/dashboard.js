@@ -2,11 +2,13 @@
 // GET /admin/api/audit/timeseries (per-bucket counts, errors, TTFB/TTFT/duration
 // percentiles by protocol and by mode, output tokens/s by model, errors by code, upstream
 // attempts and their errors by upstream) and live
-// state from GET /admin/api/status (in-flight, credential health, repairs, budget
-// overflows). Polls every POLL_MS (less often for long ranges) while the page is open and the tab visible. Charts: uPlot.
+// state from GET /admin/api/status (in-flight against this replica's share of the cap, credential
+// health, repairs, budget overflows, the live replicas: replicas.js). Polls every POLL_MS
+// (less often for long ranges) while the page is open and the tab visible. Charts: uPlot.
 
 import { get } from "./api.js";
 import { firstRequestCard } from "./first_request.js";
+import { capOf, inFlightSub, inFlightTitle, renderReplicas } from "./replicas.js";
 import { fmtMs, fmtNumber, fmtPercent, h, replace } from "./dom.js";
 
 const POLL_MS = 2500;
@@ -148,6 +150,7 @@ export function mount(main) {
   const breakdown = h("section.card#breakdown", null, h("h2", null, "By protocol and by mode"));
   const health = h("section.card#credential-health", null, h("h2", null, "Upstream credentials"));
   const byKey = h("section.card#key-usage", null, h("h2", null, "Usage by client key, today"));
+  const replicas = h("section.card#replicas", null, h("h2", null, "Replicas"));
   const error = h("p.notice.error", { hidden: true });
   // the live indicator says what the last poll found: live, or offline (no answer: the gateway
   // is down or unreachable), never a green dot over stale numbers
@@ -157,7 +160,7 @@ export function mount(main) {
   const firstRequest = h("section.card#first-request", { hidden: true });
   replace(main,
     h("div.page-head", null, h("h1", null, "Dashboard"), live, updated, h("span.spacer"), picker),
-    error, stats, facts, firstRequest, charts, h("div.two-col", null, breakdown, health), byKey);
+    error, stats, facts, firstRequest, charts, h("div.two-col", null, breakdown, health), replicas, byKey);
 
   const chartRps = new Chart(charts, "chart-rps", "Requests/s by protocol", PROTOCOLS, "req/s");
   const chartModes = new Chart(charts, "chart-modes", "Requests/s by mode", MODES, "req/s");
@@ -237,12 +240,16 @@ export function mount(main) {
     setStat("stat-p95", total.ttfb_ms_p95, fmtMs(total.ttfb_ms_p95), span);
     setStat("stat-ttft-p50", total.ttft_ms_p50, fmtMs(total.ttft_ms_p50), span);
     setStat("stat-ttft-p95", total.ttft_ms_p95, fmtMs(total.ttft_ms_p95), span);
-    setStat("stat-inflight", st.in_flight, `${st.in_flight}`, `now, of ${st.max_concurrent} allowed`);
+    setStat("stat-inflight", st.in_flight, `${st.in_flight}`, inFlightSub(st));
+    const inflight = document.getElementById("stat-inflight");
+    inflight.dataset.cap = String(capOf(st)); // this replica's, not the global cap
+    inflight.title = inFlightTitle(st);
     setStat("stat-repairs", st.tool_repairs, fmtNumber(st.tool_repairs),
       `in ${st.requests_with_repairs} request(s), ${span}`);
     setStat("stat-overflows", st.budget_overflows, fmtNumber(st.budget_overflows), span);
     replace(facts,
       "Stream mode ", h("strong#dash-mode", null, st.stream_mode),
+      st.replica ? [" · replica ", h("strong.mono#dash-replica", null, st.replica.replica_id)] : null,
       " · settings revision ", h("strong", null, String(st.revision)),
       " · credentials usable ", h("strong", null, `${st.credentials_usable} / ${st.credentials.length}`),
       " · audit queue ", h("strong", null, String(st.audit_queue_depth)),
@@ -276,6 +283,7 @@ export function mount(main) {
 
     renderBreakdown(ts, st, span);
     renderHealth(st);
+    renderReplicas(replicas, st);
   }
 
   function renderBreakdown(ts, st, span) {
