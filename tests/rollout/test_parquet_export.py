@@ -152,3 +152,91 @@ def test_the_base_install_does_not_import_pyarrow() -> None:
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-1] == "False"
+
+
+# -- the I/O shell over a real SQLite store (unit seams, as tests/rollout/test_bulk_export.py) --
+
+
+def parquet_peak_while_exporting(tmp_path: Path, rollouts: int) -> tuple[int, int]:
+    """Python's peak (tracemalloc, every thread) and Arrow's pool peak while ``rollouts``
+    rollouts are written as Parquet and the file read back in chunks."""
+    import asyncio
+    import tracemalloc
+
+    from gateway.rollout.bulk_export import BulkExport, ExportQuery
+    from gateway.store.db import Database
+    from tests.rollout.test_bulk_export import StoreReader, fill
+
+    db = Database(tmp_path / f"pq-{rollouts}.sqlite3")
+    fill(db, rollouts)
+
+    async def consume() -> int:
+        bulk = BulkExport(StoreReader(db), ExportQuery(shape="verifiers"))
+        await bulk.first_page()
+        out = await parquet_export.build(bulk)
+        assert out.rows == rollouts
+        return sum([len(chunk) async for chunk in parquet_export.chunks(out)])
+
+    tracemalloc.start()
+    try:
+        assert asyncio.run(consume()) > 0
+        return tracemalloc.get_traced_memory()[1], pa.default_memory_pool().max_memory()
+    finally:
+        tracemalloc.stop()
+        db.close()
+
+
+def _parquet_peak_in_a_process_of_its_own(tmp_path: Path, rollouts: int) -> tuple[int, int]:
+    script = ("import sys; from pathlib import Path; from gateway.rollout import bulk_export, parquet_export; "
+              "from tests.rollout.test_parquet_export import parquet_peak_while_exporting; "
+              "bulk_export.PAGE_ROLLOUTS = 25; parquet_export.SPOOL_BYTES = 64 * 1024; "
+              "print(*parquet_peak_while_exporting(Path(sys.argv[1]), int(sys.argv[2])))")
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path), str(rollouts)], check=True,
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    python, arrow = out.stdout.split()[-2:]
+    return int(python), int(arrow)
+
+
+def test_parquet_memory_does_not_grow_with_the_rollouts_exported(tmp_path: Path) -> None:
+    """With the spool past its (here small) size on disk, neither Python's nor Arrow's peak
+    grows with the rollouts: a page of rows at a time."""
+    small, large = _parquet_peak_in_a_process_of_its_own(tmp_path, 50), _parquet_peak_in_a_process_of_its_own(tmp_path, 300)
+    # holding every rollout would take ~6x the small peak
+    assert large[0] < small[0] * 1.5 and large[1] < small[1] * 1.5, (small, large)
+
+
+def test_a_store_failure_mid_way_fails_the_parquet_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The answer has not begun (a Parquet file is whole or nothing): the failure raises
+    for the route's 503, and the half-written file is dropped."""
+    import asyncio
+    import sqlite3
+
+    from gateway.rollout import bulk_export
+    from gateway.rollout.bulk_export import BulkExport, ExportQuery
+    from gateway.store.db import Database
+    from tests.rollout.test_bulk_export import StoreReader, fill
+
+    monkeypatch.setattr(bulk_export, "PAGE_ROLLOUTS", 2)
+    files: list[parquet_export.ParquetFile] = []
+    real = parquet_export.ParquetFile
+
+    def keep(shape: str) -> parquet_export.ParquetFile:
+        files.append(real(shape))
+        return files[-1]
+
+    monkeypatch.setattr(parquet_export, "ParquetFile", keep)
+    db = Database(tmp_path / "store.sqlite3")
+    fill(db, 5, tokens=4)
+
+    async def run(reader: StoreReader) -> parquet_export.ParquetFile:
+        bulk = BulkExport(reader, ExportQuery(shape="trl"))
+        await bulk.first_page()
+        return await parquet_export.build(bulk)
+
+    with pytest.raises(sqlite3.OperationalError):
+        asyncio.run(run(StoreReader(db, fail_at="r.00003")))
+    assert files[0].rows == 2 and files[0].file.closed  # the first page written, then dropped
+    whole = asyncio.run(run(StoreReader(db)))
+    assert pq.read_table(io.BytesIO(whole.file.read())).column("rollout_id").to_pylist() == [f"r.{n:05d}" for n in range(5)]
+    whole.close()
+    db.close()
