@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -31,6 +31,7 @@ PAGE_ROLLOUTS = 100
 READ_TIMEOUT = 10.0
 
 Cursor = tuple[float, str]
+T = TypeVar("T")
 
 
 def encode_cursor(cursor: Cursor) -> str:
@@ -144,23 +145,28 @@ class BulkExport:
         return await asyncio.to_thread(render, self.query.shape, rollout_id, updated_at, read, labels,
                                        self.query.exclude_undelivered)
 
-    async def record_pages(self) -> AsyncIterator[list[dict[str, Any]]]:
-        """Each page's records (dicts, in ``shape``), for exports other than JSONL
-        (:mod:`gateway.rollout.parquet_export`); a store failure raises (TimeoutError or
-        one of ``db.errors``), since such an export has not begun its answer yet."""
+    async def record_pages(self, convert: Callable[[list[dict[str, Any]]], T]) -> AsyncIterator[list[T]]:
+        """Each page's rollouts, each rollout's records (dicts, in ``shape``) passed through
+        ``convert`` in the same worker thread (an export other than JSONL turns them into
+        its own form there: :mod:`gateway.rollout.parquet_export`); a store failure raises
+        (TimeoutError or one of ``db.errors``), as such an export has not begun its answer."""
         rows, after = self._first or [], self.query.cursor
         while rows:
-            records: list[dict[str, Any]] = []
+            converted: list[T] = []
             for updated_at, rollout_id in rows:
                 read, labels = await self._read(rollout_id)
                 if read is not None:
-                    records += await asyncio.to_thread(render_records, self.query.shape, rollout_id, updated_at,
-                                                       read, labels, self.query.exclude_undelivered)
+                    converted.append(await asyncio.to_thread(self._convert, convert, rollout_id, updated_at, read, labels))
                 after = (updated_at, rollout_id)
-            yield records
+            yield converted
             if len(rows) < PAGE_ROLLOUTS:
                 return
             rows = await self._page(after)
+
+    def _convert(self, convert: Callable[[list[dict[str, Any]]], T], rollout_id: str, updated_at: float,
+                 read: Any, labels: dict[str, Any]) -> T:
+        return convert(render_records(self.query.shape, rollout_id, updated_at, read, labels,
+                                      self.query.exclude_undelivered))
 
     async def lines(self) -> AsyncIterator[bytes]:
         """Each rollout's lines as one chunk; a store failure mid-way ends the export with

@@ -2,11 +2,12 @@
 
 The same records the JSONL export yields for a shape and its filters, one row each, under
 a schema fixed per shape (so every page writes the same columns and an empty export still
-has them). A page of rollouts (:data:`gateway.rollout.bulk_export.PAGE_ROLLOUTS`) is one
-row group, written by :class:`pyarrow.parquet.ParquetWriter` in a worker thread into a
+has them). Each rollout's records become Arrow columns in the worker thread that renders
+them; a page of rollouts (:data:`gateway.rollout.bulk_export.PAGE_ROLLOUTS`) is one row
+group, written by :class:`pyarrow.parquet.ParquetWriter` in a worker thread into a
 spooled temporary file (memory up to :data:`SPOOL_BYTES`, then disk); the answer streams
 that file once it is whole (a Parquet file's footer comes last). Nothing holds more than
-one page of records.
+one page of rows in Arrow's memory and one rollout's records as Python objects.
 
 pyarrow is an optional extra (``pip install 'codebuddy2api[parquet]'``): it is imported
 only here, only when such an export is asked for.
@@ -93,12 +94,16 @@ class ParquetFile:
         self.rows = 0
         self.finished = False
 
-    def write_page(self, records: list[dict[str, Any]]) -> None:
-        """One row group (nothing for a page without records)."""
-        if records:
-            rows = [to_row(self.shape, r) for r in records]
-            self.writer.write_table(self.pa.Table.from_pylist(rows, schema=self.schema))
-            self.rows += len(rows)
+    def table(self, records: list[dict[str, Any]]) -> Any:
+        """One rollout's records as Arrow columns (a few bytes a token, not a Python object each)."""
+        return self.pa.Table.from_pylist([to_row(self.shape, r) for r in records], schema=self.schema)
+
+    def write_page(self, tables: list[Any]) -> None:
+        """A page's rollouts as one row group (nothing for a page without records)."""
+        table = self.pa.concat_tables(tables) if tables else None
+        if table is not None and table.num_rows:
+            self.writer.write_table(table, row_group_size=table.num_rows)
+            self.rows += table.num_rows
 
     def finish(self) -> None:
         self.writer.close()
@@ -120,8 +125,8 @@ async def build(bulk: BulkExport) -> ParquetFile:
     (the answer has not begun: the route turns it into a 503) and drops the file."""
     out = await asyncio.to_thread(ParquetFile, bulk.query.shape)
     try:
-        async for records in bulk.record_pages():
-            await asyncio.to_thread(out.write_page, records)
+        async for tables in bulk.record_pages(out.table):
+            await asyncio.to_thread(out.write_page, tables)
         await asyncio.to_thread(out.finish)
     except BaseException:
         out.close()  # short: a footer into the spool (a disk spool is unlinked already)
