@@ -212,18 +212,21 @@ class Rollouts:
 
     def export_parquet(self, path: str | os.PathLike[str], *, since: float | None = None, until: float | None = None,
                        group: str | None = None, frozen: bool | None = None, shape: Shape = "native",
-                       cursor: str | None = None) -> Path:
+                       cursor: str | None = None, read_timeout: float | None = 600.0) -> Path:
         """The bulk export's records as one Parquet file at ``path`` (one row per record of
         :meth:`export`, one row group per page of rollouts); its ``path``. The file appears
-        only whole: it is written beside ``path`` and renamed. To resume a later export
-        after it, pass the last row's ``cursor``. A server without pyarrow answers
-        RolloutsError ``parquet_unavailable``."""
+        only whole: it is written beside ``path`` and renamed. The server sends its first
+        byte once the whole file is built: ``read_timeout`` (seconds, None: no limit) bounds
+        that wait. To resume a later export after it, pass the last row's ``cursor``. A
+        server without pyarrow answers RolloutsError ``parquet_unavailable``."""
         target = Path(path)
         params = {"since": since, "until": until, "group": group, "shape": shape, "cursor": cursor, "format": "parquet",
                   "frozen": None if frozen is None else ("true" if frozen else "false")}
         partial = target.with_name(target.name + ".part")
         try:
-            with self._http.stream("GET", "/rollouts/export", params={k: v for k, v in params.items() if v is not None}) as response:
+            timeout = httpx.Timeout(self._http.timeout.connect, read=read_timeout)
+            with self._http.stream("GET", "/rollouts/export", params={k: v for k, v in params.items() if v is not None},
+                                   timeout=timeout) as response:
                 _raise_for(response)
                 with partial.open("wb") as out:
                     for chunk in response.iter_bytes():

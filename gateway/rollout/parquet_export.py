@@ -129,7 +129,7 @@ async def build(bulk: BulkExport) -> ParquetFile:
             await asyncio.to_thread(out.write_page, tables)
         await asyncio.to_thread(out.finish)
     except BaseException:
-        out.close()  # short: a footer into the spool (a disk spool is unlinked already)
+        await asyncio.to_thread(out.close)
         raise
     return out
 
