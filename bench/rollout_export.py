@@ -4,8 +4,15 @@ many rollouts per second it streams (untraced) and the peak Python memory (trace
 every thread) of a second pass, for N = 200 and 1,000: constant memory means the peak does not
 grow with N (it holds one page of ids and one rollout's records).
 
-``python bench/rollout_export.py [--shape native|nemo-gym|trl|verifiers]`` prints one JSON
-object; ``bench/run.py`` (``make bench``) adds it to its results as ``rollout_export``.
+``--format parquet``: the same export as one Parquet file (``format=parquet``,
+gateway/rollout/parquet_export.py; pyarrow needed): seconds until the file is whole and
+read back in chunks, its size, the peak traced Python memory and Arrow's memory pool's peak
+(pyarrow allocates outside tracemalloc's sight); the spool keeps up to 8 MiB of the file in
+memory, then moves it to disk.
+
+``python bench/rollout_export.py [--shape native|nemo-gym|trl|verifiers] [--format jsonl|parquet]``
+prints one JSON object; ``bench/run.py`` (``make bench``) adds the JSONL one to its results
+as ``rollout_export``.
 """
 
 from __future__ import annotations
@@ -73,33 +80,54 @@ async def stream(db: Store, shape: str) -> tuple[int, int]:
     return lines, size
 
 
-def measure(rollouts: int, shape: str) -> dict[str, Any]:
+async def stream_parquet(db: Store, shape: str) -> tuple[int, int]:
+    """Rows and bytes of a whole export as Parquet (built, then read in chunks)."""
+    from gateway.rollout import parquet_export
+
+    bulk = BulkExport(StoreReader(db), ExportQuery(shape=shape))
+    await bulk.first_page()
+    out = await parquet_export.build(bulk)
+    rows, size = out.rows, 0
+    async for chunk in parquet_export.chunks(out):
+        size += len(chunk)
+    return rows, size
+
+
+def measure(rollouts: int, shape: str, fmt: str = "jsonl") -> dict[str, Any]:
+    run = stream_parquet if fmt == "parquet" else stream
     with tempfile.TemporaryDirectory() as tmp:
         db = Database(Path(tmp) / "bench.sqlite3")
         fill(db, rollouts)
         start = time.perf_counter()
-        lines, size = asyncio.run(stream(db, shape))
+        lines, size = asyncio.run(run(db, shape))
         seconds = time.perf_counter() - start
         tracemalloc.start()  # a second pass, traced (tracing slows it several times)
-        asyncio.run(stream(db, shape))
+        asyncio.run(run(db, shape))
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         db.close()
-    return {"rollouts": rollouts, "lines": lines, "mib_streamed": round(size / 2**20, 1),
-            "seconds": round(seconds, 2), "rollouts_per_s": round(rollouts / seconds),
-            "peak_traced_mib": round(peak / 2**20, 2)}
+    result = {"rollouts": rollouts, "lines": lines, "mib_streamed": round(size / 2**20, 1),
+              "seconds": round(seconds, 2), "rollouts_per_s": round(rollouts / seconds),
+              "peak_traced_mib": round(peak / 2**20, 2)}
+    if fmt == "parquet":
+        import pyarrow
+
+        result["arrow_pool_peak_mib"] = round(pyarrow.default_memory_pool().max_memory() / 2**20, 2)
+    return result
 
 
-def run_all(shapes: tuple[str, ...] = ("native", "nemo-gym", "trl", "verifiers")) -> dict[str, Any]:
+def run_all(shapes: tuple[str, ...] = ("native", "nemo-gym", "trl", "verifiers"), fmt: str = "jsonl") -> dict[str, Any]:
     """Every shape at 200 and 1,000 rollouts (``bench/run.py`` adds it as ``rollout_export``)."""
-    return {shape: [measure(n, shape) for n in (200, 1000)] for shape in shapes}
+    return {shape: [measure(n, shape, fmt) for n in (200, 1000)] for shape in shapes}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default=None, help="one shape [default: all four]")
+    parser.add_argument("--format", default="jsonl", choices=("jsonl", "parquet"))
     args = parser.parse_args()
-    print(json.dumps(run_all((args.shape,) if args.shape else ("native", "nemo-gym", "trl", "verifiers"))))
+    shapes = (args.shape,) if args.shape else ("native", "nemo-gym", "trl", "verifiers")
+    print(json.dumps(run_all(shapes, args.format)))
 
 
 if __name__ == "__main__":

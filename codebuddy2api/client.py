@@ -15,15 +15,19 @@
 
 Only httpx is needed. Every method raises :class:`RolloutsError` for an error answer (its
 ``status``, ``code`` and ``message``). :meth:`Rollouts.export` yields whole rollouts' lines
-and resumes after the last whole rollout when the stream breaks (``resume`` times).
+and resumes after the last whole rollout when the stream breaks (``resume`` times);
+:meth:`Rollouts.export_parquet` downloads the same records as one Parquet file (the
+server needs the ``parquet`` extra; reading the file needs pyarrow, or any Parquet reader).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypedDict
 
@@ -205,6 +209,32 @@ class Rollouts:
                     if isinstance(exc, _Broken):
                         raise RolloutsError(503, exc.code, exc.message) from None
                     raise
+
+    def export_parquet(self, path: str | os.PathLike[str], *, since: float | None = None, until: float | None = None,
+                       group: str | None = None, frozen: bool | None = None, shape: Shape = "native",
+                       cursor: str | None = None, read_timeout: float | None = 600.0) -> Path:
+        """The bulk export's records as one Parquet file at ``path`` (one row per record of
+        :meth:`export`, one row group per page of rollouts); its ``path``. The file appears
+        only whole: it is written beside ``path`` and renamed. The server sends its first
+        byte once the whole file is built: ``read_timeout`` (seconds, None: no limit) bounds
+        that wait. To resume a later export after it, pass the last row's ``cursor``. A
+        server without pyarrow answers RolloutsError ``parquet_unavailable``."""
+        target = Path(path)
+        params = {"since": since, "until": until, "group": group, "shape": shape, "cursor": cursor, "format": "parquet",
+                  "frozen": None if frozen is None else ("true" if frozen else "false")}
+        partial = target.with_name(target.name + ".part")
+        try:
+            timeout = httpx.Timeout(self._http.timeout.connect, read=read_timeout)
+            with self._http.stream("GET", "/rollouts/export", params={k: v for k, v in params.items() if v is not None},
+                                   timeout=timeout) as response:
+                _raise_for(response)
+                with partial.open("wb") as out:
+                    for chunk in response.iter_bytes():
+                        out.write(chunk)
+            partial.replace(target)
+        finally:
+            partial.unlink(missing_ok=True)
+        return target
 
     def _export_once(self, params: dict[str, Any], cursor: str | None) -> Iterator[list[dict[str, Any]]]:
         query = {k: v for k, v in {**params, "cursor": cursor}.items() if v is not None}

@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -31,6 +31,7 @@ PAGE_ROLLOUTS = 100
 READ_TIMEOUT = 10.0
 
 Cursor = tuple[float, str]
+T = TypeVar("T")
 
 
 def encode_cursor(cursor: Cursor) -> str:
@@ -95,16 +96,22 @@ def page(conn: Any, query: ExportQuery, after: Cursor | None, limit: int | None 
     return [(float(at), str(rollout_id)) for rollout_id, at in rows]
 
 
-def render(shape: str, rollout_id: str, updated_at: float, read: tuple[list[dict[str, Any]], list[Any]],
-           labels: dict[str, Any], exclude_undelivered: bool = False) -> bytes:
-    """One rollout's JSONL lines (blocking: the chain and serialising are CPU work);
+def render_records(shape: str, rollout_id: str, updated_at: float, read: tuple[list[dict[str, Any]], list[Any]],
+                   labels: dict[str, Any], exclude_undelivered: bool = False) -> list[dict[str, Any]]:
+    """One rollout's records in ``shape`` (blocking: the chain is CPU work);
     ``exclude_undelivered``: its calls and segments as if those calls were never made (the
     rollout still says ``complete: false`` and names them in ``undelivered``)."""
     records, marks = read
     snap = rollout_store.snapshot(records, marks, rollout_id, exclude_undelivered)
     segments = rollout_store.trajectory(records, rollout_id, marks, exclude_undelivered)["segments"]
     cursor = encode_cursor((updated_at, rollout_id))
-    lines = rollout_lines(shape, snap, segments, labels, cursor, updated_at)
+    return rollout_lines(shape, snap, segments, labels, cursor, updated_at)
+
+
+def render(shape: str, rollout_id: str, updated_at: float, read: tuple[list[dict[str, Any]], list[Any]],
+           labels: dict[str, Any], exclude_undelivered: bool = False) -> bytes:
+    """One rollout's JSONL lines (blocking: serialising is CPU work too)."""
+    lines = render_records(shape, rollout_id, updated_at, read, labels, exclude_undelivered)
     return b"".join(orjson.dumps(line) + b"\n" for line in lines)
 
 
@@ -125,14 +132,41 @@ class BulkExport:
     async def first_page(self) -> None:
         self._first = await self._page(self.query.cursor)
 
-    async def _rollout(self, updated_at: float, rollout_id: str) -> bytes:
+    async def _read(self, rollout_id: str) -> tuple[Any, dict[str, Any]]:
         async with asyncio.timeout(READ_TIMEOUT):
             read = await self.recorder.read(rollout_id)
             labels = await self.db.arun(lambda conn: load_labels(conn, rollout_id))
+        return read, labels
+
+    async def _rollout(self, updated_at: float, rollout_id: str) -> bytes:
+        read, labels = await self._read(rollout_id)
         if read is None:  # deleted since the page was read
             return b""
         return await asyncio.to_thread(render, self.query.shape, rollout_id, updated_at, read, labels,
                                        self.query.exclude_undelivered)
+
+    async def record_pages(self, convert: Callable[[list[dict[str, Any]]], T]) -> AsyncIterator[list[T]]:
+        """Each page's rollouts, each rollout's records (dicts, in ``shape``) passed through
+        ``convert`` in the same worker thread (an export other than JSONL turns them into
+        its own form there: :mod:`gateway.rollout.parquet_export`); a store failure raises
+        (TimeoutError or one of ``db.errors``), as such an export has not begun its answer."""
+        rows, after = self._first or [], self.query.cursor
+        while rows:
+            converted: list[T] = []
+            for updated_at, rollout_id in rows:
+                read, labels = await self._read(rollout_id)
+                if read is not None:
+                    converted.append(await asyncio.to_thread(self._convert, convert, rollout_id, updated_at, read, labels))
+                after = (updated_at, rollout_id)
+            yield converted
+            if len(rows) < PAGE_ROLLOUTS:
+                return
+            rows = await self._page(after)
+
+    def _convert(self, convert: Callable[[list[dict[str, Any]]], T], rollout_id: str, updated_at: float,
+                 read: Any, labels: dict[str, Any]) -> T:
+        return convert(render_records(self.query.shape, rollout_id, updated_at, read, labels,
+                                      self.query.exclude_undelivered))
 
     async def lines(self) -> AsyncIterator[bytes]:
         """Each rollout's lines as one chunk; a store failure mid-way ends the export with

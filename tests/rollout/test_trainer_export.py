@@ -348,7 +348,7 @@ def test_the_bulk_export_filters_pages_and_resumes(trainer_gateway: Gateway, mon
 
 
 @pytest.mark.parametrize("params,param", [
-    ({"shape": "openrlhf"}, "shape"), ({"format": "parquet"}, "format"), ({"frozen": "maybe"}, "frozen"),
+    ({"shape": "openrlhf"}, "shape"), ({"format": "csv"}, "format"), ({"frozen": "maybe"}, "frozen"),
     ({"group": "a b"}, "group"), ({"cursor": "not-a-cursor"}, "cursor"), ({"since": "yesterday"}, "since"),
     ({"undelivered": "drop"}, "undelivered"),
 ])
