@@ -290,7 +290,8 @@ def test_the_nemo_gym_shape_has_a_token_entry_per_call(trainer_gateway: Gateway,
     expected, ids = expected_segments(scored_rollout["bodies"]), scored_rollout["call_ids"]
     assert [(line["segment"], line["segment_count"], line["call_ids"]) for line in lines] == [(0, 2, ids[:2]), (1, 2, ids[2:])]
     for line, segment in zip(lines, expected):
-        assert line["output"] == [{"call_id": c, "prompt_token_ids": p, "generation_token_ids": g, "generation_log_probs": lp}
+        assert line["output"] == [{"call_id": c, "prompt_token_ids": p, "generation_token_ids": g, "generation_log_probs": lp,
+                                   "weight_versions": []}
                                   for c, (p, g, lp) in zip(line["call_ids"], segment["calls"])]
         assert line["reward"] == 0.75 and line["rollout_id"] == scored_rollout["rollout"]
         # what NeMo RL checks when it merges the turns of one sample: each prompt starts with all that was seen
