@@ -1,7 +1,8 @@
 """MoE routing replay, compactly (docs/capture.md "Routed experts"): a continued call's
 record keeps only the routed experts of the tokens past what the call it extends already
 recorded, and says where they start (``routed_experts_from_token``). Pure; run in the
-recorder's worker thread (a long call's experts are megabytes of base64).
+recorder's worker thread. A long call's experts are tens of megabytes of base64, so lengths
+are counted from the strings and only the kept tail is decoded (checked) and re-encoded.
 
 The engines (vLLM ``--enable-return-routed-experts``, SGLang ``return_routed_experts``)
 send base64 of a flat int32 array ``[tokens, layers, top_k]`` over the prompt and the
@@ -24,29 +25,42 @@ from gateway.rollout.chain import chain_of
 FROM_TOKEN = "routed_experts_from_token"
 
 
-def _decoded(value: Any) -> bytes | None:
-    if not isinstance(value, str):
+def _byte_length(value: Any) -> int | None:
+    """How many bytes a base64 string holds, from its length (no decoding: a long call's
+    experts are tens of megabytes); None when it is no base64 string."""
+    if not isinstance(value, str) or len(value) % 4:
         return None
-    try:
-        return base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
-        return None
+    padding = len(value) - len(value.rstrip("="))
+    return len(value) // 4 * 3 - padding if padding <= 2 else None
 
 
-def stride_of(data: bytes, tokens: int) -> tuple[int, int] | None:
-    """(tokens covered, bytes per token) of an int32 array over ``tokens`` prompt and
-    sampled tokens, or over all but the last; None when that is not known for sure."""
-    fits = [(n, len(data) // n) for n in (tokens, tokens - 1)
-            if n > 0 and len(data) % n == 0 and (len(data) // n) % 4 == 0 and len(data) // n > 0]
+def stride_of(length: int, tokens: int) -> tuple[int, int] | None:
+    """(tokens covered, bytes per token) of an int32 array of ``length`` bytes over
+    ``tokens`` prompt and sampled tokens, or over all but the last; None when that is not
+    known for sure."""
+    fits = [(n, length // n) for n in (tokens, tokens - 1)
+            if n > 0 and length % n == 0 and (length // n) % 4 == 0 and length // n > 0]
     return fits[0] if len(fits) == 1 else None
 
 
 def _recorded(previous: dict[str, Any], stride: int) -> int | None:
     """How many tokens' experts ``previous``'s record holds, counted from token 0."""
-    data = _decoded(previous.get("routed_experts"))
-    if data is None or len(data) % stride:
+    length = _byte_length(previous.get("routed_experts"))
+    if length is None or length % stride:
         return None
-    return int(previous.get(FROM_TOKEN) or 0) + len(data) // stride
+    return int(previous.get(FROM_TOKEN) or 0) + length // stride
+
+
+def _tail(value: str, start: int) -> str | None:
+    """base64 of the bytes of ``value`` from byte ``start`` on, decoding only those (the
+    4-character group holding byte ``start`` onwards); None when they are no valid base64."""
+    group, skip = divmod(start, 3)
+    tail = value[group * 4 :]
+    try:
+        data = base64.b64decode(tail, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return tail if skip == 0 else base64.b64encode(data[skip:]).decode()
 
 
 def compacted(record: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, Any]:
@@ -58,10 +72,10 @@ def compacted(record: dict[str, Any], history: list[dict[str, Any]]) -> dict[str
         return {**record, FROM_TOKEN: None}
     whole = {**record, FROM_TOKEN: 0}
     tokens = record.get("tokens")
-    data = _decoded(value)
-    if data is None or not isinstance(tokens, dict) or tokens.get("prompt_ids") is None:
+    length = _byte_length(value)
+    if length is None or not isinstance(tokens, dict) or tokens.get("prompt_ids") is None:
         return whole
-    found = stride_of(data, len(tokens["prompt_ids"]) + len(tokens.get("completion_ids") or []))
+    found = stride_of(length, len(tokens["prompt_ids"]) + len(tokens.get("completion_ids") or []))
     if found is None:
         return whole
     covered, stride = found
@@ -75,5 +89,7 @@ def compacted(record: dict[str, Any], history: list[dict[str, Any]]) -> dict[str
     offset = _recorded(previous, stride)
     if offset is None or not 0 < offset <= covered:
         return whole
-    cut = base64.b64encode(data[offset * stride :]).decode()
+    cut = _tail(value, offset * stride)
+    if cut is None:
+        return whole
     return {**record, "routed_experts": cut, FROM_TOKEN: offset}

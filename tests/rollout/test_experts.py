@@ -49,6 +49,9 @@ def test_what_is_kept_whole() -> None:
         kept = compacted(record("b", 2.0, B_PROMPT, [11, 12], odd), [A])
         assert (kept["routed_experts"], kept["routed_experts_from_token"]) == (odd, 0)
     assert compacted({**A, "routed_experts": None}, [])["routed_experts_from_token"] is None
-    assert stride_of(b"\x00" * 64, 12) is None  # fits neither 12 nor 11 tokens of int32 values
-    assert stride_of(b"\x00" * 16, 2) is None  # fits both 2 tokens x 8 bytes and 1 x 16: not known
-    assert stride_of(b"\x00" * 192, 12) == (12, 16)
+    assert stride_of(64, 12) is None  # fits neither 12 nor 11 tokens of int32 values
+    assert stride_of(16, 2) is None  # fits both 2 tokens x 8 bytes and 1 x 16: not known
+    assert stride_of(192, 12) == (12, 16)
+    # the right length, but the kept tail is no base64: kept whole as the engine sent it
+    bad = encoded(12)[:-8] + "!!!!" + encoded(12)[-4:]
+    assert compacted(record("b", 2.0, B_PROMPT, [11, 12], bad), [A])["routed_experts"] == bad
