@@ -38,6 +38,7 @@ from gateway.rollout import owners
 from gateway.rollout import store as rollout_store
 from gateway.rollout.labels import group_row
 from gateway.rollout.call_tokens import CallTokens
+from gateway.rollout.experts import compacted
 from gateway.rollout.records import call_record
 from gateway.rollout.unstored import UnstoredRolloutFacts
 from gateway.store.db import Store
@@ -67,6 +68,13 @@ def aborted_error(rollout_id: str) -> GatewayError:
     ``cancelled`` with this code."""
     return GatewayError("invalid_request", ABORTED, f"rollout {rollout_id!r} was aborted",
                         param="rollout_id", status=409)
+
+
+def _has_experts(run: Any) -> bool:
+    """The engine returned MoE routing (``routed_experts``) with this run's answer."""
+    completion = run.completion if run.error is None else None
+    data = completion.token_data if completion is not None else None
+    return data is not None and data.routed_experts is not None
 
 
 class RolloutRecorder:
@@ -125,12 +133,16 @@ class RolloutRecorder:
         """The run's ``before_release`` hook: the success record, durable, now."""
         source = self.tokens.source(run)
         prompt_ids = await self.tokens.prompt_ids(run, source)
+        # the earlier calls, only to cut a continued call's routed experts to its new tokens
+        history = await self.history(run.rollout_id) if _has_experts(run) else []
         ended_at = time.time()
 
         def build() -> dict[str, Any]:
             # not delivered yet: released() confirms it once the terminal was handed over
-            return {**call_record(run, "success", None, source, prompt_ids), "ended_at": ended_at,
-                    "delivered": False}
+            record = call_record(run, "success", None, source, prompt_ids)
+            if history:
+                record = compacted(record, history)
+            return {**record, "ended_at": ended_at, "delivered": False}
 
         reason, _ = await asyncio.gather(self._write(run.rollout_id, build), self._group(run))
         self._committed[run.record.request_id] = "success"

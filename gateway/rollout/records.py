@@ -74,6 +74,8 @@ def call_record(
         "answer": answer,
         "tokens": tokens,
         "routed_experts": experts,
+        # whole from token 0 here; the recorder cuts a continued call's (gateway/rollout/experts.py)
+        "routed_experts_from_token": 0 if experts is not None else None,
         "token_source": source or "none",
         "token_in": _token_in(run),
         # the weight versions that sampled the answer, per completion-token range (gateway/engines/versions.py)

@@ -19,6 +19,12 @@ The prompt of a segment is its first call's prompt; the completion is everything
 carries ``rollout_id``, ``group_id``, ``complete`` and the ``cursor`` that resumes the
 export after its rollout; segment lines also ``segment`` / ``segment_count`` (a rollout
 is whole once the line with ``segment == segment_count - 1`` has arrived) and ``call_ids``.
+
+Weight versions (docs/weight-sync.md) ride along under ``weight_versions``, an extra key
+each trainer's loader ignores: per ``TokenEntry`` in ``nemo-gym`` (the call's own list,
+``from_token`` into its ``generation_token_ids``), per line in ``trl`` / ``verifiers``
+(``{"call_id", "version", "from_token"}``, ``from_token`` into the line's
+``completion_ids``); ``[]`` when the upstream reports none.
 """
 
 from __future__ import annotations
@@ -32,6 +38,11 @@ SHAPES = ("native", "nemo-gym", "trl", "verifiers")
 def _reward_value(labels: dict[str, Any]) -> float | None:
     own = labels.get("reward")
     return float(own["reward"]) if own else None
+
+
+def _completion_versions(segment: dict[str, Any], prompt_len: int) -> list[dict[str, Any]]:
+    """The segment's versions with ``from_token`` into its completion, not its whole sequence."""
+    return [{**v, "from_token": v["from_token"] - prompt_len} for v in segment.get("weight_versions") or []]
 
 
 def _split(segment: dict[str, Any], prompt_len: int) -> tuple[list[int], list[int], list[int], list[float]]:
@@ -61,7 +72,8 @@ def _token_entry(record: dict[str, Any]) -> dict[str, Any]:
     tokens = record["tokens"]
     return {"call_id": record["call_id"], "prompt_token_ids": tokens["prompt_ids"],
             "generation_token_ids": tokens["completion_ids"],
-            "generation_log_probs": [float(lp) if lp is not None else 0.0 for lp in tokens["completion_logprobs"]]}
+            "generation_log_probs": [float(lp) if lp is not None else 0.0 for lp in tokens["completion_logprobs"]],
+            "weight_versions": [v for v in record.get("weight_versions") or [] if isinstance(v, dict)]}
 
 
 def rollout_lines(
@@ -90,6 +102,7 @@ def rollout_lines(
         else:
             prompt_len = len(by_id[ids[0]]["tokens"]["prompt_ids"])
             line.update(_FLAT[shape](*_split(segment, prompt_len), reward))
+            line["weight_versions"] = _completion_versions(segment, prompt_len)
         line["cursor"] = cursor
         lines.append(line)
     return lines

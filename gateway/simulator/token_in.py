@@ -161,6 +161,8 @@ def completion_chunks(body: dict[str, Any], answer_id: str, created: int) -> lis
         chunks.append({"id": answer_id, "object": "text_completion", "created": created, "model": model,
                        "choices": [choice]})
     chunks[-1]["choices"][0]["finish_reason"] = finish
+    if body.get("return_routed_experts") is True:  # as on the chat endpoint: the prompt and every sampled id
+        chunks[-1]["choices"][0]["routed_experts"] = sim_tokens.routed_experts(prompt + ids_of)
     if (body.get("stream_options") or {}).get("include_usage"):
         chunks.append({"id": answer_id, "object": "text_completion", "created": created, "model": model, "choices": [],
                        "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids_of),

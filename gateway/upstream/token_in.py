@@ -32,6 +32,7 @@ from gateway.engines.seam import CutTail
 from gateway.errors import GatewayError
 from gateway.generation.policy import StreamPolicy
 from gateway.rollout.chain import TokenInPlan, splice
+from gateway.stream.events import routed_experts_of
 from gateway.upstream.client import ANSWERED, DONE, UpstreamClient, UpstreamItem
 from gateway.upstream.credential import Credential
 from gateway.upstream.hermes import HermesParser
@@ -96,6 +97,8 @@ def engine_body(engine: str, body: dict[str, Any], prompt: list[int]) -> dict[st
         out.setdefault("max_tokens", None)  # a text completion's default is 16; chat's is the context left
         out["return_token_ids"] = True
         out["logprobs"] = int(top)  # the sampled token's logprob always, plus the top N
+        if body.get("return_routed_experts") is not None:  # MoE routing replay (an engine extra)
+            out["return_routed_experts"] = body["return_routed_experts"]
     else:
         out["n_probs"] = max(1, int(top))
         out["return_tokens"] = True
@@ -157,11 +160,13 @@ class EngineStream:
             legacy = choice.get("logprobs") or {}
             tokens = legacy.get("tokens") or []
             values = legacy.get("token_logprobs") or []
+            experts = routed_experts_of(chunk, choice)
             entries = [{"id": tid, "token": tokens[k] if k < len(tokens) else "",
                         "logprob": values[k] if k < len(values) else None,
                         "bytes": list(str(tokens[k] if k < len(tokens) else "").encode()), "top_logprobs": []}
                        for k, tid in enumerate(ids)]
         else:
+            experts = None
             text = chunk.get("content") or ""
             ids = [int(i) for i in chunk.get("tokens") or []]
             probs = chunk.get("completion_probabilities") or []
@@ -184,6 +189,8 @@ class EngineStream:
         extra: dict[str, Any] = {}
         if ids:
             extra = {"token_ids": ids, "logprobs": {"content": entries}}
+        if experts is not None:  # for the record (TokenData); never a client's
+            extra["routed_experts"] = experts
         if extra or self._first:
             out.append(self._chunk(deltas.pop(0) if deltas else {}, extra))
         out += [self._chunk(d) for d in deltas]

@@ -10,6 +10,8 @@ import os
 import secrets
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -290,7 +292,8 @@ def test_the_nemo_gym_shape_has_a_token_entry_per_call(trainer_gateway: Gateway,
     expected, ids = expected_segments(scored_rollout["bodies"]), scored_rollout["call_ids"]
     assert [(line["segment"], line["segment_count"], line["call_ids"]) for line in lines] == [(0, 2, ids[:2]), (1, 2, ids[2:])]
     for line, segment in zip(lines, expected):
-        assert line["output"] == [{"call_id": c, "prompt_token_ids": p, "generation_token_ids": g, "generation_log_probs": lp}
+        assert line["output"] == [{"call_id": c, "prompt_token_ids": p, "generation_token_ids": g, "generation_log_probs": lp,
+                                   "weight_versions": []}
                                   for c, (p, g, lp) in zip(line["call_ids"], segment["calls"])]
         assert line["reward"] == 0.75 and line["rollout_id"] == scored_rollout["rollout"]
         # what NeMo RL checks when it merges the turns of one sample: each prompt starts with all that was seen
@@ -385,3 +388,62 @@ def test_the_status_api_says_capture_is_on_with_its_token_source(trainer_gateway
 
     assert capture(trainer_gateway) == {"token_sources": {"upstream": "vllm"}, "token_in": {}, "strict": False, "files": None}
     assert capture(gateways["compatible"]) is None  # no capture setting: the WebUI says nothing
+
+
+def test_every_shape_carries_weight_versions_that_change_mid_call(
+    server_loop: ServerLoop, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The 3-call rollout with an edit at an engine (``--engine-api vllm``) whose weights
+    change in the middle of the second call (a gateway-held pause, resumed on v2): each shape
+    says which version sampled which token, at the exact offset into its own completion."""
+    from tests.engines.test_weight_sync import engine_gateway, engine_state
+
+    gateway, simulator = engine_gateway(server_loop, tmp_path_factory, capture_tokens="vllm", stream_mode="realtime",
+                                        api_key=[CLIENT_KEY])
+    rollout, group = new_rollout("versions"), "versions-" + secrets.token_hex(4)
+    client = client_for(gateway, rollout, {"x-rollout-group": group})
+    messages: list[dict[str, Any]] = [{"role": "user", "content": f"{secrets.token_hex(6)}: {CALLS}"}]
+
+    def turn(model: str) -> Any:
+        message = client.chat.completions.create(model=model, messages=messages, tools=TOOLS).choices[0].message  # type: ignore[arg-type]
+        messages.append(message.model_dump(exclude_none=True, exclude={"parsed"}))
+        for call in message.tool_calls or []:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": f"{call.function.name} says 18 C"})
+        return message
+
+    assert turn("agent;chunk=7").tool_calls
+    with ThreadPoolExecutor(1) as pool:
+        second = pool.submit(turn, "agent;chunk=2;delay=0.05")  # slow enough to pause it midway
+        wait_for(lambda: engine_state(simulator)["in_flight"] == 1, timeout=15)
+        time.sleep(0.15)  # a few tokens into the answer
+        assert httpx.post(gateway.url + "/admin/api/engines/pause", json={}, headers=gateway.admin).status_code == 200
+        resumed = httpx.post(gateway.url + "/admin/api/engines/resume", json={"weight_version": "v2"}, headers=gateway.admin)
+        assert resumed.status_code == 200, resumed.text
+        assert second.result(timeout=60).tool_calls
+    messages[2] = {**messages[2], "content": "get_weather says 19 C"}  # the harness edits its history
+    assert turn("agent;chunk=7").content.startswith("Done.")
+
+    calls = read_back(gateway, rollout)["calls"]
+    ids, versions = [c["call_id"] for c in calls], [c["weight_versions"] for c in calls]
+    assert versions[0] == [{"version": "default", "from_token": 0}]
+    assert versions[2] == [{"version": "v2", "from_token": 0}]
+    before, switch = versions[1]
+    k = switch["from_token"]
+    assert before == {"version": "default", "from_token": 0} and switch["version"] == "v2"
+    assert 0 < k < len(calls[1]["tokens"]["completion_ids"])
+
+    nemo = bulk(gateway, group=group, shape="nemo-gym")
+    assert [line["call_ids"] for line in nemo] == [ids[:2], ids[2:]]
+    assert [[entry["weight_versions"] for entry in line["output"]] for line in nemo] == [versions[:2], versions[2:]]
+    # in the flat shapes: offsets into the line's completion (which begins after call 0's prompt)
+    at = len(calls[1]["tokens"]["prompt_ids"]) - len(calls[0]["tokens"]["prompt_ids"])  # call 1's first sampled token
+    expected = [[{"call_id": ids[0], "version": "default", "from_token": 0},
+                 {"call_id": ids[1], "version": "default", "from_token": at},
+                 {"call_id": ids[1], "version": "v2", "from_token": at + k}],
+                [{"call_id": ids[2], "version": "v2", "from_token": 0}]]
+    for shape, mask in (("trl", "env_mask"), ("verifiers", "completion_mask")):
+        lines = bulk(gateway, group=group, shape=shape)
+        assert [line["weight_versions"] for line in lines] == expected, shape
+        first = lines[0]
+        assert first["completion_ids"][at + k] == calls[1]["tokens"]["completion_ids"][k] and first[mask][at + k] == 1
+        assert first[mask][at - 1] == 0 and first[mask][at] == 1  # the tool results end where call 1 samples
