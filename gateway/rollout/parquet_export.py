@@ -60,9 +60,10 @@ def schema(pa: Any, shape: str) -> Any:
     else:
         fields = [*common, ("segment", pa.int64()), ("segment_count", pa.int64()), ("call_ids", pa.list_(pa.string())),
                   ("call_rewards", pa.map_(pa.string(), pa.float64()))]
+        version = [("version", pa.string()), ("from_token", pa.int64())]  # docs/weight-sync.md
         if shape == "nemo-gym":
             entry = pa.struct([("call_id", pa.string()), ("prompt_token_ids", ids), ("generation_token_ids", ids),
-                               ("generation_log_probs", floats)])
+                               ("generation_log_probs", floats), ("weight_versions", pa.list_(pa.struct(version)))])
             fields += [("output", pa.list_(entry)), ("reward", pa.float64())]
         elif shape == "trl":
             fields += [("prompt_ids", ids), ("completion_ids", ids), ("logprobs", floats), ("env_mask", mask),
@@ -70,6 +71,8 @@ def schema(pa: Any, shape: str) -> Any:
         else:  # verifiers
             fields += [("prompt_ids", ids), ("completion_ids", ids), ("completion_mask", mask),
                        ("completion_logprobs", floats), ("reward", pa.float64())]
+        if shape != "nemo-gym":
+            fields.append(("weight_versions", pa.list_(pa.struct([("call_id", pa.string()), *version]))))
     return pa.schema([*fields, ("cursor", pa.string())])
 
 

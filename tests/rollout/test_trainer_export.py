@@ -447,3 +447,8 @@ def test_every_shape_carries_weight_versions_that_change_mid_call(
         first = lines[0]
         assert first["completion_ids"][at + k] == calls[1]["tokens"]["completion_ids"][k] and first[mask][at + k] == 1
         assert first[mask][at - 1] == 0 and first[mask][at] == 1  # the tool results end where call 1 samples
+    # the Parquet export carries the same versions in its typed columns
+    from tests.rollout.test_parquet_export import as_records, parquet
+
+    for shape in ("nemo-gym", "trl", "verifiers"):
+        assert as_records(shape, parquet(gateway, group=group, shape=shape)) == bulk(gateway, group=group, shape=shape)
