@@ -24,10 +24,13 @@ import pytest
 
 from gateway.simulator.server import TEXT
 from tests.conftest import Gateway, ServerLoop, wait_for
-from tests.engines.test_weight_sync import SLOW, USER, answered_listing, engine_gateway, engine_state
+from tests.engines.test_weight_sync import USER, answered_listing, engine_gateway, engine_state
 
 FAST = "text"
-#: the simulator's tokens are characters: each chunk of SLOW ("chunk=2") is two tokens
+#: 52 two-character chunks, 50 ms apart: the six calls are all mid-answer when the pause
+#: comes, however slowly a busy machine starts them
+SLOW = "text;chunk=2;delay=0.05"
+#: the simulator's tokens are characters: each chunk of SLOW is two tokens
 TOKENS_PER_CHUNK = 2
 ROLLOUTS = 12
 
@@ -79,17 +82,19 @@ def test_twelve_rollouts_across_a_held_pause_record_the_versions_that_sampled_ea
     server_loop: ServerLoop, tmp_path_factory: pytest.TempPathFactory, mode: str
 ) -> None:
     gateway, simulator = engine_gateway(server_loop, tmp_path_factory, stream_mode=mode, capture_tokens="vllm")
+    # the version calls are admitted with, known once the engine answered a status read
+    # (the start-up read has a 2 s bound a loaded machine can outlast)
+    assert answered_listing(gateway, held=0)["engines"][0]["weight_version"] == "default"
     tag = secrets.token_hex(4)
     rollouts = [f"sync.{tag}:r-{i}" for i in range(ROLLOUTS)]
     across = set(rollouts[0::2])  # the second call is mid-answer at the pause; the others send it while paused
     firsts_done = threading.Semaphore(0)
-    paused = threading.Event()
+    all_firsts_done, paused = threading.Event(), threading.Event()
 
     def rollout(rollout_id: str, call: Call) -> list[tuple[str, str | None]]:
         answers = [call(gateway, rollout_id, FAST)]
         firsts_done.release()
-        if rollout_id not in across:
-            assert paused.wait(timeout=120)
+        assert (all_firsts_done if rollout_id in across else paused).wait(timeout=120)
         answers.append(call(gateway, rollout_id, SLOW))
         answers.append(call(gateway, rollout_id, FAST))  # after the resume: the second ended after it
         return answers
@@ -100,6 +105,7 @@ def test_twelve_rollouts_across_a_held_pause_record_the_versions_that_sampled_ea
             pool.submit(rollout, r, c) for r, c in zip(rollouts, calls, strict=True)]
         for _ in range(ROLLOUTS):
             assert firsts_done.acquire(timeout=60)
+        all_firsts_done.set()  # the second calls of the "across" rollouts start together
 
         def across_mid_answer() -> bool:
             said = engine_state(simulator)["said"]
