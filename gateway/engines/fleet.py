@@ -148,15 +148,18 @@ class EngineFleet:
 
     async def _resume_one(self, engine: Engine, weight_version: str | None, bound: float) -> str | None:
         async def step() -> None:
+            # The attempts at this engine switch while it is still paused: a ``keep``-frozen
+            # one has counted exactly the tokens of the old weights, and the first token
+            # after the resume is the new version's (switched after, a few already counted).
             if weight_version is not None:
                 await self.control.update_weight_version(engine, weight_version)
+                self._learn(engine.name, weight_version, switch=True)
+            await self._ask_version(engine, switch=True)  # the engine's own word wins
             await self.control.resume(engine)
 
         why = await _bounded(bound, step, f"not resumed within {bound:g} s")
         if why is None:
             self._on_paused(engine.name, False)
-            self._learn(engine.name, weight_version, switch=True)
-            await self._ask_version(engine, switch=True)  # the engine's own word wins
         return why
 
     async def accepting(self, credential: Credential, policy: StreamPolicy) -> str | None:

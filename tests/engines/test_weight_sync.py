@@ -15,9 +15,11 @@ import anthropic
 import httpx
 import openai
 import pytest
+from websockets.exceptions import ConnectionClosedOK
 
 from gateway.simulator.server import TEXT, create_simulator_app
 from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway, wait_for
+from tests.protocols.test_responses_ws import exchange, open_ws
 
 #: 52 two-character chunks, 20 ms apart: the calls are mid-answer when the pause comes.
 SLOW = "text;chunk=2;delay=0.02"
@@ -209,3 +211,46 @@ def test_engine_admin_input_is_checked(server_loop: ServerLoop, simulator: Simul
     unauthenticated = httpx.post(gateway.url + "/admin/api/engines/pause", json={})
     assert unauthenticated.status_code == 401
     assert engine_state(sim)["pauses"] == 0 and engines(gateway)["holding"] is False
+
+
+def test_responses_calls_held_past_the_bound_are_engine_paused_with_one_record_each(
+    server_loop: ServerLoop, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The Responses side of the bound: HTTP JSON (503 before anything is committed), an
+    SSE stream committed by keepalives and a WebSocket turn (both the in-stream ``error``
+    event, then ``response.failed``): each ``engine_paused``, one audit record each, and
+    nothing reached the paused engine."""
+    gateway, simulator = engine_gateway(server_loop, tmp_path_factory, engine_pause_max=1.0, keepalive_interval=0.3)
+    paused = httpx.post(gateway.url + "/admin/api/engines/pause", json={"mode": "abort"}, headers=gateway.admin)
+    assert paused.status_code == 200 and paused.json()["mode"] == "abort"
+    client = openai.OpenAI(base_url=gateway.base_url, api_key="x", max_retries=0, timeout=30,
+                           _strict_response_validation=True)
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.responses.create(model="text", input="hi")
+    assert refused.value.status_code == 503 and refused.value.response.headers["retry-after"] == "1"
+    error = refused.value.response.json()["error"]
+    assert error["code"] == "engine_paused" and error["type"] == "server_error" and "--engine-pause-max" in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+    events: list[Any] = []
+    with client.responses.stream(model="text", input="hi") as stream:  # committed by keepalives
+        events.extend(stream)
+    assert {e.type for e in events[:-2]} <= {"response.created", "response.in_progress"}
+    assert events[-2].type == "error" and events[-2].code == "engine_paused"  # type: ignore[union-attr]
+    assert events[-1].type == "response.failed" and events[-1].response.status == "failed"  # type: ignore[union-attr]
+    assert "engine_paused" in events[-1].response.error.message  # type: ignore[union-attr]
+    turn = {"type": "response.create", "model": "text", "input": "hi"}
+    ws = open_ws(gateway)
+    frames = exchange(ws, turn)  # the turn began (response.created): the in-stream error, as over SSE
+    assert [f["type"] for f in frames[-2:]] == ["error", "response.failed"], frames
+    assert frames[-2]["code"] == "engine_paused" and "--engine-pause-max" in frames[-2]["message"]
+    with ws, pytest.raises(ConnectionClosedOK):  # a turn that failed ends its connection (websocket.py)
+        ws.recv(timeout=20)
+    assert simulator.requests() == [], "a held call reached the paused engine"
+    wait_for(lambda: len(audit(gateway)) == 3, timeout=10)
+    time.sleep(0.2)
+    rows = audit(gateway)
+    assert len(rows) == 3 and {r["error_code"] for r in rows} == {"engine_paused"}
+    assert {r["outcome"] for r in rows} == {"error"} and {r["protocol"] for r in rows} == {"responses"}
+    assert engines(gateway)["held"] == 0
+    httpx.post(gateway.url + "/admin/api/engines/resume", json={}, headers=gateway.admin)
+    assert client.responses.create(model="text", input="hi").output_text == TEXT
