@@ -32,6 +32,10 @@ def engine_gateway(server_loop: ServerLoop, tmp_path_factory: pytest.TempPathFac
     knows it as a vLLM engine (--engine-api vllm)."""
     simulator = Simulator(server_loop.serve(create_simulator_app()))
     gateway = start_gateway(server_loop, simulator, tmp_path_factory, engine_api="vllm", **overrides)
+    # the gateway asks the engine its weight version at start-up, bounded to 2 s: on a loaded
+    # machine that read can run out, and a call admitted meanwhile starts with no version.
+    # A status read learns it too: the tests start once the gateway knows it.
+    wait_for(lambda: all(e["weight_version"] for e in engines(gateway)["engines"]), timeout=30)
     return gateway, simulator
 
 
