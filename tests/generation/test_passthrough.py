@@ -277,7 +277,7 @@ def test_a_27_mib_body_of_token_ids_is_a_fast_named_413_while_healthz_answers(tm
     is served. ``/healthz`` is probed from a process of its own meanwhile: the bound only
     catches a frozen loop (timings are bench figures: bench/hostile.py --token-ids)."""
     from gateway.generation.passthrough import MAX_TOKEN_IDS
-    from tests.processes import FREEZE_MS, GatewayProcess, healthz_probe
+    from tests.processes import FREEZE_MS, GatewayProcess, paced_probe
 
     gateway = GatewayProcess("--simulator", "--data-dir", str(tmp_path / "data"), "--log-level", "warning",
                              log_dir=tmp_path)
@@ -287,7 +287,7 @@ def test_a_27_mib_body_of_token_ids_is_a_fast_named_413_while_healthz_answers(tm
             [b"[" + b",".join([b"%d" % (10_000 + j) for j in range(2600)]) + b"]"] * 2048) + b"]}"
         assert len(huge) > 27 * 1024 * 1024
         within = [[11 + (j % 7) for j in range(MAX_TOKEN_IDS // 4)]] * 4  # exactly the bound
-        with healthz_probe(gateway.port) as took:
+        with paced_probe(gateway.port) as probes:
             refused = httpx.post(gateway.base_url + "/completions", content=huge, timeout=120,
                                  headers={"content-type": "application/json"})
             served = client(gateway).completions.create(model="base-model", prompt=within, max_tokens=3)  # type: ignore[arg-type]
@@ -296,6 +296,9 @@ def test_a_27_mib_body_of_token_ids_is_a_fast_named_413_while_healthz_answers(tm
         assert (error["code"], error["param"], error["type"]) == ("too_many_token_ids", "prompt", "invalid_request_error")
         assert f"at most {MAX_TOKEN_IDS}" in error["message"] and "5324800 token ids" in error["message"]
         assert len(served.choices) == 4 and all(c.text for c in served.choices)
-        assert took and max(took) < FREEZE_MS * 2, sorted(took)[-5:]  # answered throughout: never frozen
+        # answered throughout, never frozen (62 s before): the 3rd-worst probe within the bound
+        # at the machine's pace (one 1.3 s probe was seen at load 20 beside a whole suite)
+        assert len(probes.gateway) > 5 and probes.stalled(FREEZE_MS * 2, 3) == 0, (
+            sorted(probes.gateway)[-5:], probes.pace)
     finally:
         gateway.stop()

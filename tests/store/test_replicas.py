@@ -80,9 +80,17 @@ def test_each_replicas_status_names_it_its_share_and_the_live_replicas(pair: Pai
     global cap shown as if it were its own), and both replicas with their shares, in flight
     and usable credentials, so replicas that disagree show it side by side."""
     for gateway, me in ((pair.a, "replica-a"), (pair.b, "replica-b")):
-        status = httpx.get(gateway.url + "/admin/api/status", params={"window": 60}, headers=gateway.admin)
-        assert status.status_code == 200, status.text
-        body = status.json()
+        read: dict[str, Any] = {}
+
+        def both_live() -> bool:  # a loaded machine can delay a heartbeat past REPLICA_TTL (5 s)
+            status = httpx.get(gateway.url + "/admin/api/status", params={"window": 60}, headers=gateway.admin)
+            assert status.status_code == 200, status.text
+            read.update(status.json(), metrics=httpx.get(gateway.url + "/metrics").text)
+            return (len(read["replica"]["live"]) == 2 and "codebuddy2api_replicas_live 2.0" in read["metrics"]
+                    and all(m["heartbeat_age"] < 5 for m in read["replica"]["live"]))
+
+        wait_for(both_live, timeout=30)
+        body = read
         replica = body["replica"]
         assert (replica["replica_id"], replica["shared"], replica["max_concurrent_share"]) == (me, True, MAX_CONCURRENT // 2)
         assert body["max_concurrent"] == MAX_CONCURRENT
@@ -92,7 +100,7 @@ def test_each_replicas_status_names_it_its_share_and_the_live_replicas(pair: Pai
         for member in live.values():
             assert member["pid"] == os.getpid() and member["in_flight"] >= 0 and 0 <= member["heartbeat_age"] < 5
             assert member["credentials_usable"] in (0, 1)  # the simulator's one credential (0 while cooling)
-        metrics = httpx.get(gateway.url + "/metrics").text  # the same, as gauges
+        metrics = body["metrics"]  # the same, as gauges
         assert "codebuddy2api_replicas_live 2.0" in metrics
         assert f"codebuddy2api_max_concurrent_share {MAX_CONCURRENT // 2}.0" in metrics
 
