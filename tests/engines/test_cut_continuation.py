@@ -40,7 +40,7 @@ ARGUMENTS = json.dumps(TOOL_ARGS[0])
 #: scenario -> (the model string: 2-character chunks, 50 ms apart; what the abort must cut)
 CUTS = {"text": ("text;chunk=2;delay=0.05", "content"),
         "reasoning": ("reasoning;chunk=2;delay=0.05", "reasoning_content"),
-        "tool": ("tool;chunk=2;delay=0.05", "tool_calls")}
+        "tool": ("tool;chunk=2;delay=0.15", "tool_calls")}  # a short answer: slower, so the cut finds it mid-way
 
 
 def chat(base: str, model: str, tools: bool) -> dict[str, Any]:

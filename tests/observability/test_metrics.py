@@ -153,7 +153,7 @@ def test_serve_with_two_workers_aggregates_metrics(tmp_path: Path) -> None:
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 25
+        deadline = time.monotonic() + 90  # two worker processes starting on a loaded machine
         while True:
             try:
                 if httpx.get(base + "/healthz").status_code == 200:

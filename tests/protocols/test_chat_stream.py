@@ -145,13 +145,14 @@ def test_compatible_sends_keepalives_while_collecting(keepalive_gateways: dict[s
     """A slow upstream: the compatible gateway keeps the client's idle timer alive with
     SSE comment lines, which the SDK ignores, and the answer still assembles.
 
-    The keepalive interval is 0.5 s; the upstream's first chunk comes after 4 s, room for
-    about eight keepalives, of which at least two (repeated, not a single one) must come
-    before the first text even when a busy machine fires the loop's timers late (#39)."""
+    The keepalive interval is 0.5 s; the upstream's first chunk comes after 8 s, room for
+    about sixteen keepalives, of which at least two (repeated, not a single one) must come
+    before the first text even when a busy machine fires the loop's timers late (#39: with
+    4 s, only one came at load 19)."""
     with httpx.stream(
         "POST",
         keepalive_gateways["compatible"].base_url + "/chat/completions",
-        json={"model": "text;first_chunk_delay=4", "messages": MESSAGES, "stream": True},
+        json={"model": "text;first_chunk_delay=8", "messages": MESSAGES, "stream": True},
         timeout=60,
     ) as response:
         raw = b"".join(response.iter_bytes())

@@ -266,7 +266,9 @@ def test_rate_limited_is_429(gateway: Gateway, simulator: Simulator) -> None:
 
 def test_compatible_keepalive_is_in_progress(keepalive_gateways: dict[str, Gateway]) -> None:
     response, events, raw = raw_events(
-        keepalive_gateways["compatible"], {"model": "text;first_chunk_delay=1.2", "input": QUESTION}
+        # 8 s of silence: room for ~16 keepalives, of which it asks 2 (a loaded machine fires
+        # the loop's timers late: 4 s saw one of the Chat twin's at load 19)
+        keepalive_gateways["compatible"], {"model": "text;first_chunk_delay=8", "input": QUESTION}
     )
     assert_stream_invariants(events, raw)
     first_item = next(i for i, e in enumerate(events) if e["type"] == "response.output_item.added")

@@ -188,8 +188,15 @@ async def test_audit_filters_by_transport_and_the_migration_backfills_it(
 
 
 async def test_audit_from_two_processes_lands_in_one_table(opener: Callable[[], Store]) -> None:
+    from gateway.store.audit import _INSERT
+    from gateway.store.spill import DurableWriter
+
     a, b = opener(), opener()
-    writers = [AuditWriter(db, flush_interval=0.005, batch_size=7) for db in (a, b)]
+    # no spill journal here: a write taking past the 0.5 s stall bound (a loaded machine's
+    # PostgreSQL) would count its batch lost; this test is about two writers, not stalls
+    writers = [AuditWriter(db, flush_interval=0.005, batch_size=7,
+                           durable=DurableWriter(db, None, {"audit": _INSERT}, write_timeout=30.0, write_max=60.0))
+               for db in (a, b)]
     for w in writers:
         await w.start()
     for i in range(50):
