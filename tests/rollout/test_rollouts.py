@@ -17,7 +17,7 @@ import pytest
 from websockets.sync.client import connect
 
 from gateway.simulator.scenarios import assemble_completion, build_plan
-from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway
+from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway, wait_for
 
 CLIENT_KEY = "ck-rollouts-client-key-0123456789"
 CALLS = 'CALL get_weather {"city": "Paris"} then CALL get_time {"timezone": "Europe/Paris"}'
@@ -441,6 +441,10 @@ def test_two_replicas_on_postgresql_read_and_freeze_the_same_rollout(
         messages.append(message.model_dump(exclude_none=True, exclude={"parsed"}))
         for call in message.tool_calls or []:
             messages.append({"role": "tool", "tool_call_id": call.id, "content": f"{call.function.name} says 18 C"})
+    # each call's delivery is confirmed by a write after its answer went out (docs/capture.md
+    # "Delivery"): until it lands the read-back lists the call as incomplete (a loaded machine
+    # read one such call here)
+    wait_for(lambda: all(read_back(g, rollout)["incomplete"] == [] for g in (a, b)), timeout=30)
     seen_a, seen_b = read_back(a, rollout), read_back(b, rollout)
     assert seen_a == seen_b and len(seen_a["calls"]) == 3
     assert [c["continuity"]["prefix"] for c in seen_a["calls"]] == ["exact"] * 3
