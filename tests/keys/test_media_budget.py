@@ -75,13 +75,17 @@ def test_forty_image_requests_in_parallel_stay_within_the_budget(gw: Gateway) ->
         except openai.RateLimitError as exc:
             with lock:
                 refused.append(exc.body["code"])  # type: ignore[index]
+        except openai.InternalServerError as exc:  # 40 reservations at once on a loaded machine:
+            with lock:  # past the key store's 2 s bound the key fails closed (503), never open
+                refused.append(exc.body["code"])  # type: ignore[index]
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(40)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    assert len(served) + len(refused) == 40 and served and set(refused) == {"budget_exceeded"}
+    assert len(served) + len(refused) == 40 and served and "budget_exceeded" in refused
+    assert set(refused) <= {"budget_exceeded", "key_store_unavailable"}, refused
     assert all(tokens > IMAGES * IMAGE_PROMPT_TOKENS for tokens in served)  # each cost ~76.5k upstream
     assert sum(served) <= 200_000
     wait_for(lambda: listed(gw)[key["id"]]["usage"]["tokens_today"] == sum(served))
