@@ -111,8 +111,12 @@ def render_records(shape: str, rollout_id: str, updated_at: float, read: tuple[l
 def render(shape: str, rollout_id: str, updated_at: float, read: tuple[list[dict[str, Any]], list[Any]],
            labels: dict[str, Any], exclude_undelivered: bool = False) -> bytes:
     """One rollout's JSONL lines (blocking: serialising is CPU work too)."""
-    lines = render_records(shape, rollout_id, updated_at, read, labels, exclude_undelivered)
-    return b"".join(orjson.dumps(line) + b"\n" for line in lines)
+    return jsonl(render_records(shape, rollout_id, updated_at, read, labels, exclude_undelivered))
+
+
+def jsonl(records: list[dict[str, Any]]) -> bytes:
+    """Records as JSONL lines."""
+    return b"".join(orjson.dumps(record) + b"\n" for record in records)
 
 
 class BulkExport:
@@ -138,50 +142,48 @@ class BulkExport:
             labels = await self.db.arun(lambda conn: load_labels(conn, rollout_id))
         return read, labels
 
-    async def _rollout(self, updated_at: float, rollout_id: str) -> bytes:
-        read, labels = await self._read(rollout_id)
-        if read is None:  # deleted since the page was read
-            return b""
-        return await asyncio.to_thread(render, self.query.shape, rollout_id, updated_at, read, labels,
-                                       self.query.exclude_undelivered)
-
-    async def record_pages(self, convert: Callable[[list[dict[str, Any]]], T]) -> AsyncIterator[list[T]]:
-        """Each page's rollouts, each rollout's records (dicts, in ``shape``) passed through
-        ``convert`` in the same worker thread (an export other than JSONL turns them into
-        its own form there: :mod:`gateway.rollout.parquet_export`); a store failure raises
-        (TimeoutError or one of ``db.errors``), as such an export has not begun its answer."""
-        rows, after = self._first or [], self.query.cursor
+    async def _rendered(self, convert: Callable[[list[dict[str, Any]]], T]
+                        ) -> AsyncIterator[tuple[Cursor, T | None, bool]]:
+        """Each rollout in export order: its cursor, its records (dicts, in ``shape``) passed
+        through ``convert`` in the worker thread that renders them (None: deleted since its
+        page was read), and whether it ends its page. A store failure raises (TimeoutError or
+        one of ``db.errors``); the last cursor yielded is where to resume."""
+        rows = self._first or []
         while rows:
-            converted: list[T] = []
-            for updated_at, rollout_id in rows:
+            for n, (updated_at, rollout_id) in enumerate(rows):
                 read, labels = await self._read(rollout_id)
-                if read is not None:
-                    converted.append(await asyncio.to_thread(self._convert, convert, rollout_id, updated_at, read, labels))
-                after = (updated_at, rollout_id)
-            yield converted
+                out = None if read is None else await asyncio.to_thread(
+                    self._convert, convert, rollout_id, updated_at, read, labels)
+                yield (updated_at, rollout_id), out, n == len(rows) - 1
             if len(rows) < PAGE_ROLLOUTS:
                 return
-            rows = await self._page(after)
+            rows = await self._page(rows[-1])
 
     def _convert(self, convert: Callable[[list[dict[str, Any]]], T], rollout_id: str, updated_at: float,
                  read: Any, labels: dict[str, Any]) -> T:
         return convert(render_records(self.query.shape, rollout_id, updated_at, read, labels,
                                       self.query.exclude_undelivered))
 
+    async def record_pages(self, convert: Callable[[list[dict[str, Any]]], T]) -> AsyncIterator[list[T]]:
+        """Each page's rollouts, their records through ``convert`` (an export other than JSONL
+        turns them into its own form there: :mod:`gateway.rollout.parquet_export`); a store
+        failure raises, as such an export has not begun its answer."""
+        converted: list[T] = []
+        async for _, out, page_end in self._rendered(convert):
+            if out is not None:
+                converted.append(out)
+            if page_end:
+                yield converted
+                converted = []
+
     async def lines(self) -> AsyncIterator[bytes]:
         """Each rollout's lines as one chunk; a store failure mid-way ends the export with
         one ``{"error": {...}}`` line carrying the cursor to resume from."""
-        rows, after = self._first or [], self.query.cursor
+        after = self.query.cursor
         try:
-            while rows:
-                for updated_at, rollout_id in rows:
-                    chunk = await self._rollout(updated_at, rollout_id)
-                    after = (updated_at, rollout_id)
-                    if chunk:
-                        yield chunk
-                if len(rows) < PAGE_ROLLOUTS:
-                    return
-                rows = await self._page(after)
+            async for after, chunk, _ in self._rendered(jsonl):
+                if chunk:
+                    yield chunk
         except (TimeoutError, *self.db.errors) as exc:
             error = {"code": "store_unavailable", "message": f"the store stopped answering ({type(exc).__name__}); "
                      "resume with the cursor", "cursor": encode_cursor(after) if after else None}
