@@ -26,6 +26,8 @@ PAUSE_MODES = ("keep", "abort", "wait")
 STATUS_TIMEOUT = 2.0
 #: The first and the longest gap between ``is_paused`` polls (after ``/pause``, before a continuation).
 POLL_FIRST, POLL_MAX = 0.02, 0.5
+#: The first and the longest gap between version reads of an engine that did not answer at start-up.
+VERSION_RETRY_FIRST, VERSION_RETRY_MAX = 1.0, 30.0
 
 
 def engine_of(credential: Credential) -> Engine:
@@ -78,6 +80,7 @@ class EngineFleet:
         #: each engine's weight version as last reported (or set by a resume), by name
         self.versions: dict[str, str] = {}
         self._trails: dict[str, set[VersionTrail]] = {}  # engine name -> the attempts at it now
+        self._askers: list[asyncio.Task[None]] = []  # start-up version reads still retrying
 
     def track(self, credential: Credential) -> VersionTrail | None:
         """An attempt at this credential's engine starts: its version trail (None for an
@@ -103,8 +106,20 @@ class EngineFleet:
             trail.switch(version)
 
     async def learn_versions(self) -> None:
-        """Ask every engine its version (at start-up; 2 s bound each, failures ignored)."""
-        await asyncio.gather(*(self._ask_version(e, switch=False) for e in self.engines()))
+        """Ask every engine its version at start-up (2 s bound each). One that does not answer
+        (an engine still loading its weights) is asked again in the background, 1 s then
+        doubling to 30 s, until its version is known: otherwise the calls' records would carry
+        no weight version until the trainer's first resume."""
+        engines = self.engines()
+        await asyncio.gather(*(self._ask_version(e, switch=False) for e in engines))
+        self._askers += [asyncio.create_task(self._ask_until_known(e)) for e in engines if e.name not in self.versions]
+
+    async def _ask_until_known(self, engine: Engine) -> None:
+        gap = VERSION_RETRY_FIRST
+        while engine.name not in self.versions:  # a resume or a status read may learn it first
+            await asyncio.sleep(gap)
+            gap = min(gap * 2, VERSION_RETRY_MAX)
+            await self._ask_version(engine, switch=False)
 
     async def _ask_version(self, engine: Engine, switch: bool) -> None:
         async def step() -> None:
@@ -204,10 +219,12 @@ class EngineFleet:
 
     async def aclose(self) -> None:
         """Stop the pollers (at shutdown)."""
-        for watch in self._watches.values():
-            watch.cancel()
-        await asyncio.gather(*self._watches.values(), return_exceptions=True)
+        tasks = [*self._watches.values(), *self._askers]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._watches.clear()
+        self._askers.clear()
 
     async def status(self) -> list[dict[str, Any]]:
         """Each engine: url, paused, weight version (asked now), calls in flight, calls held."""

@@ -106,3 +106,40 @@ async def test_an_engine_that_stays_paused_is_engine_paused_after_the_bound() ->
     plain = Credential(Upstream("p", "http://plain:8000/v1"), None)  # no engine API: asked at once
     async with asyncio.timeout(5):
         await fleet.accepting(plain, policy)
+
+
+async def test_an_engine_silent_at_start_up_is_asked_its_version_again_until_it_answers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine still loading its weights fails the start-up read: the fleet asks again with
+    backoff (not once and never again), so calls before the trainer's first resume still get
+    a weight version; once known, it stops asking, and ``aclose`` ends a reader still trying."""
+    monkeypatch.setattr("gateway.engines.fleet.VERSION_RETRY_FIRST", 0.01)
+    asked: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.host)
+        if request.url.host == "loading" and len([h for h in asked if h == "loading"]) <= 3:
+            return httpx.Response(503, json={"error": "loading weights"})
+        return httpx.Response(200, json={"weight_version": f"{request.url.host}-v1"})
+
+    def credential(host: str) -> Credential:
+        return Credential(Upstream(host, f"http://{host}:8000/v1", engine_api="vllm"), "sk-1")
+
+    control = EngineControl(httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    fleet = EngineFleet(lambda: UpstreamPool([credential("ready"), credential("loading")]), control, EngineHold())
+    await fleet.learn_versions()
+    assert fleet.versions == {"ready": "ready-v1"}  # the start-up read: one answered, one did not
+    async with asyncio.timeout(5):
+        while "loading" not in fleet.versions:
+            await asyncio.sleep(0.01)
+    assert fleet.versions == {"ready": "ready-v1", "loading": "loading-v1"}
+    await asyncio.sleep(0.1)
+    assert asked.count("ready") == 1 and asked.count("loading") == 4  # no read once known
+    assert fleet.track(credential("loading")).versions == [{"version": "loading-v1", "from_token": 0}]
+
+    never = EngineFleet(lambda: UpstreamPool([credential("down")]), EngineControl(httpx.AsyncClient(
+        transport=httpx.MockTransport(lambda request: httpx.Response(503)))), EngineHold())
+    await never.learn_versions()
+    [asker] = never._askers
+    await never.aclose()
+    assert asker.cancelled() and never.versions == {}
