@@ -13,8 +13,8 @@ from starlette.routing import BaseRoute, Route
 from gateway.admin.audit_api import BadParam, _bad, _time
 from gateway.admin.common import admin_error
 from gateway.admin.rollouts_api import _recorder
-from gateway.rollout.bulk_export import BulkExport, ExportQuery, decode_cursor
 from gateway.rollout import parquet_export
+from gateway.rollout.bulk_export import BulkExport, ExportQuery, decode_cursor
 from gateway.rollout.labels import BadLabel, check_group
 from gateway.rollout.shapes import SHAPES
 
@@ -23,12 +23,14 @@ FORMATS = ("jsonl", "parquet")
 _BOOLEAN = {"true": True, "1": True, "false": False, "0": False}
 
 
-def _query(request: Request) -> ExportQuery:
+def _query(request: Request) -> tuple[ExportQuery, str]:
+    """The export's query and its format (``jsonl`` or ``parquet``), or ``BadParam``."""
     params = request.query_params
     shape = params.get("shape") or "native"
     if shape not in SHAPES:
         raise BadParam("shape", f"shape must be one of {', '.join(SHAPES)}")
-    if (params.get("format") or "jsonl") not in FORMATS:
+    file_format = params.get("format") or "jsonl"
+    if file_format not in FORMATS:
         raise BadParam("format", f"format must be one of {', '.join(FORMATS)}")
     frozen_text = params.get("frozen")
     if frozen_text not in (None, "") and frozen_text not in _BOOLEAN:
@@ -47,17 +49,18 @@ def _query(request: Request) -> ExportQuery:
         cursor = decode_cursor(cursor_text) if cursor_text else None
     except ValueError as err:
         raise BadParam("cursor", f"cursor: {err}") from None
-    return ExportQuery(shape=shape, since=_time(request, "since"), until=_time(request, "until"), group=group,
-                       frozen=_BOOLEAN.get(frozen_text or ""), cursor=cursor,
-                       exclude_undelivered=undelivered == "exclude")
+    query = ExportQuery(shape=shape, since=_time(request, "since"), until=_time(request, "until"), group=group,
+                        frozen=_BOOLEAN.get(frozen_text or ""), cursor=cursor,
+                        exclude_undelivered=undelivered == "exclude")
+    return query, file_format
 
 
 async def export(request: Request) -> Response:
     try:
-        query = _query(request)
+        query, file_format = _query(request)
     except BadParam as err:
         return _bad(err)
-    parquet = request.query_params.get("format") == "parquet"
+    parquet = file_format == "parquet"
     if parquet:
         try:
             await asyncio.to_thread(parquet_export.load_pyarrow)  # the first import takes ~0.15 s
