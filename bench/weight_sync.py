@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gateway.app import create_app  # noqa: E402
-from gateway.observability.logging import configure_logging  # noqa: E402
 from gateway.http.servers import bind_loopback, start_embedded, stop_embedded  # noqa: E402
+from gateway.observability.logging import configure_logging  # noqa: E402
 from gateway.settings import Settings  # noqa: E402
 from gateway.simulator.server import create_simulator_app  # noqa: E402
 

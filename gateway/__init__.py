@@ -1,6 +1,7 @@
 """codebuddy2api: an LLM streaming gateway."""
 
-from importlib.metadata import PackageNotFoundError, version as _version
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
 
 try:
     __version__ = _version("codebuddy2api")

@@ -19,8 +19,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.admin import admin_mount, auth_routes
 from gateway.admin.auth import AdminAccess, login_base_url
-from gateway.admin.reload_api import reload_on_signal
 from gateway.admin.common import admin_error
+from gateway.admin.reload_api import reload_on_signal
 from gateway.admin.sessions import SessionEpoch
 from gateway.admin.throttle import AttemptThrottle
 from gateway.engines.control import EngineControl
@@ -44,8 +44,8 @@ from gateway.http.servers import (
     stop_embedded,
 )
 from gateway.http.shutdown import GracefulShutdown
-from gateway.keys.budget_left import BudgetLeft
 from gateway.keys import store as key_store
+from gateway.keys.budget_left import BudgetLeft
 from gateway.keys.limiter import KeyLimiter
 from gateway.keys.model import ManagedKey
 from gateway.keys.registry import KeyRegistry

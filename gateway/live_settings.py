@@ -19,7 +19,6 @@ from pydantic import ValidationError
 
 from gateway.settings import MIN_OPERATOR_SECRET, Settings, SettingsError, Source, describe_error
 
-
 #: Settings the admin API / WebUI may change at run time (when not set by flag or env).
 EDITABLE: frozenset[str] = frozenset({
     "stream_mode", "max_collect_bytes", "tool_repair_attempts", "keepalive_interval",

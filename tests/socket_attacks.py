@@ -20,7 +20,6 @@ import orjson
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidMessage, InvalidStatus
 
-
 #: The source address attackers connect from (None: the system's choice, 127.0.0.1 on loopback);
 #: another loopback address (127.0.0.2) makes them another client than the test's own probes.
 SOURCE: str | None = None

@@ -8,9 +8,9 @@ The overlays (deploy/kubernetes/overlays/dev, prod) are rendered with ``kubectl 
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 import subprocess
-import shlex
 from pathlib import Path
 from typing import Any
 

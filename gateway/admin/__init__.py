@@ -23,12 +23,12 @@ from gateway.admin.credentials_api import credential_routes
 from gateway.admin.engines_api import engine_routes
 from gateway.admin.envelope_keys_api import envelope_key_routes
 from gateway.admin.keys_api import key_routes
+from gateway.admin.reload_api import reload_routes
 from gateway.admin.rollout_abort_api import rollout_abort_routes
 from gateway.admin.rollout_export_api import rollout_export_routes
 from gateway.admin.rollout_labels_api import rollout_label_routes
 from gateway.admin.rollouts_api import rollout_routes
 from gateway.admin.settings_api import settings_routes
-from gateway.admin.reload_api import reload_routes
 from gateway.admin.status_api import status_routes
 from gateway.admin.store_bound import StoreBound
 

@@ -12,7 +12,6 @@ from datetime import datetime
 from typing import Any
 
 import orjson
-
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route

@@ -18,12 +18,20 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.admin.common import BAD_BODY, NotAnObject, admin_error, json_object
-from gateway.keys import store
-from gateway.keys.model import (
-    PREFIX_CHARS, InvalidField, KeyLimits, ManagedKey, hash_secret, limits_from, metadata_of, name_of, new_key_id, new_secret,
-)
-from gateway.keys import usage_window
+from gateway.keys import store, usage_window
 from gateway.keys.budget_left import left_of
+from gateway.keys.model import (
+    PREFIX_CHARS,
+    InvalidField,
+    KeyLimits,
+    ManagedKey,
+    hash_secret,
+    limits_from,
+    metadata_of,
+    name_of,
+    new_key_id,
+    new_secret,
+)
 from gateway.keys.quota import Counts
 from gateway.keys.registry import KeyRegistry
 from gateway.store import audit_queries

@@ -15,7 +15,14 @@ from starlette.routing import BaseRoute, Route
 
 from gateway.admin.common import BAD_BODY, NotAnObject, admin_error, json_object
 from gateway.admin.rollouts_api import WRITE_TIMEOUT, _invalid, _missing, _recorder, _rollout_id
-from gateway.rollout.labels import GROUP_UPSERT, REWARD_UPSERT, BadLabel, Reward, check_group, group_row
+from gateway.rollout.labels import (
+    GROUP_UPSERT,
+    REWARD_UPSERT,
+    BadLabel,
+    Reward,
+    check_group,
+    group_row,
+)
 
 
 async def _body(request: Request) -> dict[str, Any] | JSONResponse:

@@ -11,7 +11,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.admin.common import BAD_BODY, NotAnObject, admin_error, json_object
-
 from gateway.live_settings import LiveSettings, LockedSetting
 from gateway.settings import CLI_FIELDS, Settings, SettingsError
 from gateway.store.saved_settings import SECRET_SETTINGS, StaleRevision

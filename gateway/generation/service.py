@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from starlette.requests import HTTPConnection, Request
 from starlette.background import BackgroundTask
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.engines.fleet import EngineFleet

@@ -26,8 +26,8 @@ and the limits hold exactly across them. Times come from the database's clock.
 
 from __future__ import annotations
 
-import time
 import dataclasses
+import time
 from dataclasses import fields
 from datetime import UTC, datetime
 from typing import Any
@@ -35,8 +35,8 @@ from typing import Any
 import orjson
 
 from gateway.keys.model import KeyLimits, ManagedKey
-from gateway.keys.quota import WINDOW, Ask, Counts, Grant, Refusal, decide
 from gateway.keys.periods import period_days
+from gateway.keys.quota import WINDOW, Ask, Counts, Grant, Refusal, decide
 from gateway.store.db import Store
 
 #: Seconds a reservation's lease runs; its process renews it every :data:`RENEW_EVERY`.

@@ -21,7 +21,6 @@ from gateway.protocols.fields import check_item_limits, check_value_limits
 from gateway.stream.accumulator import ToolRules
 from gateway.stream.events import Completion, Event
 
-
 FactsT = TypeVar("FactsT")
 
 

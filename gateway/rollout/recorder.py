@@ -36,9 +36,9 @@ from gateway.live_settings import LiveSettings
 from gateway.redact import SECRETS
 from gateway.rollout import owners
 from gateway.rollout import store as rollout_store
-from gateway.rollout.labels import group_row
 from gateway.rollout.call_tokens import CallTokens
 from gateway.rollout.experts import compacted
+from gateway.rollout.labels import group_row
 from gateway.rollout.records import call_record
 from gateway.rollout.unstored import UnstoredRolloutFacts
 from gateway.store.db import Store

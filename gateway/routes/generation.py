@@ -14,8 +14,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.errors import GatewayError
-from gateway.generation.body_parsing import count_tokens
 from gateway.generation.admission import skip_small_body
+from gateway.generation.body_parsing import count_tokens
 from gateway.generation.service import GenerationService
 from gateway.keys.identity import client_identity
 from gateway.keys.limiter import KeyRefusal

@@ -17,9 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import structlog
-
 import orjson
+import structlog
 
 from gateway.store.db import Store, upsert
 

@@ -32,6 +32,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from gateway.store.db import Store
+from gateway.store.journal import MAX_JOURNALS, SPILL_PATTERN, SpillFull, SpillJournal
+from gateway.store.journal_writes import SPILL_LOG_INTERVAL, JournalWrites
+from gateway.store.replay import Statement, apply_rows
 from gateway.store.store_calls import (
     STORE_READ_TIMEOUT,
     STORE_WRITE_MAX,
@@ -40,10 +44,6 @@ from gateway.store.store_calls import (
     BoundedWrites,
     StoreUnavailable,
 )
-from gateway.store.db import Store
-from gateway.store.journal import MAX_JOURNALS, SPILL_PATTERN, SpillFull, SpillJournal
-from gateway.store.journal_writes import SPILL_LOG_INTERVAL, JournalWrites
-from gateway.store.replay import Statement, apply_rows
 from gateway.store.store_recovery import StoreRecovery
 
 __all__ = ["MAX_JOURNALS", "SPILL_LOG_INTERVAL", "SPILL_PATTERN", "DurableWriter", "SpillFull", "SpillJournal",

@@ -26,11 +26,25 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gateway.errors import GatewayError
-from gateway.stream.events import Completion, FinishReason, TokenData, ToolCall, Usage, routed_experts_of
-from gateway.stream.think_tags import Start, ThinkTagSplitter
+from gateway.stream.events import (
+    Completion,
+    FinishReason,
+    TokenData,
+    ToolCall,
+    Usage,
+    routed_experts_of,
+)
 from gateway.stream.signatures import Seal
 from gateway.stream.text_log import AnswerText
-from gateway.stream.tool_calls import ToolArgs, ToolCallMerger, ToolIdentified, ToolSlot, object_or_empty, parse_arguments
+from gateway.stream.think_tags import Start, ThinkTagSplitter
+from gateway.stream.tool_calls import (
+    ToolArgs,
+    ToolCallMerger,
+    ToolIdentified,
+    ToolSlot,
+    object_or_empty,
+    parse_arguments,
+)
 
 __all__ = [  # the tool-call names are re-exported: the rooms and the scheduler import them from here
     "ChatSSEAccumulator", "FINISH_MAP", "LogprobsPiece", "Piece", "TextPiece", "ToolArgs", "ToolIdentified", "ToolRules",

@@ -32,8 +32,8 @@ from gateway.stream.compatible import replay
 from gateway.stream.events import Completion, Event
 from gateway.stream.masking import DeltaMasker
 from gateway.stream.realtime import RealtimeScheduler
-from gateway.stream.signatures import Seal
 from gateway.stream.repair import RepairPolicy
+from gateway.stream.signatures import Seal
 from gateway.stream.think_tags import Start
 
 

@@ -14,7 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from gateway.stream.events import BlockDelta, BlockKind, BlockStart, BlockStop, Completion, Event, Finish, TokenLogprobs
+from gateway.stream.events import (
+    BlockDelta,
+    BlockKind,
+    BlockStart,
+    BlockStop,
+    Completion,
+    Event,
+    Finish,
+    TokenLogprobs,
+)
 
 #: Replayed text is cut into deltas of at most this many characters, so that a client's
 #: incremental parser never has to hold one huge frame.

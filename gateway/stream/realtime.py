@@ -23,7 +23,14 @@ from dataclasses import dataclass, field
 
 import jiter
 
-from gateway.stream.accumulator import LogprobsPiece, Piece, TextPiece, ToolArgs, ToolIdentified, ToolSlot
+from gateway.stream.accumulator import (
+    LogprobsPiece,
+    Piece,
+    TextPiece,
+    ToolArgs,
+    ToolIdentified,
+    ToolSlot,
+)
 from gateway.stream.events import (
     BlockDelta,
     BlockKind,
@@ -31,12 +38,11 @@ from gateway.stream.events import (
     BlockStop,
     Event,
     Finish,
+    FinishReason,
     TokenLogprobs,
     Usage,
 )
-from gateway.stream.events import FinishReason
 from gateway.stream.text_log import TextLog
-
 
 #: Beyond this many characters of arguments the prefix check is skipped (it reparses the
 #: whole prefix each time); malformed arguments show up at their start in practice.

@@ -21,7 +21,6 @@ the I/O loop is :func:`gateway.upstream.client.UpstreamClient._request`.
 
 from __future__ import annotations
 
-
 _BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark: the spec drops one at the stream's start
 
 

@@ -17,11 +17,10 @@ from gateway.engines.continuation import MAX_CONTINUATIONS, PartialAnswer, conti
 from gateway.engines.hold import engine_paused
 from gateway.engines.versions import VersionTrail
 from gateway.errors import GatewayError
+from gateway.simulator.server import TEXT
 from gateway.stream.answer import DONE
 from gateway.upstream.client import ANSWERED
-from gateway.simulator.server import TEXT
 from tests.conftest import ServerLoop, wait_for
-from tests.protocols.test_responses_ws import exchange, open_ws
 from tests.engines.test_weight_sync import (
     FINISHED,
     SLOW,
@@ -33,6 +32,7 @@ from tests.engines.test_weight_sync import (
     metric,
     responses_call,
 )
+from tests.protocols.test_responses_ws import exchange, open_ws
 
 
 def chunk(content: str | None = None, finish: str | None = None, **extra: Any) -> dict[str, Any]:

@@ -30,8 +30,8 @@ from gateway.simulator.server import TEXT
 from gateway.simulator.tokens import END, prompt_ids
 from tests.conftest import Gateway, ServerLoop, Simulator, wait_for
 from tests.engines.test_versions import the_call
-from tests.upstream.test_token_in import PLAN
 from tests.engines.test_weight_sync import engine_gateway, engine_state
+from tests.upstream.test_token_in import PLAN
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {

@@ -5,7 +5,6 @@ a removed budget drops its series). Also ``budget_left`` in ``GET /admin/api/key
 
 from __future__ import annotations
 
-
 import httpx
 import openai
 import pytest

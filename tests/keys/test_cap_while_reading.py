@@ -12,7 +12,7 @@ import secrets
 import pytest
 
 from gateway.protocols.tokens import count_chat_tokens, count_text
-from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway, wait_for
+from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway
 from tests.drivers import DRIVERS, UNARY_DRIVERS, Ask
 from tests.keys.test_cut_answers import charged
 from tests.keys.test_keys import create_key

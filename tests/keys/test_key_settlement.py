@@ -18,8 +18,8 @@ import orjson
 import pytest
 
 from gateway.generation.record import RequestRecord
-from gateway.keys import store
 from gateway.keys import limiter as limiter_module
+from gateway.keys import store
 from gateway.keys.limiter import KeyLimiter
 from gateway.store.db import Store, open_database
 from gateway.store.spill import DurableWriter, SpillJournal

@@ -18,8 +18,8 @@ import pytest
 
 from gateway.keys import store as key_store
 from gateway.keys.model import InvalidField, KeyLimits, ManagedKey, limits_from
-from gateway.keys.quota import Ask, Counts, Grant, Rates, Refusal, decide
 from gateway.keys.periods import seconds_to_period_end
+from gateway.keys.quota import Ask, Counts, Grant, Rates, Refusal, decide
 from gateway.observability.pricing import cost
 from gateway.upstream.config_file import ModelPrice
 from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway, wait_for

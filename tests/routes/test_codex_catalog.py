@@ -12,7 +12,12 @@ import httpx
 import openai
 import pytest
 
-from gateway.routes.codex_catalog import BASE_INSTRUCTIONS, codex_catalog, codex_model, usable_input_percent
+from gateway.routes.codex_catalog import (
+    BASE_INSTRUCTIONS,
+    codex_catalog,
+    codex_model,
+    usable_input_percent,
+)
 from gateway.routes.model_info import ModelInfo
 from gateway.simulator.server import MAX_MODEL_LEN
 from tests.conftest import Gateway, ServerLoop, Simulator, start_gateway

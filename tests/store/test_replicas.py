@@ -36,7 +36,15 @@ from gateway.settings import Settings
 from gateway.simulator.server import create_simulator_app
 from gateway.store.replicas import CREDENTIAL_POLL
 from gateway.store.saved_settings import REVISION_MAX_AGE
-from tests.conftest import Gateway, ServerLoop, Simulator, replica_pair, start_gateway, wait_for, with_search_path
+from tests.conftest import (
+    Gateway,
+    ServerLoop,
+    Simulator,
+    replica_pair,
+    start_gateway,
+    wait_for,
+    with_search_path,
+)
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 MAX_CONCURRENT = 6

@@ -17,7 +17,6 @@ from typing import Any
 import httpx
 import openai
 import orjson
-import pytest
 
 from gateway.redact import SECRETS
 from gateway.upstream.credential import fingerprint

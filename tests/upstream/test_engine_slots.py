@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 import threading
-from pathlib import Path
 from typing import Any
 
 import httpx

@@ -6,7 +6,11 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import GatewayError
-from gateway.upstream.failure_lessons import DEFAULT_RATE_LIMIT_COOLDOWN, HUNG_PENALTY, SERVER_ERROR_PENALTY
+from gateway.upstream.failure_lessons import (
+    DEFAULT_RATE_LIMIT_COOLDOWN,
+    HUNG_PENALTY,
+    SERVER_ERROR_PENALTY,
+)
 from gateway.upstream.pool import Credential, Upstream, UpstreamPool
 from gateway.upstream.pool_state import CredentialStateSync
 

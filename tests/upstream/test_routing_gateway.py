@@ -18,11 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import create_app
 from gateway.settings import Settings
-from gateway.upstream.routing import PACE_MIN_SAMPLES
 from gateway.simulator.reply import TEXT
 from gateway.simulator.server import create_simulator_app
+from gateway.upstream.routing import PACE_MIN_SAMPLES
 from tests.conftest import Gateway, ServerLoop, Simulator, wait_for
-
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,16 @@ from gateway.protocols.responses.items import (
 )
 from gateway.protocols.responses.streamed_response import StreamedResponse
 from gateway.protocols.responses.tools import ToolMap
-from gateway.stream.events import BlockDelta, BlockStart, BlockStop, Error, Event, Finish, Keepalive, TokenLogprobs
+from gateway.stream.events import (
+    BlockDelta,
+    BlockStart,
+    BlockStop,
+    Error,
+    Event,
+    Finish,
+    Keepalive,
+    TokenLogprobs,
+)
 from gateway.stream.text_log import TextLog
 
 # -- the stream encoder -------------------------------------------------------------------

@@ -15,6 +15,7 @@ from gateway.protocols.responses.input_items import seal_reasoning
 from gateway.protocols.responses.tools import ToolMap
 from gateway.stream.events import Completion, Usage
 
+
 def usage_object(usage: Usage | None) -> dict[str, Any]:
     u = usage or Usage()
     return {
