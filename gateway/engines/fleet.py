@@ -18,6 +18,7 @@ from gateway.engines.control import Engine, EngineControl, EngineControlError, e
 from gateway.engines.hold import EngineHold, engine_paused
 from gateway.engines.versions import VersionTrail
 from gateway.generation.policy import StreamPolicy
+from gateway.tasks import stop_tasks
 from gateway.upstream.credential import Credential
 from gateway.upstream.pool import UpstreamPool
 
@@ -219,10 +220,7 @@ class EngineFleet:
 
     async def aclose(self) -> None:
         """Stop the pollers (at shutdown)."""
-        tasks = [*self._watches.values(), *self._askers]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await stop_tasks(*self._watches.values(), *self._askers)
         self._watches.clear()
         self._askers.clear()
 

@@ -13,7 +13,6 @@ router (docs/routing.md, "The engines' own load").
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.engines.control import Engine, EngineControl
 from gateway.engines.fleet import engine_of
+from gateway.tasks import stop_tasks
 from gateway.upstream.pool import UpstreamPool
 from gateway.upstream.routing import EngineLoad
 
@@ -78,11 +78,8 @@ class EngineLoadPoller:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_tasks(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         while True:

@@ -20,7 +20,6 @@ restart: reconnect).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import structlog
 
 from gateway.errors import ErrorCode, GatewayError
+from gateway.tasks import stop_tasks
 
 log = structlog.get_logger("gateway.shutdown")
 
@@ -81,10 +81,7 @@ class GracefulShutdown:
         log.warning("shutdown_deadline", cut=self.cut, timeout_s=self.timeout)
 
     async def aclose(self) -> None:
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_tasks(self._task)
 
 
 #: The scope key of an accepted WebSocket's :class:`DrainHook`.

@@ -24,6 +24,7 @@ from gateway.keys import store
 from gateway.keys.model import ManagedKey
 from gateway.keys.quota import NANOS, Counts
 from gateway.store.db import Store
+from gateway.tasks import stop_tasks
 
 log = structlog.get_logger("gateway.keys")
 
@@ -132,6 +133,4 @@ class BudgetLeft:
                 self._shown.add((key.name, budget))
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await stop_tasks(self._task)

@@ -13,10 +13,11 @@ probe still sees it. The sample also counts the loop's asyncio tasks (the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
+
+from gateway.tasks import stop_tasks
 
 #: Seconds between samples.
 INTERVAL = 0.25
@@ -64,11 +65,8 @@ class LoopLagMonitor:
         self._task = asyncio.create_task(self._run(), name="loop-lag")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_tasks(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

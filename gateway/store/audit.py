@@ -31,6 +31,7 @@ import structlog
 from gateway.redact import SECRETS
 from gateway.store.db import Store, upsert
 from gateway.store.spill import DurableWriter, no_report
+from gateway.tasks import stop_tasks
 
 if TYPE_CHECKING:
     from gateway.generation.record import RequestRecord
@@ -115,9 +116,7 @@ class AuditRetention:
         self._task = asyncio.create_task(self._loop(), name="audit-retention")
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await stop_tasks(self._task)
 
     async def _loop(self) -> None:
         while True:

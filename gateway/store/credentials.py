@@ -21,6 +21,7 @@ import orjson
 import structlog
 
 from gateway.store.db import Store, upsert
+from gateway.tasks import stop_tasks
 
 log = structlog.get_logger("gateway.credentials")
 
@@ -146,10 +147,7 @@ class CredentialStateWriter:
 
     async def aclose(self, timeout: float = 5.0) -> None:
         """Stop the task and write what is still pending (bounded by ``timeout``)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_tasks(self._task)
         if self._pending:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):

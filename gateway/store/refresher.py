@@ -6,10 +6,11 @@ failures (a warning) and once when it answers again."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 
 import structlog
+
+from gateway.tasks import stop_tasks
 
 log = structlog.get_logger("gateway.store")
 
@@ -31,10 +32,7 @@ class Refresher:
         self._task = asyncio.create_task(self._run(), name=self.name)
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_tasks(self._task)
 
     async def _run(self) -> None:
         while True:

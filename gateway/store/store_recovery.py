@@ -15,7 +15,6 @@ Its own module so that :mod:`gateway.store.spill` holds only the way rows reach 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 
@@ -26,6 +25,7 @@ from gateway.store.journal import SpillJournal
 from gateway.store.journal_writes import JournalWrites
 from gateway.store.replay import JournalReplay, Statement, probe_write
 from gateway.store.store_calls import BoundedWrites
+from gateway.tasks import stop_tasks
 
 log = structlog.get_logger("gateway.spill")
 
@@ -85,11 +85,8 @@ class StoreRecovery:
 
     async def stop(self) -> None:
         """Stop retrying; one last replay attempt (what stays spilled is replayed next start)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_tasks(self._task)
+        self._task = None
         if self.pending:
             try:  # bounded: a stalled store must not hold the exit (the journal stays for next time)
                 async with asyncio.timeout(self.close_bound):

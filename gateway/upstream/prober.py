@@ -11,11 +11,12 @@ probe, next probe, failures) is shown by the admin API and the WebUI.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import structlog
+
+from gateway.tasks import stop_tasks
 
 if TYPE_CHECKING:
     from gateway.upstream.client import UpstreamClient
@@ -54,10 +55,7 @@ class CredentialProber:
         self._task = asyncio.create_task(self._run(), name="credential-prober")
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_tasks(self._task)
 
     async def _run(self) -> None:
         tick = min(1.0, self.first_wait / 2)
