@@ -201,8 +201,10 @@ def test_parquet_memory_does_not_grow_with_the_rollouts_exported(tmp_path: Path)
     """With the spool past its (here small) size on disk, neither Python's nor Arrow's peak
     grows with the rollouts: a page of rows at a time."""
     small, large = _parquet_peak_in_a_process_of_its_own(tmp_path, 50), _parquet_peak_in_a_process_of_its_own(tmp_path, 300)
-    # holding every rollout would take ~6x the small peak
-    assert large[0] < small[0] * 1.5 and large[1] < small[1] * 1.5, (small, large)
+    # holding every rollout would take ~6x the small peak. Python's peak varies with the threads'
+    # timing (a loaded run saw 298 KB small, 473 KB large: the next page read while the last is
+    # written, or not), so its bound is 2.5x, as the JSONL export's; Arrow's pool does not vary.
+    assert large[0] < small[0] * 2.5 and large[1] < small[1] * 1.5, (small, large)
 
 
 def test_a_store_failure_mid_way_fails_the_parquet_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
