@@ -41,7 +41,7 @@ class SSEDataParser:
                 self._partial += read  # too few bytes yet to tell a BOM from a line
                 return []
             read, self._partial, self._started = (self._partial + read).removeprefix(_BOM), b"", True
-        if self._skip_lf:
+        if self._skip_lf and read:  # an empty read between the CR and its LF changes nothing
             self._skip_lf = False
             if read[:1] == b"\n":
                 read = read[1:]

@@ -30,6 +30,9 @@ def test_line_ends_crlf_cr_and_lf_even_split_between_reads() -> None:
     assert feed_all([b"data: a\r\n\r\ndata: b\r\rdata: c\n\n"]) == [b"a", b"b", b"c"]
     # a CR ending one read and the LF opening the next are one line end, not two
     assert feed_all([b"data: a\r", b"\ndata: b\r", b"\n\r", b"\n"]) == [b"a\nb"]
+    # an empty read between them too (Hypothesis found it: the pairing was forgotten, and the
+    # LF made a blank line that ended the event early)
+    assert feed_all([b"data: a\r", b"", b"\ndata: b\n\n"]) == [b"a\nb"]
     # a CR at the end of a read ends its line at once (nothing waits for the next read)
     parser = SSEDataParser()
     assert parser.feed(b"data: a\r\r") == [b"a"]
