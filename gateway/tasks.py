@@ -18,6 +18,10 @@ log = structlog.get_logger("gateway.tasks")
 async def stop_tasks(*tasks: asyncio.Task[object] | None) -> None:
     """Cancel the tasks and wait until each has ended. A task's own error is logged, not
     raised; a cancel of the caller while it waits is raised, never swallowed."""
+    current = asyncio.current_task()
+    # a caller already being cancelled (cleaning up in a ``finally``) still stops every task:
+    # only a cancel that comes while it waits here is the caller's to raise
+    cancels_before = current.cancelling() if current is not None else 0
     running = [t for t in tasks if t is not None]
     for task in running:
         task.cancel()
@@ -25,8 +29,7 @@ async def stop_tasks(*tasks: asyncio.Task[object] | None) -> None:
         try:
             await task
         except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if current is not None and current.cancelling():
+            if current is not None and current.cancelling() > cancels_before:
                 raise  # the caller is being cancelled, not just the task it stopped
         except Exception as exc:  # the task had died before: say so, and go on stopping the rest
             log.error("background_task_failed", task=task.get_name(), error_type=type(exc).__name__, error=str(exc))

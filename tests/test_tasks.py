@@ -68,3 +68,25 @@ async def test_a_cancel_of_the_caller_while_it_waits_is_not_swallowed() -> None:
     with pytest.raises(asyncio.CancelledError):
         await caller
     assert after == [] and caller.cancelled()
+
+
+async def test_a_caller_already_cancelled_and_cleaning_up_still_stops_every_task() -> None:
+    """A shutdown running in the ``finally`` of a cancelled task (a second signal) must not
+    give up after the first task it stops: the audit writer's flush may come after it."""
+    pollers = [asyncio.create_task(asyncio.sleep(3600)) for _ in range(3)]
+    steps: list[str] = []
+
+    async def lifespan() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await stop_tasks(pollers[0])
+            await stop_tasks(*pollers[1:])
+            steps.append("last flush")
+
+    owner = asyncio.create_task(lifespan())
+    await asyncio.sleep(0.01)
+    owner.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await owner
+    assert steps == ["last flush"] and all(p.cancelled() for p in pollers)
