@@ -81,6 +81,7 @@ from gateway.protocols.responses.websocket_frames import (
     wrapped_error,
 )
 from gateway.protocols.responses.websocket_slots import ConnectionSlots, too_many_websockets
+from gateway.tasks import stop_tasks
 
 log = structlog.get_logger("gateway.responses_ws")
 
@@ -237,9 +238,7 @@ class ResponsesConnection:
                 await self._send_error(self.relay.refuse_unread(self.room, self.refused.error, "websocket", self.websocket))
                 await self._close(self.refused.close_code)
         finally:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
+            await stop_tasks(reader)  # a cancel of this connection's task is not swallowed here
 
     async def _next(self) -> tuple[dict[str, Any], int] | None:
         """The next queued frame and its size; None once the connection is to end (client gone, a bound
