@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import select
 import socket
 import subprocess
@@ -27,10 +28,31 @@ def readable(fd: int, timeout: float) -> bool:
     return bool(poller.poll(timeout * 1000))
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port for a server started later by another process, picked below
+    the kernel's ephemeral range. A port from ``bind(0)`` is one any process may be handed
+    next: a gateway started in the suite beside this one (``make test`` and ``make
+    test-faults`` run together on a busy machine) took a stopped fault-test gateway's port,
+    and that test's late client threads then spoke to it. Below the range, only another
+    pick like this one can collide, and it probes first."""
+    low = 10000
+    high = max(low + 1000, _ephemeral_low())
+    for _ in range(200):
+        port = random.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {low}-{high - 1}")
 
 
 def wait_healthy(

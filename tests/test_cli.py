@@ -16,6 +16,7 @@ import pytest
 
 from gateway.live_settings import LiveSettings
 from gateway.settings import SettingsError, StreamMode, load_settings
+from tests.processes import free_port
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -69,12 +70,6 @@ def test_live_settings_refuse_locked_values_and_apply_saved(monkeypatch: pytest.
     live.update({"max_collect_bytes": 1234})
     assert live.current.max_collect_bytes == 1234 and live.sources["max_collect_bytes"] == "saved"
     assert live.revision == 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_serve_runs_on_the_builtin_simulator(tmp_path: Path) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from gateway.observability.logging import configure_logging
 from gateway.observability.metric_labels import attempt_labels
 from gateway.settings import Settings
 from tests.conftest import ServerLoop, Simulator, start_gateway
+from tests.processes import free_port
 
 #: name -> type, as docs/observability.md lists them.
 FAMILIES = {
@@ -136,14 +136,8 @@ def test_worker_app_rebuilds_settings_with_their_sources(
         configure_logging("warning")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_serve_with_two_workers_aggregates_metrics(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     data = tmp_path / "data"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CODEBUDDY2API_", "PROMETHEUS_"))}
     proc = subprocess.Popen(

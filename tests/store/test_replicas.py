@@ -16,7 +16,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -45,6 +44,7 @@ from tests.conftest import (
     wait_for,
     with_search_path,
 )
+from tests.processes import free_port
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 MAX_CONCURRENT = 6
@@ -256,15 +256,9 @@ def test_a_burst_over_both_replicas_never_exceeds_the_global_cap(pair: Pair, ser
 
 # -- the command line: two `serve` processes on one database ---------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_two_serve_processes_share_one_database(postgres_schema: str, tmp_path: Path) -> None:
     env = {**os.environ, "CODEBUDDY2API_DATABASE_URL": postgres_schema, "CODEBUDDY2API_ADMIN_TOKEN": "replicas-admin-token"}
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     procs = [
         subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port), "--data-dir",
                           str(tmp_path / name), "--replica-id", name, "--max-concurrent", "5", "--log-level", "warning"],
