@@ -28,6 +28,10 @@ def readable(fd: int, timeout: float) -> bool:
     return bool(poller.poll(timeout * 1000))
 
 
+#: The OS's randomness: a test that seeds ``random`` must not make two workers pick alike.
+_PICKS = random.SystemRandom()
+
+
 def _ephemeral_low() -> int:
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -45,7 +49,7 @@ def free_port() -> int:
     low = 10000
     high = max(low + 1000, _ephemeral_low())
     for _ in range(200):
-        port = random.randrange(low, high)
+        port = _PICKS.randrange(low, high)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
