@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -160,9 +159,7 @@ def test_a_database_not_there_at_start_exits_ex_tempfail_not_the_refusal_status(
 
     for name in [k for k in os.environ if k.startswith("CODEBUDDY2API_")]:
         monkeypatch.delenv(name)
-    with socket.socket() as s:  # a loopback port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a loopback port nobody listens on (no bind(0) will be handed it meanwhile)
     status = main(["serve", "--data-dir", str(tmp_path / "d"), "--database-wait", "0", "--port", "0",
                    "--database-url", f"postgresql://gw:secret-pw@127.0.0.1:{port}/gateway"])
     said = capsys.readouterr().err

@@ -10,7 +10,6 @@ import contextlib
 import fcntl
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import pytest
 
 from gateway.store.db import SQLITE_FILENAME
 from tests.conftest import Simulator, wait_for
-from tests.processes import GatewayProcess, children, paced_probe
+from tests.processes import GatewayProcess, children, free_port, paced_probe
 from tests.store.test_durability import tmpfs
 
 # real processes and induced faults: `make test-faults` (CI runs it), not the default suite
@@ -300,9 +299,7 @@ def test_serve_unrecorded_chooses_availability(simulator: Simulator, tmp_path: P
 
 
 def test_postgresql_unreachable_at_start_waits_then_exits_75_in_one_line(tmp_path: Path) -> None:
-    with socket.socket() as s:  # a loopback port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a loopback port nobody listens on (no bind(0) will be handed it meanwhile)
     url = f"postgresql://gw:pg-password-not-shown@127.0.0.1:{port}/gateway"
     result = subprocess.run(
         [sys.executable, "-m", "gateway", "serve", "--data-dir", str(tmp_path / "d"), "--database-url", url,
